@@ -1,0 +1,296 @@
+"""build(): scan SRC -> verify/normalise on all cores -> shard writers -> index -> manifest last."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import zlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import msgpack
+import numpy as np
+from tqdm import tqdm
+
+from ingest import format as fmt
+from ingest.codec import Compression, compress, pack_record
+from ingest.normalize import Options, Reject, convert
+from ingest.scan import Scan, scan
+from ingest.writer import MiB, ShardWriter
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    shard_size: int = 512 * MiB
+    compression: Compression = field(default_factory=Compression)
+    max_size: int | None = None
+    quality: int = 95
+    verify: bool = True
+
+    def output_affecting(self) -> dict:
+        d = asdict(self)
+        d["compression"] = str(self.compression)
+        return d
+
+
+class OutputError(ValueError):
+    """OUT cannot be written as asked (exists, is a file, is someone else's directory)."""
+
+
+def build(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    options: BuildOptions | None = None,
+    *,
+    workers: int | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    map_size: int | None = None,
+) -> dict:
+    """Convert the ImageFolder tree ``src`` into a store at ``out``; return its manifest.
+
+    Resumes an interrupted build of the same inputs and options from its sealed shards.
+
+    Args:
+        options: what decides the store's content (same options, same records).
+        workers: processes that read and verify images (default: all cores).
+        overwrite: replace a complete store at ``out``.
+        progress: show a progress bar (default: when stderr is a terminal).
+        map_size: initial LMDB map size of a shard (default: 1.25 x shard_size); grows as needed.
+    """
+    options = options or BuildOptions()
+    src, out = Path(src), Path(out)
+    tree = scan(src)
+    _prepare_out(out, overwrite)
+    fingerprint = _fingerprint(tree, options)
+    state = _load_state(out, fingerprint)
+    run = _Run(tree, out, options, state, map_size or int(options.shard_size * 1.25) + MiB)
+    workers = workers or os.cpu_count() or 1
+    items = tree.items[state["cursor"] :]
+    bar = tqdm(
+        total=len(tree.items), initial=state["cursor"], unit="img", disable=_no_bar(progress),
+        desc="ingest", smoothing=0.05,
+    )  # fmt: skip
+    with bar:
+        for pos, result in enumerate(_results(src, items, options, workers), state["cursor"]):
+            run.add(pos, result)
+            bar.update(1)
+    return run.finish()
+
+
+def _no_bar(progress: bool | None) -> bool | None:
+    return None if progress is None else not progress
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output {out} is a file; pass a directory path for the store")
+    if (out / fmt.MANIFEST).exists():
+        if not overwrite:
+            raise OutputError(
+                f"output {out} is already a complete store; pass --overwrite to replace it"
+            )
+        (out / fmt.MANIFEST).unlink()  # first, so a crash mid-delete never looks complete
+        shutil.rmtree(out)
+    elif out.is_dir() and any(out.iterdir()) and not (out / fmt.BUILD_STATE).exists():
+        raise OutputError(
+            f"output {out} is a non-empty directory that is not a store; "
+            "choose a new or empty directory"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _fingerprint(tree: Scan, options: BuildOptions) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([fmt.FORMAT_VERSION, options.output_affecting(), tree.classes]).encode())
+    for rel, label in tree.items:
+        st = os.stat(tree.root / rel)
+        h.update(f"{rel}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _fresh_state(fingerprint: str) -> dict:
+    return {"fingerprint": fingerprint, "cursor": 0, "shards": [], "rejects": [], "stats": {}}
+
+
+def _load_state(out: Path, fingerprint: str) -> dict:
+    """The sealed progress of an interrupted build of the same inputs, else a fresh start."""
+    path = out / fmt.BUILD_STATE
+    state = None
+    if path.exists():
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+        if state.get("fingerprint") != fingerprint:
+            print(f"ingest: {out} holds an interrupted build of other inputs; starting over")
+            state = None
+    if state is None:
+        for child in out.iterdir():  # only our own leftovers can be here (see _prepare_out)
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+        state = _fresh_state(fingerprint)
+        fmt.write_json_atomic(path, state)
+    sealed = {s["name"] for s in state["shards"]}
+    for child in out.glob("shard-*"):
+        if child.name not in sealed:  # renamed into place, but the state never recorded it
+            shutil.rmtree(child)
+    return state
+
+
+def _results(src: Path, items: list, options: BuildOptions, workers: int) -> Iterator[tuple]:
+    """Yield one result per item, in item order, whatever the number of workers."""
+    jobs = ((src, rel, label, options) for rel, label in items)
+    if workers <= 1 or len(items) < 2:
+        yield from map(_process, jobs)
+        return
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Pool(workers) as pool:
+        yield from pool.imap(_process, jobs, chunksize=8)
+
+
+def _process(job: tuple) -> tuple:
+    """Worker: ("ok", value, index_row_without_shard) or ("reject", path, reason)."""
+    src, rel, label, options = job
+    try:
+        with open(src / rel, "rb") as f:
+            data = f.read()
+        conv = convert(data, Options(options.verify, options.max_size, options.quality))
+    except Reject as e:
+        return ("reject", rel, str(e))
+    except OSError as e:
+        return ("reject", rel, f"unreadable: {e.strerror or e}")
+    record = {
+        "image": compress(conv.payload, options.compression),
+        "label": label,
+        "path": rel,
+        "height": conv.height,
+        "width": conv.width,
+        "channels": conv.channels,
+        "format": conv.format,
+        "source_format": conv.source_format,
+        "progressive": conv.progressive,
+        "subsampling": conv.subsampling,
+        "compression": None if options.compression.name == "none" else options.compression.name,
+        "fixes": conv.fixes,
+    }
+    value = pack_record(record)
+    flags = (
+        fmt.FLAG_PROGRESSIVE * conv.progressive
+        | fmt.FLAG_REENCODED * (conv.payload is not data)
+        | fmt.FLAG_COMPRESSED * (record["compression"] is not None)
+    )
+    row = (label, len(value), conv.height, conv.width, zlib.crc32(value),
+           fmt.FORMAT_CODES[conv.format], flags, conv.channels,
+           fmt.SUBSAMPLING_CODES.get(conv.subsampling or "", 0))  # fmt: skip
+    return ("ok", value, row, conv.fixes)
+
+
+class _Run:
+    """The writing side of one build: assigns indices, rolls shards, seals progress."""
+
+    def __init__(self, tree: Scan, out: Path, options: BuildOptions, state: dict, map_size: int):
+        self.tree, self.out, self.options, self.state = tree, out, options, state
+        self.map_size = map_size
+        self.partial = out / fmt.PARTIAL_DIR
+        self.partial.mkdir(exist_ok=True)
+        self.stats = Counter(state["stats"])
+        self.kept = sum(s["count"] for s in state["shards"])
+        self.writer: ShardWriter | None = None
+        self.rows: list[tuple] = []
+        self.paths: list[str] = []
+
+    def add(self, pos: int, result: tuple) -> None:
+        if result[0] == "reject":
+            self.state["rejects"].append({"path": result[1], "reason": result[2]})
+            return
+        _, value, row, fixes = result
+        if self.writer and self.writer.count and self.writer.nbytes + len(value) > self.options.shard_size:
+            self._seal(cursor=pos)
+        if self.writer is None:
+            n = len(self.state["shards"])
+            name = fmt.shard_name(n)
+            self.writer = ShardWriter(self.partial / name, self.out / name, self.kept, self.map_size)
+        self.writer.put(self.kept, value)
+        self.rows.append((row[0], len(self.state["shards"]), *row[1:]))
+        self.paths.append(self.tree.items[pos][0])
+        self.kept += 1
+        self._count(row, fixes)
+
+    def _count(self, row: tuple, fixes: list[str]) -> None:
+        name = fmt.FORMAT_NAMES[row[5]]
+        if name == "jpeg":
+            name += " progressive" if row[6] & fmt.FLAG_PROGRESSIVE else " baseline"
+        self.stats[name] += 1
+        if row[6] & fmt.FLAG_REENCODED:
+            self.stats["re-encoded"] += 1
+        for fix in fixes:
+            self.stats["fix " + fix.split(":")[0]] += 1
+
+    def _seal(self, cursor: int) -> None:
+        entry = self.writer.seal()
+        entry["map_growths"] = self.writer.map_growths
+        stem = self.partial / entry["name"]
+        np.save(f"{stem}.index.npy", np.array(self.rows, dtype=fmt.INDEX_DTYPE))
+        with open(f"{stem}.paths.msgpack", "wb") as f:
+            f.write(msgpack.packb(self.paths, use_bin_type=True))
+        self.state["shards"].append(entry)
+        self.state["cursor"] = cursor
+        self.state["stats"] = dict(self.stats)
+        fmt.write_json_atomic(self.out / fmt.BUILD_STATE, self.state)
+        self.writer, self.rows, self.paths = None, [], []
+
+    def finish(self) -> dict:
+        if self.writer is not None:
+            self._seal(cursor=len(self.tree.items))
+        index, paths = self._gather()
+        np.save(self.out / fmt.INDEX, index)
+        with open(self.out / fmt.PATHS, "wb") as f:
+            f.write(msgpack.packb(paths, use_bin_type=True))
+        with open(self.out / fmt.REJECTS, "w", encoding="utf-8") as f:
+            for rej in self.state["rejects"]:
+                f.write(json.dumps(rej, ensure_ascii=False) + "\n")
+        manifest = self._manifest(len(index))
+        fmt.write_json_atomic(self.out / fmt.MANIFEST, manifest)  # last: the store is complete
+        (self.out / fmt.BUILD_STATE).unlink()
+        shutil.rmtree(self.partial, ignore_errors=True)
+        return manifest
+
+    def _gather(self) -> tuple[np.ndarray, list[str]]:
+        parts, paths = [], []
+        for s in self.state["shards"]:
+            stem = self.partial / s["name"]
+            parts.append(np.load(f"{stem}.index.npy", allow_pickle=False))
+            with open(f"{stem}.paths.msgpack", "rb") as f:
+                paths.extend(msgpack.unpackb(f.read(), raw=False))
+        index = np.concatenate(parts) if parts else np.zeros(0, fmt.INDEX_DTYPE)
+        return index, paths
+
+    def _manifest(self, num_samples: int) -> dict:
+        rejected, ignored = len(self.state["rejects"]), self.tree.num_ignored
+        return {
+            "format": fmt.FORMAT_NAME,
+            "version": fmt.FORMAT_VERSION,
+            "num_samples": num_samples,
+            "num_classes": len(self.tree.classes),
+            "classes": self.tree.classes,
+            "num_seen": num_samples + rejected + ignored,
+            "num_rejected": rejected,
+            "num_ignored": ignored,
+            "ignored_by_reason": dict(sorted(self.tree.ignored.items())),
+            "shards": self.state["shards"],
+            "index": {"file": fmt.INDEX, "sha256": _sha256(self.out / fmt.INDEX)},
+            "paths": {"file": fmt.PATHS, "sha256": _sha256(self.out / fmt.PATHS)},
+            "rejects": {"file": fmt.REJECTS, "sha256": _sha256(self.out / fmt.REJECTS)},
+            "record_bytes": sum(s["record_bytes"] for s in self.state["shards"]),
+            "stats": dict(sorted(self.stats.items())),
+            "options": self.options.output_affecting(),
+        }
+
+
+def _sha256(path: Path) -> str:
+    from ingest.writer import sha256_file
+
+    return sha256_file(path)

@@ -1,0 +1,109 @@
+"""Record pack/unpack (msgpack maps) and the payload compression registry ("zstd:3")."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+# Keys every record has (FORMAT.md, "Records").
+RECORD_KEYS = (
+    "image",
+    "label",
+    "path",
+    "height",
+    "width",
+    "channels",
+    "format",
+    "source_format",
+    "progressive",
+    "subsampling",
+    "compression",
+    "fixes",
+)
+
+COMPRESSORS = ("none", "zstd")
+ZSTD_DEFAULT_LEVEL = 3
+
+
+@dataclass(frozen=True)
+class Compression:
+    """A parsed ``--compression`` value: a name from COMPRESSORS and a level."""
+
+    name: str = "none"
+    level: int = 0
+
+    def __str__(self) -> str:
+        return self.name if self.name == "none" else f"{self.name}:{self.level}"
+
+
+def parse_compression(spec: str | None) -> Compression:
+    """Parse "none", "zstd" or "zstd:LEVEL" (LEVEL 1..22).
+
+    Raises:
+        ValueError: unknown name or bad level, with the accepted forms.
+    """
+    if spec in (None, "", "none"):
+        return Compression()
+    name, _, level = str(spec).partition(":")
+    if name != "zstd":
+        raise ValueError(
+            f"--compression {spec!r}: unknown compressor {name!r}; use one of: none, zstd, zstd:LEVEL"
+        )
+    try:
+        lvl = int(level) if level else ZSTD_DEFAULT_LEVEL
+    except ValueError:
+        raise ValueError(f"--compression {spec!r}: level must be an integer 1..22") from None
+    if not 1 <= lvl <= 22:
+        raise ValueError(f"--compression {spec!r}: level {lvl} is outside 1..22")
+    return Compression("zstd", lvl)
+
+
+# zstd contexts are not fork-safe: keep one per process (and per level).
+_ZSTD: dict[Any, Any] = {}
+
+
+def _zstd(kind: str, level: int = 0):
+    key = (os.getpid(), kind, level)
+    ctx = _ZSTD.get(key)
+    if ctx is None:
+        import zstandard
+
+        ctx = zstandard.ZstdCompressor(level=level) if kind == "c" else zstandard.ZstdDecompressor()
+        _ZSTD[key] = ctx
+    return ctx
+
+
+def compress(data: bytes, compression: Compression) -> bytes:
+    if compression.name == "none":
+        return data
+    return _zstd("c", compression.level).compress(data)
+
+
+def decompress(data: bytes, name: str | None) -> bytes:
+    if not name or name == "none":
+        return data
+    if name == "zstd":
+        # Frames written by ZstdCompressor.compress carry their content size.
+        return _zstd("d").decompress(data)
+    raise ValueError(f"unknown record compression {name!r}; known: {', '.join(COMPRESSORS)}")
+
+
+def pack_record(record: dict) -> bytes:
+    """Serialise a record map; keys sorted so equal records give equal bytes."""
+    missing = [k for k in RECORD_KEYS if k not in record]
+    if missing:
+        raise ValueError(f"record is missing keys {missing}")
+    return msgpack.packb(dict(sorted(record.items())), use_bin_type=True)
+
+
+def unpack_record(value: bytes | memoryview) -> dict:
+    """Parse a stored value into a record map (no code runs: msgpack, never pickle)."""
+    return msgpack.unpackb(value, raw=False, strict_map_key=True)
+
+
+def image_bytes(record: dict) -> bytes:
+    """The encoded image of a record, decompressed."""
+    return decompress(record["image"], record.get("compression"))

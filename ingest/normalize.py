@@ -1,0 +1,204 @@
+"""Verify one source image and normalise it into a payload every loader decoder reads.
+
+Plain 8-bit JPEGs (baseline or progressive, gray or YCbCr, upright) and 8-bit gray/RGB
+PNGs are stored byte for byte. Everything else that decodes is converted once, here:
+EXIF orientation applied (as PIL's ``ImageOps.exif_transpose``), CMYK/YCCK to RGB,
+16-bit to 8-bit, palette and alpha to RGB (alpha dropped, as ``Image.convert("RGB")``
+does), other formats (GIF, BMP, TIFF, WEBP, PNM) to PNG. JPEG sources are re-encoded
+as baseline JPEG at ``quality``; other sources as lossless PNG.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass, field
+
+import cv2
+import numpy as np
+from PIL import Image, ImageOps
+
+from ingest.probe import JpegHeaderError, JpegInfo, parse_jpeg, sniff
+
+# Training images are large but bounded; a decompression-bomb check would reject real
+# panoramas, and a rejected image is lost, so lift PIL's limit in this (worker) process.
+Image.MAX_IMAGE_PIXELS = None
+cv2.setNumThreads(1)
+
+
+class Reject(Exception):
+    """The file is not a usable image; ``str(self)`` is the reason recorded in rejects.jsonl."""
+
+
+@dataclass
+class Converted:
+    payload: bytes
+    format: str  # "jpeg" or "png"
+    source_format: str
+    height: int
+    width: int
+    channels: int
+    progressive: bool = False
+    subsampling: str | None = None
+    fixes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Options:
+    verify: bool = True
+    max_size: int | None = None  # cap on the longer side, in pixels
+    quality: int = 95  # JPEG quality of re-encoded JPEG sources
+
+
+def convert(data: bytes, opts: Options) -> Converted:
+    """Check ``data`` and return what to store for it.
+
+    Raises:
+        Reject: empty, not an image, truncated or corrupt.
+    """
+    kind = sniff(data)
+    if kind.startswith("not-image:"):
+        raise Reject(kind.split(":", 1)[1])
+    if kind == "jpeg":
+        try:
+            info = parse_jpeg(data)
+        except JpegHeaderError as e:
+            raise Reject(f"corrupt JPEG header: {e}") from None
+        if info.plain and not _too_big(info.height, info.width, opts):
+            return _plain_jpeg(data, info, opts)
+    return _via_pil(data, kind, opts)
+
+
+def _too_big(height: int, width: int, opts: Options) -> bool:
+    return opts.max_size is not None and max(height, width) > opts.max_size
+
+
+def _plain_jpeg(data: bytes, info: JpegInfo, opts: Options) -> Converted:
+    if opts.verify:
+        flags = cv2.IMREAD_IGNORE_ORIENTATION | (
+            cv2.IMREAD_GRAYSCALE if info.components == 1 else cv2.IMREAD_COLOR
+        )
+        img = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
+        if img is None or img.shape[:2] != (info.height, info.width):
+            raise Reject("corrupt JPEG: the decoder could not read it")
+        if not _has_eoi(data):
+            _pil_load(data, "jpeg")  # libjpeg pads truncated files silently; PIL does not
+    return Converted(
+        data,
+        "jpeg",
+        "jpeg",
+        info.height,
+        info.width,
+        info.components,
+        info.progressive,
+        info.subsampling,
+    )
+
+
+def _has_eoi(data: bytes) -> bool:
+    # Some writers pad after the end-of-image marker, so look in the last bytes.
+    return b"\xff\xd9" in data[-64:]
+
+
+def _pil_load(data: bytes, kind: str) -> Image.Image:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            img = Image.open(io.BytesIO(data))
+            img.load()
+    except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError...)
+        raise Reject(f"corrupt {kind}: {type(e).__name__}: {e}") from None
+    return img
+
+
+def _via_pil(data: bytes, kind: str, opts: Options) -> Converted:
+    img = _pil_load(data, kind)
+    fixes: list[str] = []
+    orientation = img.getexif().get(0x0112, 1)
+    if orientation not in (1, None) and 1 <= int(orientation) <= 8:
+        img = ImageOps.exif_transpose(img)
+        fixes.append(f"exif-orientation:{orientation}")
+    arr = _to_8bit(img, fixes)
+    keep = (
+        kind == "png"
+        and not fixes
+        and not _too_big(*arr.shape[:2], opts)
+        and img.mode in ("L", "RGB")
+        and _png_bit_depth(data) == 8
+    )
+    if keep:
+        return Converted(data, "png", kind, *arr.shape[:2], _channels(arr))
+    if _too_big(*arr.shape[:2], opts):
+        arr = _resize(arr, opts.max_size)
+        fixes.append(f"resized-from:{img.width}x{img.height}")
+    if kind == "jpeg":
+        return _encode_jpeg(arr, kind, fixes, opts.quality)
+    if kind != "png":
+        fixes.append(f"{kind}-to-png")
+    return _encode_png(arr, kind, fixes)
+
+
+def _png_bit_depth(data: bytes) -> int:
+    return data[24] if len(data) > 25 and data[12:16] == b"IHDR" else 0
+
+
+def _to_8bit(img: Image.Image, fixes: list[str]) -> np.ndarray:
+    """Pixels as uint8 HxW (gray) or HxWx3 (RGB), converting as ImageFolder would see them."""
+    mode = img.mode
+    if mode in ("L", "RGB"):
+        return np.asarray(img)
+    if mode in ("I;16", "I;16B", "I;16L", "I"):
+        fixes.append("16bit-to-8bit")
+        wide = np.asarray(img, dtype=np.uint32 if mode == "I" else np.uint16)
+        return np.clip((wide.astype(np.float64) / 257.0).round(), 0, 255).astype(np.uint8)
+    if mode in ("1", "F"):
+        fixes.append(f"mode-{mode}-to-gray")
+        return np.asarray(img.convert("L"))
+    if mode == "LA":
+        fixes.append("alpha-dropped")
+        return np.asarray(img.convert("L"))
+    fixes.append(
+        {"CMYK": "cmyk-to-rgb", "P": "palette-to-rgb", "PA": "palette-to-rgb"}.get(
+            mode, "alpha-dropped" if "A" in mode else f"mode-{mode}-to-rgb"
+        )
+    )
+    if mode == "P" and "transparency" in img.info:
+        fixes.append("alpha-dropped")
+        img = img.convert("RGBA")
+    return np.asarray(img.convert("RGB"))
+
+
+def _channels(arr: np.ndarray) -> int:
+    return 1 if arr.ndim == 2 else arr.shape[2]
+
+
+def _resize(arr: np.ndarray, max_size: int) -> np.ndarray:
+    h, w = arr.shape[:2]
+    scale = max_size / max(h, w)
+    size = (max(1, round(w * scale)), max(1, round(h * scale)))
+    return cv2.resize(arr, size, interpolation=cv2.INTER_AREA)
+
+
+def _bgr(arr: np.ndarray) -> np.ndarray:
+    return arr if arr.ndim == 2 else np.ascontiguousarray(arr[:, :, ::-1])
+
+
+def _encode_jpeg(arr: np.ndarray, kind: str, fixes: list[str], quality: int) -> Converted:
+    ok, buf = cv2.imencode(".jpg", _bgr(arr), [cv2.IMWRITE_JPEG_QUALITY, quality])
+    if not ok:
+        raise Reject("could not re-encode as JPEG")
+    payload = buf.tobytes()
+    info = parse_jpeg(payload)
+    fixes.append(f"reencoded-jpeg:q{quality}")
+    return Converted(
+        payload, "jpeg", kind, info.height, info.width, info.components, False, info.subsampling,
+        fixes,
+    )
+
+
+def _encode_png(arr: np.ndarray, kind: str, fixes: list[str]) -> Converted:
+    ok, buf = cv2.imencode(".png", _bgr(arr), [cv2.IMWRITE_PNG_COMPRESSION, 3])
+    if not ok:
+        raise Reject("could not re-encode as PNG")
+    fixes.append("reencoded-png")
+    return Converted(buf.tobytes(), "png", kind, *arr.shape[:2], _channels(arr), fixes=fixes)

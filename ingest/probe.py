@@ -1,0 +1,153 @@
+"""Cheap header inspection: what a file is (magic bytes) and, for JPEGs, how it is coded."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+# Formats the converter accepts as images, by magic bytes (never by file extension).
+_MAGIC = (
+    (b"\xff\xd8\xff", "jpeg"),
+    (b"\x89PNG\r\n\x1a\n", "png"),
+    (b"GIF87a", "gif"),
+    (b"GIF89a", "gif"),
+    (b"BM", "bmp"),
+    (b"II*\x00", "tiff"),
+    (b"MM\x00*", "tiff"),
+)
+
+
+def sniff(data: bytes) -> str:
+    """Name the kind of ``data``: an image format, or a reason it is not an image.
+
+    Returns one of "jpeg", "png", "gif", "bmp", "tiff", "webp", "pnm", or a string that
+    starts with "not-image:" and says what the bytes look like.
+    """
+    if not data:
+        return "not-image:empty file (0 bytes)"
+    for magic, name in _MAGIC:
+        if data.startswith(magic):
+            return name
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    if len(data) > 2 and data[0:1] == b"P" and data[1:2] in b"1234567" and data[2:3].isspace():
+        return "pnm"
+    if data.startswith(b"\x1f\x8b"):
+        return "not-image:gzip-compressed data, not an image (decompress it first)"
+    head = data[:512].lstrip().lower()
+    if head.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head", b"<body")):
+        return "not-image:HTML/XML text, not an image (a failed download?)"
+    return f"not-image:unrecognised file type (first bytes {data[:8].hex()})"
+
+
+@dataclass(frozen=True)
+class JpegInfo:
+    height: int
+    width: int
+    components: int  # 1 gray, 3 YCbCr (or RGB), 4 CMYK/YCCK
+    precision: int  # bits per sample, 8 for nearly all files
+    sof: int  # SOF marker: 0xC0 baseline, 0xC1 extended, 0xC2 progressive, ...
+    subsampling: str  # "gray", "4:4:4", "4:2:0", ... (see ingest.format.SUBSAMPLING_CODES)
+    orientation: int  # EXIF orientation 1..8 (1 when absent)
+    adobe_transform: int  # Adobe APP14 transform flag, -1 when absent
+
+    @property
+    def progressive(self) -> bool:
+        return self.sof in (0xC2, 0xC6, 0xCA, 0xCE)
+
+    @property
+    def plain(self) -> bool:
+        """True when every decoder the loader uses reads it as-is (no re-encode needed)."""
+        return (
+            self.sof in (0xC0, 0xC1, 0xC2)
+            and self.precision == 8
+            and self.components in (1, 3)
+            and self.adobe_transform != 0  # 3 components without YCbCr transform = RGB JPEG
+            and self.orientation == 1
+        )
+
+
+class JpegHeaderError(ValueError):
+    pass
+
+
+_SOF_MARKERS = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def parse_jpeg(data: bytes) -> JpegInfo:
+    """Read the JPEG marker segments up to the first scan; never decodes pixels.
+
+    Raises:
+        JpegHeaderError: the header is truncated or malformed.
+    """
+    pos, n = 2, len(data)
+    orientation, adobe, frame = 1, -1, None
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            raise JpegHeaderError(f"bad marker at byte {pos}")
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in (0x01, *range(0xD0, 0xD8)):  # standalone markers
+            pos += 2
+            continue
+        (length,) = struct.unpack_from(">H", data, pos + 2)
+        seg = data[pos + 4 : pos + 2 + length]
+        if len(seg) != length - 2:
+            raise JpegHeaderError("header truncated")
+        if marker == 0xE1 and seg.startswith(b"Exif\x00\x00"):
+            orientation = _exif_orientation(seg[6:])
+        elif marker == 0xEE and seg.startswith(b"Adobe") and len(seg) >= 12:
+            adobe = seg[11]
+        elif marker in _SOF_MARKERS and frame is None:
+            frame = (marker, seg)
+        elif marker == 0xDA:  # start of scan: the header is over
+            break
+        pos += 2 + length
+    if frame is None:
+        raise JpegHeaderError("no frame header (SOF) before the image data")
+    return _frame_info(*frame, orientation, adobe)
+
+
+def _frame_info(sof: int, seg: bytes, orientation: int, adobe: int) -> JpegInfo:
+    if len(seg) < 6:
+        raise JpegHeaderError("frame header too short")
+    precision, height, width, ncomp = struct.unpack_from(">BHHB", seg, 0)
+    if len(seg) < 6 + 3 * ncomp or height == 0 or width == 0:
+        raise JpegHeaderError(f"bad frame header ({width}x{height}, {ncomp} components)")
+    factors = [(seg[7 + 3 * i] >> 4, seg[7 + 3 * i] & 15) for i in range(ncomp)]
+    return JpegInfo(
+        height, width, ncomp, precision, sof, _subsampling(factors), orientation, adobe
+    )
+
+
+def _subsampling(factors: list[tuple[int, int]]) -> str:
+    if len(factors) == 1:
+        return "gray"
+    (h0, v0), rest = factors[0], factors[1:]
+    if len(factors) != 3 or any(f != rest[0] for f in rest) or rest[0] != (1, 1):
+        return "4:4:4" if all(f == factors[0] for f in factors) else "other"
+    return {(1, 1): "4:4:4", (2, 1): "4:2:2", (2, 2): "4:2:0", (1, 2): "4:4:0", (4, 1): "4:1:1"}.get(
+        (h0, v0), "other"
+    )
+
+
+def _exif_orientation(tiff: bytes) -> int:
+    """Orientation tag (0x0112) of IFD0 in an EXIF TIFF block; 1 when absent or unreadable."""
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 1
+    end = "<" if tiff[:2] == b"II" else ">"
+    (ifd,) = struct.unpack_from(end + "I", tiff, 4)
+    if ifd + 2 > len(tiff):
+        return 1
+    (count,) = struct.unpack_from(end + "H", tiff, ifd)
+    for i in range(count):
+        entry = ifd + 2 + 12 * i
+        if entry + 12 > len(tiff):
+            return 1
+        tag, typ = struct.unpack_from(end + "HH", tiff, entry)
+        if tag == 0x0112 and typ == 3:
+            (value,) = struct.unpack_from(end + "H", tiff, entry + 8)
+            return value if 1 <= value <= 8 else 1
+    return 1

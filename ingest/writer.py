@@ -1,0 +1,98 @@
+"""One shard: an LMDB environment filled in key order, its map grown on demand, sealed once."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import lmdb
+
+from ingest.format import encode_key, fsync_dir
+
+MiB = 1 << 20
+TXN_BYTES = 64 * MiB  # commit this often: bounds the dirty pages LMDB keeps in memory
+
+
+class ShardWriter:
+    """Writes records into a fresh LMDB environment at ``tmp_dir``; ``seal`` moves it to
+    ``final_dir`` only once it is complete and synced, so a crash never leaves a shard
+    that looks finished.
+    """
+
+    def __init__(self, tmp_dir: Path, final_dir: Path, first: int, map_size: int) -> None:
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir)
+        tmp_dir.mkdir(parents=True)
+        self.tmp_dir, self.final_dir, self.first = tmp_dir, final_dir, first
+        self.count = 0
+        self.nbytes = 0
+        self.map_growths = 0
+        self._pending: list[tuple[bytes, bytes]] = []
+        self._pending_bytes = 0
+        self._env = lmdb.open(
+            str(tmp_dir), map_size=map_size, subdir=True, sync=False, metasync=False,
+            readahead=False, max_dbs=0,
+        )  # fmt: skip
+
+    def put(self, index: int, value: bytes) -> None:
+        if index != self.first + self.count:
+            raise ValueError(f"shard expects key {self.first + self.count}, got {index}")
+        self._pending.append((encode_key(index), value))
+        self._pending_bytes += len(value)
+        self.count += 1
+        self.nbytes += len(value)
+        if self._pending_bytes >= TXN_BYTES:
+            self._commit()
+
+    def _commit(self) -> None:
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    for key, value in self._pending:
+                        txn.put(key, value, append=True)
+                break
+            except lmdb.MapFullError:
+                # The failed transaction was aborted: grow the map and write it again.
+                self._env.set_mapsize(self._env.info()["map_size"] * 2)
+                self.map_growths += 1
+        self._pending.clear()
+        self._pending_bytes = 0
+
+    def seal(self) -> dict:
+        """Commit, sync, close, drop the lock file and rename into place; return its entry."""
+        self._commit()
+        self._env.sync(True)
+        self._env.close()
+        lock = self.tmp_dir / "lock.mdb"
+        if lock.exists():
+            lock.unlink()
+        data = self.tmp_dir / "data.mdb"
+        digest, size = sha256_file(data), data.stat().st_size
+        with open(data, "rb") as f:
+            os.fsync(f.fileno())
+        if self.final_dir.exists():
+            shutil.rmtree(self.final_dir)
+        os.replace(self.tmp_dir, self.final_dir)
+        fsync_dir(self.final_dir.parent)
+        return {
+            "name": self.final_dir.name,
+            "first": self.first,
+            "count": self.count,
+            "record_bytes": self.nbytes,
+            "file_bytes": size,
+            "sha256": digest,
+        }
+
+    def abort(self) -> None:
+        self._env.close()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+def sha256_file(path: Path, chunk: int = 8 * MiB) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

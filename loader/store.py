@@ -1,0 +1,106 @@
+"""Fork-safe, read-only access to a store's shards; LMDB handles open lazily in each process."""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+
+import lmdb
+import msgpack
+import numpy as np
+
+from ingest import format as fmt
+from ingest.codec import image_bytes, unpack_record
+
+
+class Store:
+    """A complete store opened for reading.
+
+    Safe to pickle (for ``spawn`` workers) and to use after ``fork``: LMDB environments
+    are opened on first use in each process, read-only and without a lock file, so a
+    store on a read-only filesystem reads fine. The index is memory-mapped.
+
+    Raises:
+        ingest.format.StoreError: ``root`` is not a complete store.
+    """
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.manifest = fmt.read_manifest(self.root)
+        self.classes: list[str] = list(self.manifest["classes"])
+        self._first = np.array([s["first"] for s in self.manifest["shards"]], dtype=np.int64)
+        self._envs: dict[int, lmdb.Environment] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return self.manifest["num_samples"]
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_envs"] = {}
+        state.pop("index", None)  # re-mapped in the receiving process, not copied
+        state.pop("paths", None)
+        return state
+
+    @cached_property
+    def index(self) -> np.ndarray:
+        """Per-sample index rows (``ingest.format.INDEX_DTYPE``), memory-mapped."""
+        return fmt.load_index(self.root)
+
+    @cached_property
+    def paths(self) -> list[str]:
+        """Source path of every sample, relative to the converted folder."""
+        with open(self.root / fmt.PATHS, "rb") as f:
+            return msgpack.unpackb(f.read(), raw=False)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return np.asarray(self.index["label"], dtype=np.int64)
+
+    def shard_of(self, i: int) -> int:
+        return int(np.searchsorted(self._first, i, side="right") - 1)
+
+    def _env(self, shard: int) -> lmdb.Environment:
+        if self._pid != os.getpid():  # forked: the parent's handles must not be used here
+            self._envs, self._pid = {}, os.getpid()
+        env = self._envs.get(shard)
+        if env is None:
+            path = self.root / fmt.shard_name(shard)
+            env = lmdb.open(
+                str(path), readonly=True, lock=False, readahead=False, subdir=True,
+                max_readers=1, max_spare_txns=1,
+            )  # fmt: skip
+            self._envs[shard] = env
+        return env
+
+    def raw(self, i: int) -> bytes:
+        """The stored value of sample ``i`` (a packed record), as bytes.
+
+        Raises:
+            IndexError: ``i`` is outside the store.
+            KeyError: the record is missing from its shard (a damaged store).
+        """
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} is out of range for a store of {n} samples")
+        i = int(i) % n
+        shard = self.shard_of(i)
+        with self._env(shard).begin() as txn:
+            value = txn.get(fmt.encode_key(i))
+        if value is None:
+            raise KeyError(f"{self.root}/{fmt.shard_name(shard)}: key {i} is missing")
+        return value
+
+    def record(self, i: int) -> dict:
+        return unpack_record(self.raw(i))
+
+    def image(self, i: int) -> tuple[bytes, str]:
+        """The encoded image of sample ``i`` (decompressed) and its format ("jpeg", "png")."""
+        rec = self.record(i)
+        return image_bytes(rec), rec["format"]
+
+    def close(self) -> None:
+        for env in self._envs.values():
+            env.close()
+        self._envs = {}
