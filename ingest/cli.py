@@ -1,0 +1,155 @@
+"""The `ingest` command: argparse only; each subcommand calls one public function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+from ingest import format as fmt
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Parse a human size: "512MiB", "1GiB", "200KB", "1048576" (bytes)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 512MiB, 1GiB, 200KB")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least 1 byte")
+    return size
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
+    return value
+
+
+def _quality(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r}: JPEG quality must be within 1..100")
+    return value
+
+
+def _compression(text: str):
+    from ingest.codec import parse_compression
+
+    try:
+        return parse_compression(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ingest", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="convert an ImageFolder tree into a store")
+    b.add_argument("src", help="image folder: SRC/CLASS/.../IMAGE")
+    b.add_argument("out", help="store directory to create (e.g. train.lmdb)")
+    b.add_argument("--workers", type=_positive, default=None, help="processes (default: all cores)")
+    b.add_argument("--shard-size", type=parse_size, default="512MiB", help="default 512MiB")
+    b.add_argument("--compression", type=_compression, default="none", help="none | zstd[:LEVEL]")
+    b.add_argument("--max-size", type=_positive, default=None, metavar="PX",
+                   help="cap the longer side; larger images are resized and re-encoded")  # fmt: skip
+    b.add_argument("--quality", type=_quality, default=95, help="JPEG quality of re-encodes")
+    b.add_argument("--overwrite", action="store_true", help="replace a complete store at OUT")
+    b.add_argument("--strict", action="store_true", help="exit non-zero if any file is rejected")
+    b.add_argument("--no-verify", action="store_true", help="do not decode images to check them")
+    i = sub.add_parser("info", help="summarise a store")
+    i.add_argument("store")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    v = sub.add_parser("verify", help="check checksums and decode every record")
+    v.add_argument("store")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from ingest.build import OutputError
+    from ingest.scan import SourceError
+
+    try:
+        return {"build": _build, "info": _info, "verify": _verify}[args.command](args)
+    except (SourceError, OutputError, fmt.StoreError) as e:
+        print(f"ingest {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ingest: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+
+
+def _build(args: argparse.Namespace) -> int:
+    from ingest.build import BuildOptions, build
+
+    options = BuildOptions(args.shard_size, args.compression, args.max_size, args.quality,
+                           not args.no_verify)  # fmt: skip
+    manifest = build(args.src, args.out, options, workers=args.workers)
+    print(
+        f"ingest: {args.out}: seen {manifest['num_seen']} = kept {manifest['num_samples']}"
+        f" + rejected {manifest['num_rejected']} + ignored {manifest['num_ignored']}"
+        f" in {len(manifest['shards'])} shard(s)"
+    )
+    if manifest["num_rejected"]:
+        print(f"ingest: rejected files are listed in {os.path.join(args.out, fmt.REJECTS)}")
+    if manifest["num_samples"] == 0:
+        print("ingest: error: no valid image was found; check SRC", file=sys.stderr)
+        return 1
+    return 1 if args.strict and manifest["num_rejected"] else 0
+
+
+def summary(manifest: dict) -> dict:
+    """The facts `ingest info` prints, as one JSON-able dict."""
+    keys = ("num_samples", "num_classes", "classes", "num_rejected", "num_ignored", "num_seen",
+            "record_bytes", "stats", "options", "version")  # fmt: skip
+    out = {k: manifest[k] for k in keys}
+    out["shards"] = [
+        {k: s[k] for k in ("name", "first", "count", "record_bytes", "file_bytes")}
+        for s in manifest["shards"]
+    ]
+    out["file_bytes"] = sum(s["file_bytes"] for s in manifest["shards"])
+    return out
+
+
+def _info(args: argparse.Namespace) -> int:
+    info = summary(fmt.read_manifest(args.store))
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    mib = 1 << 20
+    print(f"store      {args.store} (format v{info['version']})")
+    print(f"samples    {info['num_samples']} in {info['num_classes']} classes")
+    print(f"shards     {len(info['shards'])}, {info['file_bytes'] / mib:.1f} MiB on disk, "
+          f"{info['record_bytes'] / mib:.1f} MiB of records")  # fmt: skip
+    print(f"seen       {info['num_seen']} = kept {info['num_samples']} + rejected "
+          f"{info['num_rejected']} + ignored {info['num_ignored']}")  # fmt: skip
+    for name, count in info["stats"].items():
+        print(f"  {name:<24} {count}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from ingest.verify import verify_store
+
+    problems = verify_store(args.store)
+    for problem in problems:
+        print(f"ingest verify: {args.store}/{problem}", file=sys.stderr)
+    if problems:
+        print(f"ingest verify: {len(problems)} problem(s); rebuild the store", file=sys.stderr)
+        return 1
+    n = fmt.read_manifest(args.store)["num_samples"]
+    print(f"ingest verify: {args.store}: OK, {n} records checked")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

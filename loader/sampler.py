@@ -1,0 +1,207 @@
+"""EpochPlan: seeded epoch order over a store's samples, split across ranks, resumable mid-epoch.
+
+Semantics:
+
+* **Epoch order.** ``shuffle=False``: store order ``0..N-1``. ``shuffle=True``:
+  ``np.random.default_rng([seed, epoch]).permutation(N)``. The order depends on ``seed``,
+  ``epoch`` and ``num_samples`` only (never on the world size, rank or worker count) and is
+  computed without touching any record.
+* **Steps.** Global step ``k`` (all ranks together) takes the next ``batch_size * world_size``
+  entries of the order; rank ``r`` gets the ``r``-th contiguous chunk of that span. The samples
+  consumed so far are therefore always a prefix ``order[:consumed]``, which is what
+  ``state_dict`` records. Resuming with another world size re-splits ``order[consumed:]``
+  over the new ranks, so each remaining sample is still seen exactly once.
+* **Tail, drop_last=True.** The remaining order is cut to whole steps: each rank gets the same
+  number of full batches; the dropped samples are the last ones of the order (fewer than
+  ``batch_size * world_size`` of them).
+* **Tail, drop_last=False.** Like ``torch.utils.data.DistributedSampler``, the remaining order
+  ``order[consumed:]`` is padded with its own first samples (cyclically) until its length is a
+  multiple of ``world_size``; fewer than ``world_size`` samples are repeated. For a fresh epoch
+  they are the first samples of the epoch order. The last batch may then be smaller than
+  ``batch_size``, with the same size on every rank. With ``world_size=1`` nothing is padded
+  and nothing dropped, exactly as ``DataLoader`` batches.
+
+``len(plan)`` is the number of batches one rank yields in a full epoch, the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+_STATE_KEYS = ("epoch", "seed", "shuffle", "drop_last", "num_samples", "batch_size", "consumed")
+
+
+def batch_seed(seed: int, epoch: int, step: int, *, rank: int = 0) -> int:
+    """A seed for the random augmentation of one batch, in ``[0, 2**63)``.
+
+    Depends only on its arguments, so a batch gets the same seed whatever the number of
+    workers and after a resume. Pass ``rank`` so ranks of one step draw different numbers.
+    """
+    state = np.random.SeedSequence([seed, epoch, step, rank]).generate_state(1, dtype=np.uint64)
+    return int(state[0] >> np.uint64(1))
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    """(rank, world size) of the default torch.distributed group, or (0, 1) without one."""
+    import torch.distributed as dist  # lazy: the plan itself needs only numpy
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _check_int(name: str, value: int, low: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= {low}; {hint}")
+
+
+class EpochPlan:
+    """Seeded epoch order over a store's samples, split across ranks, resumable.
+
+    Args:
+        num_samples: samples in the store (``len(store)``).
+        batch_size: samples per batch on each rank.
+        shuffle: a new seeded permutation each epoch instead of store order.
+        seed: seed of the permutations (the same on every rank).
+        drop_last: drop the tail that does not fill a whole step on every rank.
+        rank: this process's rank; ``None`` takes it from ``torch.distributed`` (else 0).
+        world_size: number of ranks; ``None`` takes it from ``torch.distributed`` (else 1).
+
+    Raises:
+        ValueError: an argument is out of range (the message names it and the fix).
+    """
+
+    def __init__(
+        self, num_samples: int, batch_size: int, *, shuffle: bool = False, seed: int = 0,
+        drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
+    ) -> None:  # fmt: skip
+        if rank is None or world_size is None:
+            dist_rank, dist_world = _dist_rank_world()
+            rank = dist_rank if rank is None else rank
+            world_size = dist_world if world_size is None else world_size
+        _check_int("num_samples", num_samples, 1, "the store must hold at least one sample")
+        _check_int("batch_size", batch_size, 1, "pass a positive batch size")
+        _check_int("seed", seed, 0, "pass a non-negative seed")
+        _check_int("world_size", world_size, 1, "pass the number of training processes")
+        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
+            raise ValueError(
+                f"rank={rank!r} is invalid: it must be in [0, world_size={world_size}); "
+                "pass this process's rank or initialise torch.distributed first"
+            )
+        if drop_last and num_samples < batch_size * world_size:
+            raise ValueError(
+                f"drop_last=True with num_samples={num_samples} < batch_size*world_size="
+                f"{batch_size * world_size} leaves no batch at all; lower batch_size or "
+                "set drop_last=False"
+            )
+        self.num_samples, self.batch_size = int(num_samples), int(batch_size)
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.epoch = 0
+        self.consumed = 0  # samples of this epoch's order consumed by all ranks together
+        self.step = 0  # global step index of the next batch, for batch_seed()
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, order) cache
+
+    def order(self, epoch: int | None = None) -> np.ndarray:
+        """The global sample order (int64) of ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._order is None or self._order[0] != epoch:
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            else:
+                order = np.arange(self.num_samples)
+            self._order = (epoch, order.astype(np.int64, copy=False))
+        return self._order[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning (as ``DistributedSampler.set_epoch``)."""
+        _check_int("epoch", epoch, 0, "epochs count from 0")
+        self.epoch, self.consumed, self.step = int(epoch), 0, 0
+
+    def end_epoch(self) -> None:
+        """Move to the start of the next epoch."""
+        self.set_epoch(self.epoch + 1)
+
+    def _steps(self, remaining: int) -> int:
+        """Global steps (= batches per rank) left for ``remaining`` unconsumed samples."""
+        span = self.batch_size * self.world_size
+        if self.drop_last:
+            return remaining // span
+        padded = -(-remaining // self.world_size) * self.world_size
+        return -(-padded // span)
+
+    def __len__(self) -> int:
+        return self._steps(self.num_samples)
+
+    def remaining(self) -> int:
+        """Batches this rank still yields in the current epoch, from the resume point."""
+        return self._steps(self.num_samples - self.consumed)
+
+    def batches(self) -> Iterator[np.ndarray]:
+        """Yield this rank's batches (int64 global sample indices) for the rest of the epoch.
+
+        ``consumed`` and ``step`` advance as each batch is yielded, so ``state_dict()`` taken
+        after receiving ``k`` batches resumes after them. Does not start the next epoch: call
+        ``end_epoch()`` or ``set_epoch()``.
+
+        Raises:
+            RuntimeError: the plan was moved (``set_epoch``, ``load_state_dict``) meanwhile.
+        """
+        epoch, start = self.epoch, self.consumed
+        rest = self.order(epoch)[start:]
+        span, world = self.batch_size * self.world_size, self.world_size
+        if self.drop_last:
+            rest = rest[: len(rest) // span * span]
+        elif len(rest) % world:
+            rest = np.concatenate([rest, np.resize(rest, -len(rest) % world)])
+        for lo in range(0, len(rest), span):
+            if (self.epoch, self.consumed) != (epoch, min(start + lo, self.num_samples)):
+                raise RuntimeError(
+                    "the plan was moved (set_epoch/end_epoch/load_state_dict) while "
+                    "batches() was iterating; call batches() again"
+                )
+            chunk = rest[lo : lo + span]
+            per_rank = len(chunk) // world
+            self.consumed = min(start + lo + len(chunk), self.num_samples)
+            self.step += 1
+            yield chunk[self.rank * per_rank : (self.rank + 1) * per_rank].copy()
+
+    def state_dict(self) -> dict:
+        """Progress as a plain JSON-able dict; world-size independent."""
+        return {
+            "epoch": self.epoch, "seed": self.seed, "shuffle": self.shuffle,
+            "drop_last": self.drop_last, "num_samples": self.num_samples,
+            "batch_size": self.batch_size, "consumed": self.consumed, "step": self.step,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()`` output, possibly saved with another world size.
+
+        ``batch_size`` and ``drop_last`` of this plan are kept (progress is counted in samples).
+
+        Raises:
+            ValueError: keys are missing, or ``num_samples``/``seed``/``shuffle`` differ, so the
+                saved progress would refer to another order.
+        """
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"state dict lacks {missing}; pass the output of state_dict()")
+        for key in ("num_samples", "seed", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"state dict has {key}={state[key]!r} but this plan has "
+                    f"{key}={getattr(self, key)!r}; the saved progress is for another order, "
+                    f"create the plan with {key}={state[key]!r} or start afresh"
+                )
+        consumed = state["consumed"]
+        _check_int("state['consumed']", consumed, 0, "the state dict is corrupt")
+        if consumed > self.num_samples:
+            raise ValueError(
+                f"state['consumed']={consumed} exceeds num_samples={self.num_samples}; "
+                "the state dict is corrupt"
+            )
+        self.set_epoch(state["epoch"])
+        span = self.batch_size * self.world_size
+        self.consumed, self.step = int(consumed), int(state.get("step", -(-consumed // span)))
