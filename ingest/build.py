@@ -21,7 +21,7 @@ from ingest import format as fmt
 from ingest.codec import Compression, compress, pack_record
 from ingest.normalize import Options, Reject, convert
 from ingest.scan import Scan, scan
-from ingest.writer import MiB, ShardWriter
+from ingest.writer import MiB, ShardWriter, sha256_file
 
 
 @dataclass(frozen=True)
@@ -142,20 +142,21 @@ def _load_state(out: Path, fingerprint: str) -> dict:
 
 def _results(src: Path, items: list, options: BuildOptions, workers: int) -> Iterator[tuple]:
     """Yield one result per item, in item order, whatever the number of workers."""
-    jobs = ((src, rel, label, options) for rel, label in items)
+    jobs = ((os.path.join(src, rel), rel, label, options) for rel, label in items)
     if workers <= 1 or len(items) < 2:
         yield from map(_process, jobs)
         return
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with ctx.Pool(workers) as pool:
-        yield from pool.imap(_process, jobs, chunksize=8)
+        # Without decoding, the per-image work is small: larger chunks amortise the IPC.
+        yield from pool.imap(_process, jobs, chunksize=8 if options.verify else 64)
 
 
 def _process(job: tuple) -> tuple:
     """Worker: ("ok", value, index_row_without_shard) or ("reject", path, reason)."""
-    src, rel, label, options = job
+    path, rel, label, options = job
     try:
-        with open(src / rel, "rb") as f:
+        with open(path, "rb") as f:
             data = f.read()
         conv = convert(data, Options(options.verify, options.max_size, options.quality))
     except Reject as e:
@@ -207,12 +208,18 @@ class _Run:
             self.state["rejects"].append({"path": result[1], "reason": result[2]})
             return
         _, value, row, fixes = result
-        if self.writer and self.writer.count and self.writer.nbytes + len(value) > self.options.shard_size:
+        if (
+            self.writer
+            and self.writer.count
+            and self.writer.nbytes + len(value) > self.options.shard_size
+        ):
             self._seal(cursor=pos)
         if self.writer is None:
             n = len(self.state["shards"])
             name = fmt.shard_name(n)
-            self.writer = ShardWriter(self.partial / name, self.out / name, self.kept, self.map_size)
+            self.writer = ShardWriter(
+                self.partial / name, self.out / name, self.kept, self.map_size
+            )
         self.writer.put(self.kept, value)
         self.rows.append((row[0], len(self.state["shards"]), *row[1:]))
         self.paths.append(self.tree.items[pos][0])
@@ -291,6 +298,4 @@ class _Run:
 
 
 def _sha256(path: Path) -> str:
-    from ingest.writer import sha256_file
-
     return sha256_file(path)

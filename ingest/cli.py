@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--shard-size", type=parse_size, default="512MiB", help="default 512MiB")
     b.add_argument("--compression", type=_compression, default="none", help="none | zstd[:LEVEL]")
     b.add_argument("--max-size", type=_positive, default=None, metavar="PX",
-                   help="cap the longer side; larger images are resized and re-encoded")  # fmt: skip
+                   help="cap the longer side; larger images are resized, re-encoded")  # fmt: skip
     b.add_argument("--quality", type=_quality, default=95, help="JPEG quality of re-encodes")
     b.add_argument("--overwrite", action="store_true", help="replace a complete store at OUT")
     b.add_argument("--strict", action="store_true", help="exit non-zero if any file is rejected")

@@ -50,7 +50,8 @@ def parse_compression(spec: str | None) -> Compression:
     name, _, level = str(spec).partition(":")
     if name != "zstd":
         raise ValueError(
-            f"--compression {spec!r}: unknown compressor {name!r}; use one of: none, zstd, zstd:LEVEL"
+            f"--compression {spec!r}: unknown compressor {name!r}; "
+            "use one of: none, zstd, zstd:LEVEL"
         )
     try:
         lvl = int(level) if level else ZSTD_DEFAULT_LEVEL

@@ -40,7 +40,15 @@ FORMAT_CODES = {"jpeg": 1, "png": 2}
 FORMAT_NAMES = {v: k for k, v in FORMAT_CODES.items()}
 
 # JPEG chroma subsampling (the "subsampling" field of a record).
-SUBSAMPLING_CODES = {"gray": 1, "4:4:4": 2, "4:2:2": 3, "4:2:0": 4, "4:4:0": 5, "4:1:1": 6, "other": 7}
+SUBSAMPLING_CODES = {
+    "gray": 1,
+    "4:4:4": 2,
+    "4:2:2": 3,
+    "4:2:0": 4,
+    "4:4:0": 5,
+    "4:1:1": 6,
+    "other": 7,
+}
 SUBSAMPLING_NAMES = {v: k for k, v in SUBSAMPLING_CODES.items()}
 
 FLAG_PROGRESSIVE = 1  # progressive JPEG (hardware JPEG decoders take baseline only)

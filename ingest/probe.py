@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ class JpegInfo:
     subsampling: str  # "gray", "4:4:4", "4:2:0", ... (see ingest.format.SUBSAMPLING_CODES)
     orientation: int  # EXIF orientation 1..8 (1 when absent)
     adobe_transform: int  # Adobe APP14 transform flag, -1 when absent
+    scan: int = -1  # offset of the first start-of-scan marker, -1 when the header has none
 
     @property
     def progressive(self) -> bool:
@@ -81,7 +83,7 @@ def parse_jpeg(data: bytes) -> JpegInfo:
         JpegHeaderError: the header is truncated or malformed.
     """
     pos, n = 2, len(data)
-    orientation, adobe, frame = 1, -1, None
+    orientation, adobe, frame, scan = 1, -1, None, -1
     while pos + 4 <= n:
         if data[pos] != 0xFF:
             raise JpegHeaderError(f"bad marker at byte {pos}")
@@ -103,23 +105,55 @@ def parse_jpeg(data: bytes) -> JpegInfo:
         elif marker in _SOF_MARKERS and frame is None:
             frame = (marker, seg)
         elif marker == 0xDA:  # start of scan: the header is over
+            scan = pos
             break
         pos += 2 + length
     if frame is None:
         raise JpegHeaderError("no frame header (SOF) before the image data")
-    return _frame_info(*frame, orientation, adobe)
+    return _frame_info(*frame, orientation, adobe, scan)
 
 
-def _frame_info(sof: int, seg: bytes, orientation: int, adobe: int) -> JpegInfo:
+def _frame_info(sof: int, seg: bytes, orientation: int, adobe: int, scan: int) -> JpegInfo:
     if len(seg) < 6:
         raise JpegHeaderError("frame header too short")
     precision, height, width, ncomp = struct.unpack_from(">BHHB", seg, 0)
     if len(seg) < 6 + 3 * ncomp or height == 0 or width == 0:
         raise JpegHeaderError(f"bad frame header ({width}x{height}, {ncomp} components)")
     factors = [(seg[7 + 3 * i] >> 4, seg[7 + 3 * i] & 15) for i in range(ncomp)]
-    return JpegInfo(
-        height, width, ncomp, precision, sof, _subsampling(factors), orientation, adobe
-    )
+    return JpegInfo(height, width, ncomp, precision, sof, _subsampling(factors), orientation, adobe)
+
+
+# In entropy-coded data a 0xFF byte is followed by 0x00 (stuffing), a restart marker or
+# more 0xFF fill bytes; anything else is a marker, and only these may sit between scans.
+_MARKER = re.compile(rb"\xff+([^\x00\xd0-\xd7\xff])")
+_BETWEEN_SCANS = {0xC4, 0xCC, 0xDA, 0xDB, 0xDC, 0xDD, 0xFE, *range(0xE0, 0xF0)}
+
+
+def scan_problem(data: bytes, info: JpegInfo) -> str | None:
+    """Check the marker structure of the image data, from the first scan to end-of-image.
+
+    libjpeg (so OpenCV and PIL) only warns about a bad marker in the image data, fills the
+    rest with gray and returns an image: random or overwritten data would pass decoding.
+
+    Returns:
+        What is wrong, or None (also when the data ends early: decoding tells truncation).
+    """
+    pos, n = info.scan, len(data)
+    while pos >= 0:
+        if pos + 4 > n:
+            return None
+        end = pos + 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if end > n:
+            return f"marker segment at byte {pos} runs past the end of the file"
+        m = _MARKER.search(data, end)
+        if m is None:
+            return None
+        marker, pos = m.group(1)[0], m.end() - 2
+        if marker == 0xD9:  # end of image
+            return None
+        if marker not in _BETWEEN_SCANS:
+            return f"unexpected marker 0xFF{marker:02X} in the image data at byte {pos}"
+    return None
 
 
 def _subsampling(factors: list[tuple[int, int]]) -> str:
@@ -128,9 +162,13 @@ def _subsampling(factors: list[tuple[int, int]]) -> str:
     (h0, v0), rest = factors[0], factors[1:]
     if len(factors) != 3 or any(f != rest[0] for f in rest) or rest[0] != (1, 1):
         return "4:4:4" if all(f == factors[0] for f in factors) else "other"
-    return {(1, 1): "4:4:4", (2, 1): "4:2:2", (2, 2): "4:2:0", (1, 2): "4:4:0", (4, 1): "4:1:1"}.get(
-        (h0, v0), "other"
-    )
+    return {
+        (1, 1): "4:4:4",
+        (2, 1): "4:2:2",
+        (2, 2): "4:2:0",
+        (1, 2): "4:4:0",
+        (4, 1): "4:1:1",
+    }.get((h0, v0), "other")
 
 
 def _exif_orientation(tiff: bytes) -> int:

@@ -73,8 +73,9 @@ def _check_records(path: Path, name: str, entry: dict, index: np.ndarray, decode
                 if problem:
                     yield f"{name}: key {i}: {problem}"
                 expected += 1
-            if expected != entry["first"] + entry["count"]:
-                yield f"{name}: ends at key {expected - 1}, expected {entry['first'] + entry['count'] - 1}"
+            last = entry["first"] + entry["count"] - 1
+            if expected - 1 != last:
+                yield f"{name}: ends at key {expected - 1}, expected key {last}"
     finally:
         env.close()
 

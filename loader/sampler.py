@@ -15,11 +15,12 @@ Semantics:
   number of full batches; the dropped samples are the last ones of the order (fewer than
   ``batch_size * world_size`` of them).
 * **Tail, drop_last=False.** Like ``torch.utils.data.DistributedSampler``, the remaining order
-  ``order[consumed:]`` is padded with its own first samples (cyclically) until its length is a
-  multiple of ``world_size``; fewer than ``world_size`` samples are repeated. For a fresh epoch
-  they are the first samples of the epoch order. The last batch may then be smaller than
-  ``batch_size``, with the same size on every rank. With ``world_size=1`` nothing is padded
-  and nothing dropped, exactly as ``DataLoader`` batches.
+  ``order[consumed:]`` is padded with the first samples of the epoch order (``order[:pad]``,
+  cyclically if ``pad > N``) until its length is a multiple of ``world_size``; ``pad`` is
+  below ``world_size``. Padding from the epoch's start, not the resume point, makes a resume
+  at the same world size repeat exactly the samples an uninterrupted epoch would. The last
+  batch may then be smaller than ``batch_size``, with the same size on every rank. With
+  ``world_size=1`` nothing is padded and nothing dropped, exactly as ``DataLoader`` batches.
 
 ``len(plan)`` is the number of batches one rank yields in a full epoch, the same on every rank.
 """
@@ -150,12 +151,13 @@ class EpochPlan:
             RuntimeError: the plan was moved (``set_epoch``, ``load_state_dict``) meanwhile.
         """
         epoch, start = self.epoch, self.consumed
-        rest = self.order(epoch)[start:]
+        order = self.order(epoch)
+        rest = order[start:]
         span, world = self.batch_size * self.world_size, self.world_size
         if self.drop_last:
             rest = rest[: len(rest) // span * span]
         elif len(rest) % world:
-            rest = np.concatenate([rest, np.resize(rest, -len(rest) % world)])
+            rest = np.concatenate([rest, np.resize(order, -len(rest) % world)])
         for lo in range(0, len(rest), span):
             if (self.epoch, self.consumed) != (epoch, min(start + lo, self.num_samples)):
                 raise RuntimeError(
