@@ -85,7 +85,8 @@ def _plain_jpeg(data: bytes, info: JpegInfo, opts: Options) -> Converted:
         )
         img = cv2.imdecode(np.frombuffer(data, np.uint8), flags | cv2.IMREAD_IGNORE_ORIENTATION)
         if img is None or img.shape[:2] != (-(-info.height // 8), -(-info.width // 8)):
-            raise Reject("corrupt JPEG: the decoder could not read it")
+            end = "" if _has_eoi(data) else " (truncated: no end-of-image marker)"
+            raise Reject(f"corrupt JPEG: the decoder could not read it{end}")
         if not _has_eoi(data):
             _pil_load(data, "jpeg")  # older libjpeg builds pad truncated files silently
     return Converted(

@@ -120,7 +120,9 @@ def _frame_info(sof: int, seg: bytes, orientation: int, adobe: int, scan: int) -
     if len(seg) < 6 + 3 * ncomp or height == 0 or width == 0:
         raise JpegHeaderError(f"bad frame header ({width}x{height}, {ncomp} components)")
     factors = [(seg[7 + 3 * i] >> 4, seg[7 + 3 * i] & 15) for i in range(ncomp)]
-    return JpegInfo(height, width, ncomp, precision, sof, _subsampling(factors), orientation, adobe)
+    return JpegInfo(
+        height, width, ncomp, precision, sof, _subsampling(factors), orientation, adobe, scan
+    )
 
 
 # In entropy-coded data a 0xFF byte is followed by 0x00 (stuffing), a restart marker or
