@@ -7,6 +7,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -147,9 +148,14 @@ def _results(src: Path, items: list, options: BuildOptions, workers: int) -> Ite
         yield from map(_process, jobs)
         return
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers) as pool:
+    with ctx.Pool(workers, initializer=_worker_init) as pool:
         # Without decoding, the per-image work is small: larger chunks amortise the IPC.
         yield from pool.imap(_process, jobs, chunksize=8 if options.verify else 64)
+
+
+def _worker_init() -> None:
+    # Ctrl-C reaches the whole process group: let the parent alone handle it and stop us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _process(job: tuple) -> tuple:

@@ -93,7 +93,7 @@ def _build(args: argparse.Namespace) -> int:
 
     options = BuildOptions(args.shard_size, args.compression, args.max_size, args.quality,
                            not args.no_verify)  # fmt: skip
-    manifest = build(args.src, args.out, options, workers=args.workers)
+    manifest = build(args.src, args.out, options, workers=args.workers, overwrite=args.overwrite)
     print(
         f"ingest: {args.out}: seen {manifest['num_seen']} = kept {manifest['num_samples']}"
         f" + rejected {manifest['num_rejected']} + ignored {manifest['num_ignored']}"
