@@ -127,7 +127,8 @@ def _frame_info(sof: int, seg: bytes, orientation: int, adobe: int, scan: int) -
 
 # In entropy-coded data a 0xFF byte is followed by 0x00 (stuffing), a restart marker or
 # more 0xFF fill bytes; anything else is a marker, and only these may sit between scans.
-_MARKER = re.compile(rb"\xff+([^\x00\xd0-\xd7\xff])")
+# (A look-ahead, not "\xff+(...)": that form backtracks and runs ~20x slower.)
+_MARKER = re.compile(rb"\xff(?![\x00\xd0-\xd7\xff])")
 _BETWEEN_SCANS = {0xC4, 0xCC, 0xDA, 0xDB, 0xDC, 0xDD, 0xFE, *range(0xE0, 0xF0)}
 
 
@@ -148,9 +149,10 @@ def scan_problem(data: bytes, info: JpegInfo) -> str | None:
         if end > n:
             return f"marker segment at byte {pos} runs past the end of the file"
         m = _MARKER.search(data, end)
-        if m is None:
+        pos = m.start() if m else n
+        if pos + 1 >= n:
             return None
-        marker, pos = m.group(1)[0], m.end() - 2
+        marker = data[pos + 1]
         if marker == 0xD9:  # end of image
             return None
         if marker not in _BETWEEN_SCANS:
