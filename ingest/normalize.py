@@ -125,6 +125,8 @@ def _via_pil(data: bytes, kind: str, opts: Options) -> Converted:
         img = ImageOps.exif_transpose(img)
         fixes.append(f"exif-orientation:{orientation}")
     arr = _to_8bit(img, fixes)
+    if kind == "png" and _png_bit_depth(data) == 16 and "16bit-to-8bit" not in fixes:
+        fixes.append("16bit-to-8bit")  # PIL reads 16-bit RGB(A) as 8-bit, by the high bytes
     keep = (
         kind == "png"
         and not fixes

@@ -1,6 +1,10 @@
 """Runtime side: read stores made by ``ingest`` and feed them to training fast."""
 
+from loader.augment import Transform
+from loader.dataloader import DataLoader
 from loader.dataset import LMDBDataset
+from loader.decode import get_decoder
+from loader.sampler import EpochPlan
 from loader.store import Store
 
-__all__ = ["LMDBDataset", "Store"]
+__all__ = ["DataLoader", "EpochPlan", "LMDBDataset", "Store", "Transform", "get_decoder"]

@@ -30,15 +30,13 @@ class Store:
         self.manifest = fmt.read_manifest(self.root)
         self.classes: list[str] = list(self.manifest["classes"])
         self._first = np.array([s["first"] for s in self.manifest["shards"]], dtype=np.int64)
-        self._envs: dict[int, lmdb.Environment] = {}
-        self._pid = os.getpid()
+        self._keys = [_env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
 
     def __len__(self) -> int:
         return self.manifest["num_samples"]
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_envs"] = {}
         state.pop("index", None)  # re-mapped in the receiving process, not copied
         state.pop("paths", None)
         return state
@@ -62,17 +60,7 @@ class Store:
         return int(np.searchsorted(self._first, i, side="right") - 1)
 
     def _env(self, shard: int) -> lmdb.Environment:
-        if self._pid != os.getpid():  # forked: the parent's handles must not be used here
-            self._envs, self._pid = {}, os.getpid()
-        env = self._envs.get(shard)
-        if env is None:
-            path = self.root / fmt.shard_name(shard)
-            env = lmdb.open(
-                str(path), readonly=True, lock=False, readahead=False, subdir=True,
-                max_readers=1, max_spare_txns=1,
-            )  # fmt: skip
-            self._envs[shard] = env
-        return env
+        return _open_env(self._keys[shard])
 
     def raw(self, i: int) -> bytes:
         """The stored value of sample ``i`` (a packed record), as bytes.
@@ -101,6 +89,35 @@ class Store:
         return image_bytes(rec), rec["format"]
 
     def close(self) -> None:
-        for env in self._envs.values():
-            env.close()
-        self._envs = {}
+        """Close this store's shard environments in this process (reopened on next use)."""
+        for key in self._keys:
+            env = _ENVS.pop(key, None)
+            if env is not None:
+                env.close()
+
+
+# One environment per shard per process, shared by every Store open on it: LMDB forbids
+# opening an environment twice in one process (py-lmdb refuses), and a forked child must
+# drop the parent's handles, all of them, before it can open its own.
+_ENVS: dict[str, lmdb.Environment] = {}
+_ENVS_PID = os.getpid()
+
+
+def _env_key(path: Path) -> str:
+    return os.path.realpath(path)
+
+
+def _open_env(key: str) -> lmdb.Environment:
+    """The environment of the shard directory ``key`` (a real path), opened once per process."""
+    global _ENVS_PID
+    if os.getpid() != _ENVS_PID:  # forked: the parent's handles must not be used here
+        _ENVS.clear()
+        _ENVS_PID = os.getpid()
+    env = _ENVS.get(key)
+    if env is None:
+        env = lmdb.open(
+            key, readonly=True, lock=False, readahead=False, subdir=True,
+            max_readers=1, max_spare_txns=1,
+        )  # fmt: skip
+        _ENVS[key] = env
+    return env

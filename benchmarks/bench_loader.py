@@ -1,0 +1,245 @@
+"""Loader throughput against torch's DataLoader and the CPU decode ceiling, in one run.
+
+Same images, same augmentation (RandomResizedCrop 224 + flip + normalise), same batch size
+and number of workers, page cache warm, one warm-up epoch before the timed ones:
+
+1. torch DataLoader over torchvision ImageFolder (PIL) with the standard transforms;
+2. ``loader.DataLoader(store, transform="train", device="cpu")``: the issue asks >= 2x (1);
+3. bare ``cv2.imdecode`` of the same files in a process per core: (2) >= 0.7x (3).
+
+Also the memory of each loader after every epoch (main process + workers, from /proc):
+resident memory must not grow from epoch to epoch, and a worker's private memory (what an
+extra worker costs beyond the shared batch buffers) must stay a few MB.
+
+    python3 benchmarks/bench_loader.py [--images 2560] [--batch-size 128] [--workers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cv2
+import numpy as np
+from common import REPO, image_files, machine, make_dataset, warm
+
+from ingest.build import build
+from ingest.format import MANIFEST
+
+MiB = 1 << 20
+
+
+def proc_memory(pid: int) -> dict[str, float]:
+    """Resident memory of ``pid`` in MiB: VmRSS and its parts, plus PSS and private (USS)."""
+    out: dict[str, float] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(value.split()[0]) / 1024
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            rollup = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.strip().endswith("kB")}
+        out["Pss"] = rollup["Pss"] / 1024
+        out["Private"] = (rollup["Private_Clean"] + rollup["Private_Dirty"]) / 1024
+    except (OSError, KeyError):
+        pass
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+def children() -> list[int]:
+    pids = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    return sorted(set(pids))
+
+
+def memory_snapshot() -> dict:
+    workers = [proc_memory(p) for p in children()]
+    main = proc_memory(os.getpid())
+    return {
+        "main": main,
+        "workers": workers,
+        "total_pss": round(main.get("Pss", 0) + sum(w.get("Pss", 0) for w in workers), 1),
+        "worker_private_max": max((w.get("Private", 0) for w in workers), default=0),
+    }
+
+
+def torch_loader(src: Path, args):
+    import torch.utils.data
+    import torchvision.datasets
+    import torchvision.transforms as T
+
+    tf = T.Compose(
+        [
+            T.RandomResizedCrop(224),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+        ]
+    )
+    ds = torchvision.datasets.ImageFolder(str(src), transform=tf)
+    return torch.utils.data.DataLoader(
+        ds,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        persistent_workers=True,
+    )
+
+
+def our_loader(store: Path, args):
+    import loader
+
+    return loader.DataLoader(
+        store,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        persistent_workers=True,
+        transform=loader.Transform("train", antialias=not args.no_antialias),
+        device="cpu",
+    )
+
+
+def _decode(path: Path) -> int:
+    with open(path, "rb") as f:
+        img = cv2.imdecode(np.frombuffer(f.read(), np.uint8), cv2.IMREAD_COLOR)
+    return img.shape[0]
+
+
+class Imdecode:
+    """Bare cv2.imdecode of the files in a process per core; one pass is an "epoch"."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        cv2.setNumThreads(1)
+        self.paths = paths
+        self.pool = mp.get_context("fork").Pool(os.cpu_count())
+
+    def __iter__(self):
+        for _ in self.pool.imap_unordered(_decode, self.paths, chunksize=8):
+            yield (None,)  # one image
+
+
+def _serve(name: str, conn, data, args) -> None:
+    """In a process of its own: build pipeline ``name``, run an epoch per request, report."""
+    pipeline = {"torch": torch_loader, "loader": our_loader, "imdecode": Imdecode}[name]
+    it = pipeline(data, args) if name != "imdecode" else Imdecode(data)
+    while conn.recv():
+        t0, n = time.perf_counter(), 0
+        for batch in it:
+            n += len(batch[0]) if batch[0] is not None else 1
+        dt = time.perf_counter() - t0
+        conn.send({"images": n, "seconds": dt, "memory": memory_snapshot()})
+    conn.close()
+
+
+def interleaved(pipelines: dict, args) -> dict:
+    """Epochs of every pipeline in turn (rotating the order), each in its own process, so
+    that a drift in machine speed touches all of them alike; round 0 is the warm-up."""
+    ctx = mp.get_context("fork")
+    procs, conns = {}, {}
+    for name, data in pipelines.items():
+        here, there = ctx.Pipe()
+        procs[name] = ctx.Process(target=_serve, args=(name, there, data, args))
+        procs[name].start()
+        conns[name] = here
+    rounds = {name: [] for name in pipelines}
+    names = list(pipelines)
+    for r in range(args.epochs + 1):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            conns[name].send(True)
+            rounds[name].append(conns[name].recv())
+            e = rounds[name][-1]
+            print(
+                f"  round {r}{' (warm-up)' if not r else ''} {name:>9}: "
+                f"{e['images'] / e['seconds']:7.1f} img/s, PSS (main + workers) "
+                f"{e['memory']['total_pss']:.0f} MiB",
+                flush=True,
+            )
+    for name in names:
+        conns[name].send(False)
+        procs[name].join()
+    return {name: summarise(epochs) for name, epochs in rounds.items()}
+
+
+def summarise(epochs: list[dict]) -> dict:
+    timed = epochs[1:]
+    return {
+        "img_per_s": sum(e["images"] for e in timed) / sum(e["seconds"] for e in timed),
+        "epochs": epochs,
+    }
+
+
+def prepare(args) -> tuple[Path, Path, list[Path]]:
+    per_class = -(-args.images // args.classes)
+    src = make_dataset(args.workdir, args.classes, per_class)
+    store = args.workdir / f"store-{args.classes}x{per_class}"
+    if not (store / MANIFEST).exists():
+        build(src, store, workers=os.cpu_count(), progress=False, overwrite=True)
+    paths = image_files(src)
+    warm(paths)
+    warm([p for p in store.rglob("*") if p.is_file()])
+    return src, store, paths
+
+
+def summary(results: dict) -> dict:
+    ours = results["loader"]["epochs"]
+    pss = [e["memory"]["total_pss"] for e in ours]
+    return {
+        "loader_vs_torch": round(results["loader"]["img_per_s"] / results["torch"]["img_per_s"], 2),
+        "loader_vs_imdecode": round(
+            results["loader"]["img_per_s"] / results["imdecode"]["img_per_s"], 2
+        ),
+        "loader_pss_mib_per_epoch": pss,
+        "loader_pss_growth_mib": round(pss[-1] - pss[1], 1),
+        "loader_worker_private_mib": max(e["memory"]["worker_private_max"] for e in ours),
+        "loader_main_rss_mib": [e["memory"]["main"]["VmRSS"] for e in ours],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--images", type=int, default=2560)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", type=int, default=os.cpu_count())
+    p.add_argument("--epochs", type=int, default=3, help="timed epochs, after one warm-up")
+    p.add_argument("--no-antialias", action="store_true", help="plain bilinear shrink")
+    p.add_argument("--workdir", type=Path, default=REPO / "bench-data" / "loader")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = p.parse_args()
+    src, store, paths = prepare(args)
+    print(
+        f"{len(paths)} images, {sum(f.stat().st_size for f in paths) / len(paths) / 1024:.0f} "
+        f"KiB each; batch {args.batch_size}, {args.workers} workers",
+        flush=True,
+    )
+    results = interleaved({"torch": src, "loader": store, "imdecode": paths}, args)
+    ratios = summary(results)
+    for name, r in results.items():
+        print(f"{name:>9}: {r['img_per_s']:8.1f} img/s")
+    print(json.dumps(ratios, indent=1))
+    report = {
+        "machine": machine(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "images": len(paths),
+        "results": results,
+        "summary": ratios,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"loader-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""DataLoader: a drop-in for torch.utils.data.DataLoader that reads stores fast.
+
+Given a store path (or an ``LMDBDataset`` without a transform) it plans each epoch itself
+(``loader.sampler``), decodes in worker processes into a shared-memory ring
+(``loader.workers``, ``loader.batch``) and delivers ``(images, labels)`` batches on the
+device. Given any other Dataset it *is* torch's DataLoader, built with the same arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from loader import options as opt
+from loader.augment import Transform, resolve_transform
+from loader.batch import PixelBatches
+from loader.epoch import EpochIterator
+from loader.output import BatchOutput, resolve_device, resolve_dtype
+from loader.sampler import EpochPlan
+from loader.workers import Ring, WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+class _Workers:
+    """The worker pool of a loader, held apart so that a finaliser can stop it."""
+
+    def __init__(self) -> None:
+        self.pool: WorkerPool | None = None
+
+    def stop(self, graceful: bool = True) -> None:
+        if self.pool is not None:
+            pool, self.pool = self.pool, None
+            pool.close(graceful)
+
+
+class DataLoader:
+    """Batches of ``(images, labels)`` from a store, or torch's DataLoader for a Dataset.
+
+    The arguments shared with ``torch.utils.data.DataLoader`` keep its names, order and
+    defaults. Reading a store, ``sampler``/``batch_sampler``/``collate_fn`` do not apply,
+    ``in_order`` is always honoured and ``pin_memory_device`` is superseded by ``device``.
+
+    Args:
+        dataset: a store directory (made by ``ingest build``), an ``LMDBDataset`` without a
+            transform, or any other Dataset (then this returns torch's DataLoader).
+        transform: "train", "eval" or a ``loader.Transform`` (required for a store).
+        image_size: output size of "train"/"eval", int or (height, width); default 224.
+        mean, std: normalisation (RGB, 0..1); default ImageNet's.
+        dtype: images dtype: float32 (default), float16, bfloat16 or uint8 (not normalised).
+        channels_last: deliver images in ``torch.channels_last`` memory format.
+        device: where batches go: "cpu" or a CUDA device (default: "cuda" when available).
+        seed: seed of the epoch order and the augmentation (default: ``generator``'s, or 0).
+        rank, world_size: this process's share (default: from torch.distributed, else 0/1).
+        with_indices: batches are ``(images, labels, indices)``; indices stay on the CPU.
+        decoder: decoder backend (``loader.decode.decoders()``), default "cpu".
+
+    Attributes:
+        bad_samples: {sample index: "path: reason"} of records that failed to decode; each
+            was replaced by another sample and logged once.
+        num_replaced: how many samples were replaced so far (every occurrence).
+
+    Raises:
+        ValueError: an argument is invalid (the message says which and what to do).
+        ingest.format.StoreError: the path is not a complete store.
+    """
+
+    def __new__(cls, dataset, *args, **kwargs):
+        names = ("batch_size", "shuffle", "sampler", "batch_sampler", "num_workers", "collate_fn")
+        given = dict(zip(names, args, strict=False)) | kwargs
+        if opt.reads_store(dataset, *(given.get(k) for k in names[2:4] + names[5:])):
+            return super().__new__(cls)
+        ours = [k for k in opt.STORE_ONLY if k in kwargs]
+        if ours:
+            raise ValueError(
+                f"{', '.join(k + '=' for k in ours)} apply only when reading a store (a path or "
+                f"an LMDBDataset without a transform); for a {type(dataset).__name__} this is "
+                "torch's DataLoader: give the dataset its own transform instead"
+            )
+        return torch.utils.data.DataLoader(dataset, *args, **kwargs)
+
+    def __init__(
+        self,
+        dataset,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler=None,
+        batch_sampler=None,
+        num_workers: int = 0,
+        collate_fn=None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn=None,
+        multiprocessing_context=None,
+        generator=None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        transform: str | Transform | None = None,
+        image_size: int | tuple[int, int] | None = None,
+        mean: tuple[float, float, float] | None = None,
+        std: tuple[float, float, float] | None = None,
+        dtype: torch.dtype | str | None = None,
+        channels_last: bool = False,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        with_indices: bool = False,
+        decoder: str = "cpu",
+    ) -> None:
+        opt.check_not_for_store(sampler, batch_sampler, collate_fn)
+        self.batch_size = opt.check_batch_size(batch_size)
+        self.num_workers, self.prefetch_factor, self.timeout = opt.check_workers(
+            num_workers, prefetch_factor, timeout
+        )
+        self.transform = resolve_transform(transform, image_size, mean, std)
+        self.decoder = opt.check_decoder(decoder)
+        self.device = resolve_device(device)
+        self._output = BatchOutput(
+            self.transform, resolve_dtype(dtype), bool(channels_last), self.device, pin_memory
+        )
+        self.seed = opt.resolve_seed(seed, generator)
+        self.store, self.dataset = opt.open_store(dataset)
+        self.drop_last, self.with_indices = bool(drop_last), bool(with_indices)
+        self.pin_memory = self._output.pin
+        self.persistent_workers = bool(persistent_workers)
+        self.worker_init_fn = worker_init_fn
+        self._context = opt.mp_context(multiprocessing_context)
+        self._plan = EpochPlan(
+            len(self.store),
+            self.batch_size,
+            shuffle=bool(shuffle),
+            seed=self.seed,
+            drop_last=self.drop_last,
+            rank=rank,
+            world_size=world_size,
+        )
+        self._labels = np.asarray(self.store.index["label"], dtype=np.int64)
+        self._producer = PixelBatches(self.store, self.transform, self.batch_size, self.decoder)
+        slots = 1 if self.num_workers == 0 else self.num_workers * self.prefetch_factor
+        self._ring = Ring(self._producer.buffers(), slots, shared=self.num_workers > 0)
+        self._workers = _Workers()
+        self._finalizer = weakref.finalize(self, self._workers.stop, False)
+        self._active: weakref.ref | None = None
+        self._resume = False  # a loaded state waits to be resumed by the next iteration
+        self.bad_samples: dict[int, str] = {}
+        self.num_replaced = 0
+
+    # -- the torch-like surface ---------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return len(self._plan)
+
+    def __iter__(self) -> EpochIterator:
+        """The batches of the current epoch: the rest of it after ``load_state_dict``,
+        otherwise all of it (a loop that stopped early starts that epoch again)."""
+        self._end_active("a new iteration")
+        if not self._resume and self._plan.consumed:
+            self._plan.set_epoch(self._plan.epoch)
+        self._resume = False
+        if self.num_workers and self._workers.pool is None:
+            self._workers.pool = WorkerPool(
+                self._producer, self._ring, self.num_workers, self._context, self.worker_init_fn
+            )
+        it = EpochIterator(self)
+        self._active = weakref.ref(it)
+        return it
+
+    @property
+    def _pool(self) -> WorkerPool | None:
+        return self._workers.pool
+
+    @property
+    def epoch(self) -> int:
+        return self._plan.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order next, from its start (as ``DistributedSampler``);
+        after ``load_state_dict`` of a state of that same epoch, resume it instead."""
+        self._end_active("set_epoch()")
+        if not (self._resume and epoch == self._plan.epoch):
+            self._plan.set_epoch(epoch)
+            self._resume = False
+
+    def state_dict(self) -> dict:
+        """Progress (JSON-able): the epoch and the batches delivered so far."""
+        return self._plan.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()`` output, possibly saved with another world size: the
+        next iteration yields the rest of that epoch, later ones continue from there."""
+        self._end_active("load_state_dict()")
+        self._plan.load_state_dict(state)
+        self._resume = True
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the running workers (empty when none run)."""
+        return self._pool.pids if self._pool is not None else []
+
+    def close(self) -> None:
+        """Stop the workers now (a later iteration starts new ones)."""
+        self._end_active("close()")
+        self._workers.stop()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- called by EpochIterator ----------------------------------------------------------
+
+    def _deliver(self, slot: dict[str, torch.Tensor], report) -> tuple:
+        self._note_bad(report.bad)
+        indices = slot["indices"][: report.n].numpy().copy()
+        images = self._output.images(slot["images"][: report.n])
+        labels = self._output.labels(self._labels[indices])
+        if self.with_indices:
+            return images, labels, torch.from_numpy(indices)
+        return images, labels
+
+    def _note_bad(self, bad: list[tuple[int, str]]) -> None:
+        for index, reason in bad:
+            self.num_replaced += 1
+            if index not in self.bad_samples:
+                path = self.store.paths[index]
+                self.bad_samples[index] = f"{path}: {reason}"
+                log.warning(
+                    "DataLoader: sample %d (%s) could not be decoded (%s); it is replaced "
+                    "by another sample, now and in later epochs (logged once); check "
+                    "the store with `ingest verify %s`",
+                    index,
+                    path,
+                    reason,
+                    self.store.root,
+                )
+
+    def _iteration_ended(self, it: EpochIterator, finished: bool, drained: bool) -> None:
+        active = self._active is not None and self._active() is it
+        if finished and active:
+            self._plan.end_epoch()
+        if active:
+            self._active = None
+        keep = self.persistent_workers and (drained or it.drain(30.0))
+        if not keep:
+            self._workers.stop(graceful=finished)
+
+    def _end_active(self, reason: str) -> None:
+        it = self._active() if self._active is not None else None
+        if it is not None:
+            it.close(reason)
+        self._active = None
+
+    def __repr__(self) -> str:
+        return (
+            f"loader.DataLoader({os.fspath(self.store.root)!r}, batch_size={self.batch_size}, "
+            f"shuffle={self._plan.shuffle}, num_workers={self.num_workers}, "
+            f"transform={self.transform}, device={str(self.device)!r})"
+        )

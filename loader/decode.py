@@ -1,0 +1,70 @@
+"""Decoder backends behind one small interface and a registry: ``get_decoder("cpu")``.
+
+A decoder turns one stored image (JPEG or PNG bytes) into the output pixels of one sample:
+it decodes, applies a row of crop parameters (``loader.augment.CROP_COLUMNS``) and writes
+uint8 RGB into a slot the caller owns. Backends are imported lazily, so that the loader works
+without the optional GPU libraries.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import numpy as np
+
+# name -> "module:Class", imported on first use.
+_BACKENDS = {
+    "cpu": "loader.decode_cpu:CpuDecoder",
+}
+
+
+class DecodeError(ValueError):
+    """The bytes of one record could not be decoded into the expected image."""
+
+
+class Decoder(Protocol):
+    """What a decoder backend provides.
+
+    Attributes:
+        name: the registry name.
+        in_workers: True when it runs in the worker processes (the CPU decoder); a GPU
+            decoder runs in the main process and lets the workers gather encoded bytes.
+    """
+
+    name: str
+    in_workers: bool
+
+    def decode_into(
+        self, data: bytes, kind: str, shape: tuple[int, int], crop: np.ndarray, out: np.ndarray
+    ) -> None:
+        """Decode ``data`` and write the cropped, resized, flipped RGB pixels into ``out``.
+
+        Args:
+            data: the encoded image.
+            kind: its format, "jpeg" or "png".
+            shape: (height, width) the store's index records for it.
+            crop: one int row of ``loader.augment.CROP_COLUMNS``.
+            out: uint8 array (height, width, 3) of the output size, written in place.
+
+        Raises:
+            DecodeError: the bytes are not a decodable image of ``shape``.
+        """
+
+
+def decoders() -> list[str]:
+    """Names of the known decoder backends."""
+    return sorted(_BACKENDS)
+
+
+def get_decoder(name: str, **options) -> Decoder:
+    """A new decoder of backend ``name``, constructed with ``options`` (e.g. ``antialias``).
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    target = _BACKENDS.get(name)
+    if target is None:
+        raise ValueError(f"decoder={name!r} is unknown; known decoders: {', '.join(decoders())}")
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)(**options)

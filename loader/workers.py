@@ -1,0 +1,208 @@
+"""Worker processes that run batch tasks into a shared-memory ring, and notice when one dies.
+
+Each worker owns a duplex pipe: the main process sends it ``(slot, step, indices, seed)``
+tasks, it writes the batch into ring slot ``slot`` and answers with the slot number and a
+small report. A batch crosses processes as one shared buffer, never as a tensor per sample
+(that exhausts torch's file-descriptor sharing and has hung 16-worker loaders). The main
+process waits on the pipes and on the workers' process sentinels together, so a worker that
+is killed surfaces at once as an error naming it, never as a hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+import numpy as np
+import torch
+
+_PARENT_CHECK_S = 2.0  # how often an idle worker checks that the main process still exists
+_JOIN_TIMEOUT_S = 5.0
+
+
+class Ring:
+    """Named buffers of ``slots`` batch slots each, in shared memory when ``shared``.
+
+    Args:
+        layout: name -> (shape of one slot, numpy dtype name), from a producer's ``buffers()``.
+        slots: number of slots (batches in flight).
+        shared: allocate in shared memory, for worker processes.
+    """
+
+    def __init__(self, layout: dict[str, tuple[tuple[int, ...], str]], slots: int, shared: bool):
+        self.slots = slots
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, (shape, dtype) in layout.items():
+            t = torch.empty((slots, *shape), dtype=getattr(torch, dtype))
+            self.tensors[name] = t.share_memory_() if shared else t
+
+    def slot(self, i: int) -> dict[str, torch.Tensor]:
+        """Tensor views of slot ``i`` (valid until the slot is handed out again)."""
+        return {name: t[i] for name, t in self.tensors.items()}
+
+
+def _worker_loop(wid: int, producer, tensors: dict, conn, init_fn, parent: int) -> None:
+    """Body of worker ``wid``: run tasks from ``conn`` until told to stop or orphaned."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    torch.set_num_threads(1)  # the workers are the parallelism
+    views = {name: t.numpy() for name, t in tensors.items()}
+    try:
+        if init_fn is not None:
+            init_fn(wid)
+    except Exception:
+        conn.send(("error", None, None, "worker_init_fn failed:\n" + traceback.format_exc()))
+        return
+    while True:
+        if not conn.poll(_PARENT_CHECK_S):
+            if os.getppid() != parent:  # the main process is gone: do not linger
+                return
+            continue
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        slot, step, indices, seed = task
+        try:
+            report = producer.fill({k: v[slot] for k, v in views.items()}, indices, seed)
+            conn.send(("ok", slot, step, report))
+        except Exception:
+            conn.send(("error", slot, step, traceback.format_exc()))
+
+
+def death_cause(exitcode: int | None) -> str:
+    """A readable cause for a worker's exit code."""
+    if exitcode is None:
+        return "closed its pipe while still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = ""
+        if name == "SIGKILL":
+            hint = (
+                " (often the kernel's out-of-memory killer: see `dmesg`; lower num_workers"
+                " or batch_size)"
+            )
+        return f"killed by signal {name}{hint}"
+    return f"exited with code {exitcode}"
+
+
+class WorkerPool:
+    """``num_workers`` processes running ``producer.fill`` into ``ring``.
+
+    Args:
+        producer: picklable object with ``fill(slot_views, indices, seed) -> report``.
+        ring: the shared buffers the workers write into.
+        num_workers: processes to start.
+        context: a multiprocessing context ("fork" or "spawn" style).
+        worker_init_fn: called with the worker id in each worker, as in torch.
+    """
+
+    def __init__(
+        self,
+        producer,
+        ring: Ring,
+        num_workers: int,
+        context,
+        worker_init_fn: Callable[[int], None] | None = None,
+    ) -> None:
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns = []
+        self.outstanding = [0] * num_workers
+        try:
+            for wid in range(num_workers):
+                here, there = context.Pipe(duplex=True)
+                proc = context.Process(
+                    target=_worker_loop,
+                    name=f"imfeed-worker-{wid}",
+                    daemon=True,
+                    args=(wid, producer, ring.tensors, there, worker_init_fn, os.getpid()),
+                )
+                proc.start()
+                there.close()
+                self._procs.append(proc)
+                self._conns.append(here)
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def submit(self, task: tuple[int, int, np.ndarray, int]) -> None:
+        """Send ``(slot, step, indices, seed)`` to the least busy worker."""
+        wid = int(np.argmin(self.outstanding))
+        try:
+            self._conns[wid].send(task)
+        except OSError:  # BrokenPipeError: the worker is gone
+            self._raise_dead(wid)
+        self.outstanding[wid] += 1
+
+    def check_alive(self) -> None:
+        """Raise if any worker has exited."""
+        for wid, proc in enumerate(self._procs):
+            if proc.exitcode is not None:
+                self._raise_dead(wid)
+
+    def receive(self, timeout: float) -> list[tuple[int, int, object]]:
+        """Wait up to ``timeout`` s for finished batches; return their (step, slot, report).
+
+        Raises:
+            RuntimeError: a worker died, or a task failed in a worker (with its traceback).
+        """
+        sentinels = {p.sentinel: wid for wid, p in enumerate(self._procs)}
+        ready = wait([*self._conns, *sentinels], timeout)
+        for obj in ready:
+            if obj in sentinels:
+                self._raise_dead(sentinels[obj])
+        done = []
+        for wid, conn in enumerate(self._conns):
+            if conn not in ready:
+                continue
+            try:
+                kind, slot, step, payload = conn.recv()
+            except (EOFError, OSError):
+                self._raise_dead(wid)
+            if kind == "error":
+                where = f"on batch {step}" if step is not None else "while starting"
+                raise RuntimeError(f"DataLoader worker {wid} failed {where}:\n{payload}")
+            self.outstanding[wid] -= 1
+            done.append((step, slot, payload))
+        return done
+
+    def _raise_dead(self, wid: int) -> None:
+        proc = self._procs[wid]
+        proc.join(0.5)  # reap it, so that its exit code is known
+        raise RuntimeError(
+            f"DataLoader worker {wid} (pid {proc.pid}) died: {death_cause(proc.exitcode)}; "
+            "the epoch cannot continue"
+        )
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the workers: ask them to exit when ``graceful``, else terminate them."""
+        for conn in self._conns:
+            try:
+                if graceful:
+                    conn.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            if graceful:
+                proc.join(_JOIN_TIMEOUT_S)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(_JOIN_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []

@@ -1,0 +1,36 @@
+"""Session-wide source trees and stores of the ingest and dataset tests (see fixtures.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fixtures import AWKWARD_OPTIONS, CLEAN_OPTIONS, Tree, make_awkward_tree, make_clean_tree
+
+from ingest.build import build
+
+
+@pytest.fixture(scope="session")
+def awkward_tree(tmp_path_factory: pytest.TempPathFactory) -> Tree:
+    return make_awkward_tree(tmp_path_factory.mktemp("awkward") / "src")
+
+
+@pytest.fixture(scope="session")
+def awkward_store(tmp_path_factory: pytest.TempPathFactory, awkward_tree: Tree) -> Path:
+    """The awkward tree built in one process; read it, never change it."""
+    out = tmp_path_factory.mktemp("awkward-store") / "store"
+    build(awkward_tree.root, out, AWKWARD_OPTIONS, workers=1, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def clean_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_clean_tree(tmp_path_factory.mktemp("clean") / "src")
+
+
+@pytest.fixture(scope="session")
+def clean_store(tmp_path_factory: pytest.TempPathFactory, clean_tree: Path) -> Path:
+    """The clean tree built in one process; read it, never change it (copy it first)."""
+    out = tmp_path_factory.mktemp("clean-store") / "store"
+    build(clean_tree, out, CLEAN_OPTIONS, workers=1, progress=False)
+    return out

@@ -1,0 +1,305 @@
+"""Source trees of the ingest and dataset tests, cut from the bundled photographs.
+
+``make_awkward_tree`` writes every awkward-but-valid, invalid and ignored kind of file
+the converter must handle, and returns what each one should become; ``make_clean_tree``
+writes a small tree that torchvision's ImageFolder reads; ``make_big_tree`` one large
+enough for many small shards. Helpers read stores back without the loader.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import cv2
+import lmdb
+import numpy as np
+from PIL import Image, ImageOps
+
+from ingest import format as fmt
+from ingest.build import BuildOptions
+from ingest.probe import parse_jpeg
+from ingest.synth import make_image_folder, random_view, sample_photos
+
+REPO = Path(__file__).resolve().parents[1]
+KiB = 1 << 10
+
+# Small shards, so that the test stores have several and keys cross shard bounds.
+AWKWARD_OPTIONS = BuildOptions(shard_size=48 * KiB)
+CLEAN_OPTIONS = BuildOptions(shard_size=32 * KiB)
+
+# Tolerances, as the mean absolute difference per channel value (0..255) from the reference.
+JPEG_REENCODE_TOL = 3.0  # re-encoded at quality 95 with 4:2:0 chroma
+DECODER_TOL = 1.0  # the same JPEG bytes decoded by OpenCV instead of PIL (IDCT, upsampling)
+EXACT = 0.0  # lossless conversions and byte-for-byte payloads
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What an awkward-but-valid source file must become in the store."""
+
+    fixes: tuple[str, ...]  # the record's "fixes", exactly
+    format: str  # payload format
+    source_format: str
+    tolerance: float  # mean abs diff of the decoded payload from the reference
+    channels: int = 3
+    subsampling: str | None = None
+    progressive: bool = False
+    same_bytes: bool = False  # payload is the source file, byte for byte
+    reference: str = "pil"  # "pil": exif_transpose + convert("RGB"); "gray16": value / 257
+
+
+@dataclass
+class Tree:
+    root: Path
+    expect: dict[str, Expect] = field(default_factory=dict)  # stored files by relative path
+    invalid: dict[str, str] = field(default_factory=dict)  # path -> reason substring
+    ignored: dict[str, str] = field(default_factory=dict)  # path -> scan's ignore reason
+
+
+JPEG_FIX = "reencoded-jpeg:q95"
+PNG_FIX = "reencoded-png"
+PLAIN = Expect((), "jpeg", "jpeg", EXACT, subsampling="4:2:0", same_bytes=True)
+
+
+def _photo(rng: np.random.Generator, short: tuple[int, int] = (128, 160)) -> Image.Image:
+    """A small RGB crop of one of the bundled photographs (large enough that a quality-95
+    4:2:0 re-encode stays within JPEG_REENCODE_TOL)."""
+    photos = sample_photos()
+    bgr = cv2.imread(str(photos[int(rng.integers(len(photos)))]), cv2.IMREAD_COLOR)
+    return Image.fromarray(random_view(bgr, rng, short)[:, :, ::-1].copy())
+
+
+def _save(img: Image.Image, fmt_name: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt_name, **kw)
+    return buf.getvalue()
+
+
+def _exif_jpeg(img: Image.Image, orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return _save(img, "JPEG", quality=92, exif=exif)
+
+
+def _ycck(img: Image.Image) -> bytes:
+    """A YCCK JPEG of ``img``: the YCbCr transform of its CMY, and K, in an Adobe JPEG.
+
+    Pillow writes CMYK JPEGs inverted (Adobe convention) with APP14 transform 0; storing
+    the inverted YCC of CMY and setting the transform to 2 makes decoders read YCCK.
+    """
+    c, m, y, k = img.convert("CMYK").split()
+    ycc = Image.merge("RGB", (c, m, y)).convert("YCbCr").split()
+    inverted = [Image.fromarray(255 - np.asarray(channel)) for channel in ycc]
+    data = bytearray(_save(Image.merge("CMYK", (*inverted, k)), "JPEG", quality=95))
+    adobe = data.find(b"Adobe")
+    assert adobe > 0 and data[adobe + 11] == 0, "Pillow wrote no Adobe marker"
+    data[adobe + 11] = 2
+    return bytes(data)
+
+
+def _gray16(img: Image.Image, rng: np.random.Generator) -> bytes:
+    gray = np.asarray(img.convert("L")).astype(np.int32) * 257
+    wide = np.clip(gray + rng.integers(-128, 129, gray.shape), 0, 65535).astype(np.uint16)
+    out = Image.fromarray(wide)
+    assert out.mode == "I;16"
+    return _save(out, "PNG")
+
+
+def _rgb16(img: Image.Image, rng: np.random.Generator) -> bytes:
+    bgr = np.asarray(img)[:, :, ::-1].astype(np.int32) * 257
+    wide = np.clip(bgr + rng.integers(-128, 129, bgr.shape), 0, 65535).astype(np.uint16)
+    ok, buf = cv2.imencode(".png", wide)
+    assert ok
+    return buf.tobytes()
+
+
+def _corrupt_jpeg(jpeg: bytes, rng: np.random.Generator) -> bytes:
+    """The header of ``jpeg`` and its end-of-image marker, random bytes in between."""
+    start = parse_jpeg(jpeg).scan
+    start += 2 + int.from_bytes(jpeg[start + 2 : start + 4], "big")
+    noise = rng.integers(0, 256, len(jpeg) - start - 2, dtype=np.uint8).tobytes()
+    return jpeg[:start] + noise + b"\xff\xd9"
+
+
+def _awkward(img: Image.Image, rng: np.random.Generator) -> dict[str, tuple[bytes, Expect]]:
+    """Every awkward-but-valid kind: file name -> (bytes, expectation)."""
+    rgba = img.convert("RGBA")
+    rgba.putalpha(Image.fromarray(rng.integers(0, 256, img.size[::-1], dtype=np.uint8)))
+    pal = img.convert("P", palette=Image.Palette.ADAPTIVE, colors=64)
+    reenc = Expect((JPEG_FIX,), "jpeg", "jpeg", JPEG_REENCODE_TOL, subsampling="4:2:0")
+    lossless = Expect((), "png", "png", EXACT, same_bytes=True)
+
+    def png(*fixes: str, src: str = "png", channels: int = 3) -> Expect:
+        return Expect((*fixes, PNG_FIX), "png", src, EXACT, channels=channels)
+
+    return {
+        "cmyk.jpg": (_save(img.convert("CMYK"), "JPEG", quality=95), _with(reenc, "cmyk-to-rgb")),
+        "ycck.jpg": (_ycck(img), _with(reenc, "cmyk-to-rgb")),
+        "gray.jpg": (
+            _save(img.convert("L"), "JPEG", quality=90),
+            Expect((), "jpeg", "jpeg", EXACT, 1, "gray", same_bytes=True),
+        ),
+        "progressive.jpg": (
+            _save(img, "JPEG", quality=90, progressive=True),
+            Expect((), "jpeg", "jpeg", EXACT, 3, "4:2:0", progressive=True, same_bytes=True),
+        ),
+        "exif3.jpg": (_exif_jpeg(img, 3), _with(reenc, "exif-orientation:3")),
+        "exif6.jpg": (_exif_jpeg(img, 6), _with(reenc, "exif-orientation:6")),
+        "exif8.jpg": (_exif_jpeg(img, 8), _with(reenc, "exif-orientation:8")),
+        "png_named.JPEG": (_save(img, "PNG"), lossless),
+        "plain.png": (_save(img, "PNG"), lossless),
+        "rgba.png": (_save(rgba, "PNG"), png("alpha-dropped")),
+        "la.png": (_save(rgba.convert("LA"), "PNG"), png("alpha-dropped", channels=1)),
+        "gray16.png": (
+            _gray16(img, rng),
+            Expect(("16bit-to-8bit", PNG_FIX), "png", "png", EXACT, 1, reference="gray16"),
+        ),
+        "rgb16.png": (_rgb16(img, rng), png("16bit-to-8bit")),
+        "palette.png": (_save(pal, "PNG"), png("palette-to-rgb")),
+        "palette_alpha.png": (
+            _save(pal, "PNG", transparency=0),
+            png("palette-to-rgb", "alpha-dropped"),
+        ),
+        "image.webp": (_save(img, "WEBP", quality=90), png("webp-to-png", src="webp")),
+        "image.bmp": (_save(img, "BMP"), png("bmp-to-png", src="bmp")),
+        "image.tiff": (_save(img, "TIFF"), png("tiff-to-png", src="tiff")),
+        "image.gif": (_save(img, "GIF"), png("palette-to-rgb", "gif-to-png", src="gif")),
+    }
+
+
+def _with(base: Expect, fix: str) -> Expect:
+    return Expect((fix, *base.fixes), base.format, base.source_format, base.tolerance,
+                  base.channels, base.subsampling)  # fmt: skip
+
+
+def _invalid(jpeg: bytes, rng: np.random.Generator) -> dict[str, tuple[bytes, str]]:
+    """Every invalid kind: file name -> (bytes, substring of the reject reason)."""
+    return {
+        "bad_empty.jpg": (b"", "empty file"),
+        "bad_truncated.jpg": (jpeg[: int(len(jpeg) * 0.6)], "truncated"),
+        "bad_corrupt.jpg": (_corrupt_jpeg(jpeg, rng), "corrupt JPEG data"),
+        "bad_gzip.jpg": (gzip.compress(jpeg), "gzip-compressed"),
+        "bad_html.jpg": (b"<!DOCTYPE html>\n<html><body>404 Not Found</body></html>\n", "HTML"),
+        "bad_random.jpg": (rng.integers(0, 256, 4096, dtype=np.uint8).tobytes(), "unrecognised"),
+    }
+
+
+def make_awkward_tree(root: Path, seed: int = 1) -> Tree:
+    """Two classes of plain JPEGs plus every awkward, invalid and ignored kind of file."""
+    tree = Tree(root)
+    for path in make_image_folder(root, 2, 3, seed=seed, short_side=(48, 72)):
+        tree.expect[path.relative_to(root).as_posix()] = PLAIN
+    rng = np.random.default_rng(seed)
+    for i, (name, (data, expect)) in enumerate(_awkward(_photo(rng), rng).items()):
+        rel = f"class_{i % 2:02d}/{name}"
+        (root / rel).write_bytes(data)
+        tree.expect[rel] = expect
+    nested = root / "class_01" / "sub" / "deeper"
+    nested.mkdir(parents=True)
+    (nested / "nested.jpg").write_bytes((root / "class_01" / "img_00000.JPEG").read_bytes())
+    tree.expect["class_01/sub/deeper/nested.jpg"] = PLAIN
+    jpeg = (root / "class_00" / "img_00001.JPEG").read_bytes()
+    for i, (name, (data, reason)) in enumerate(_invalid(jpeg, rng).items()):
+        rel = f"class_{i % 2:02d}/{name}"
+        (root / rel).write_bytes(data)
+        tree.invalid[rel] = reason
+    for rel, reason, data in (
+        ("README.txt", "file outside class folders", b"top-level notes\n"),
+        ("class_00/.DS_Store", "hidden or system file", b"\x00\x00\x00\x01Bud1"),
+        ("class_00/._img_00000.JPEG", "hidden or system file", b"\x00\x05\x16\x07" + bytes(60)),
+        ("class_01/Thumbs.db", "hidden or system file", bytes(512)),
+        ("class_01/notes.txt", "not an image file (extension)", b"labels are folders\n"),
+    ):
+        (root / rel).write_bytes(data)
+        tree.ignored[rel] = reason
+    return tree
+
+
+def make_clean_tree(root: Path, seed: int = 3) -> Path:
+    """3 classes x 8 real-photo images, two of them in a nested folder, one of them a PNG."""
+    make_image_folder(root, 3, 8, seed=seed, short_side=(56, 96))
+    nested = root / "class_01" / "nested"
+    nested.mkdir()
+    for name in ("img_00006.JPEG", "img_00007.JPEG"):
+        os.replace(root / "class_01" / name, nested / name)
+    jpeg = root / "class_02" / "img_00007.JPEG"
+    cv2.imwrite(str(root / "class_02" / "img_00007.png"), cv2.imread(str(jpeg)))
+    jpeg.unlink()
+    return root
+
+
+def make_big_tree(root: Path, seed: int = 5) -> Path:
+    """120 ImageNet-sized JPEGs (about 4 MB) in 3 classes, and two empty files (rejects)."""
+    make_image_folder(root, 3, 40, seed=seed)
+    (root / "class_00" / "img_00011_empty.JPEG").write_bytes(b"")
+    (root / "class_02" / "img_00030_empty.JPEG").write_bytes(b"")
+    return root
+
+
+def reference_rgb(path: Path, expect: Expect) -> np.ndarray:
+    """The pixels ``path`` should have in the store, as HxWx3 uint8 RGB."""
+    with Image.open(path) as img:
+        if expect.reference == "gray16":
+            wide = np.asarray(img, dtype=np.uint16).astype(np.float64)
+            gray = np.clip((wide / 257.0).round(), 0, 255).astype(np.uint8)
+            return np.stack([gray] * 3, axis=-1)
+        return np.asarray(ImageOps.exif_transpose(img).convert("RGB"))
+
+
+def decode_pil(data: bytes) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as img:
+        return np.asarray(img.convert("RGB"))
+
+
+def decode_cv2(data: bytes) -> np.ndarray:
+    bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    assert bgr is not None, "OpenCV could not decode the payload"
+    return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+
+
+def mean_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape, f"shapes differ: {a.shape} vs {b.shape}"
+    return float(np.abs(a.astype(np.int16) - b.astype(np.int16)).mean())
+
+
+def read_shards(store: Path) -> list[tuple[str, bytes, bytes]]:
+    """Every (shard name, key, value) of ``store``, straight from LMDB, in shard and key order."""
+    out = []
+    for entry in fmt.read_manifest(store)["shards"]:
+        env = lmdb.open(str(store / entry["name"]), readonly=True, lock=False, subdir=True)
+        with env.begin() as txn:
+            out.extend((entry["name"], bytes(k), bytes(v)) for k, v in txn.cursor())
+        env.close()
+    return out
+
+
+def assert_same_store(a: Path, b: Path) -> None:
+    """Two stores hold the same manifest, index, paths, rejects and LMDB files, byte for byte."""
+    manifest = fmt.read_manifest(a)
+    assert manifest == fmt.read_manifest(b)
+    for name in (fmt.INDEX, fmt.PATHS, fmt.REJECTS):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    np.testing.assert_array_equal(fmt.load_index(a), fmt.load_index(b))
+    assert read_shards(a) == read_shards(b)
+    for entry in manifest["shards"]:
+        data = [(root / entry["name"] / "data.mdb").read_bytes() for root in (a, b)]
+        assert data[0] == data[1], f"{entry['name']}/data.mdb differs"
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+
+
+def run_ingest(*args: str | os.PathLike, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``python3 -m ingest ARGS`` from the repository; capture its output as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "ingest", *map(str, args)],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+def count_files(root: Path) -> int:
+    return sum(len(files) for _, _, files in os.walk(root))

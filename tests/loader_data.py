@@ -1,0 +1,31 @@
+"""Test data of the loader tests: a small store of real-photo JPEGs plus the odd cases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from ingest.build import build
+from ingest.synth import make_image_folder, random_view, sample_photos
+
+CLASSES, PER_CLASS = 3, 20
+EXTRA = 3  # a grayscale JPEG, a large JPEG (DCT-domain reduction) and a PNG
+NUM_SAMPLES = CLASSES * PER_CLASS + EXTRA
+
+
+def make_store(root: Path) -> Path:
+    """Build ``root/store`` from ``root/src`` (63 images in 3 classes); return the store."""
+    src = root / "src"
+    make_image_folder(src, CLASSES, PER_CLASS, seed=7)
+    rng = np.random.default_rng(7)
+    photo = cv2.imread(str(sample_photos()[0]), cv2.IMREAD_COLOR)
+    gray = cv2.cvtColor(random_view(photo, rng, (300, 340)), cv2.COLOR_BGR2GRAY)
+    cv2.imwrite(str(src / "class_00" / "gray.JPEG"), gray, [cv2.IMWRITE_JPEG_QUALITY, 92])
+    big = random_view(photo, rng, (1100, 1200))
+    cv2.imwrite(str(src / "class_01" / "big.JPEG"), big, [cv2.IMWRITE_JPEG_QUALITY, 92])
+    cv2.imwrite(str(src / "class_02" / "plain.png"), random_view(photo, rng, (240, 260)))
+    store = root / "store"
+    build(src, store, workers=2, progress=False)
+    return store

@@ -1,0 +1,331 @@
+"""loader.DataLoader: batches, determinism, exactly-once, resume, drop-in, failures, errors."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import time
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+import torch.utils.data
+import torchvision.transforms as T
+from loader_data import NUM_SAMPLES, make_store
+
+import loader
+from ingest import format as fmt
+from ingest.codec import pack_record, unpack_record
+from loader.store import Store
+
+B = 8  # 63 samples: 7 full batches and one of 7
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_store(tmp_path_factory.mktemp("dataloader"))
+
+
+def make(store, **kwargs) -> loader.DataLoader:
+    args = {"batch_size": B, "transform": "train", "device": "cpu", "with_indices": True}
+    return loader.DataLoader(store, **{**args, **kwargs})
+
+
+def epoch(dl) -> list[tuple]:
+    return [tuple(t.clone() for t in batch) for batch in dl]
+
+
+def same(a: list[tuple], b: list[tuple]) -> bool:
+    return len(a) == len(b) and all(
+        all(torch.equal(x, y) for x, y in zip(p, q, strict=True)) for p, q in zip(a, b, strict=True)
+    )
+
+
+def indices(batches: list[tuple]) -> np.ndarray:
+    return torch.cat([b[2] for b in batches]).numpy()
+
+
+# -- batches ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_batch_types_and_normalisation(store, dtype, channels_last):
+    raw = make(store, transform="eval", dtype=torch.uint8)
+    dl = make(store, transform="eval", dtype=dtype, channels_last=channels_last)
+    (pixels, _, _), (images, labels, idx) = next(iter(raw)), next(iter(dl))
+    assert images.shape == (B, 3, 224, 224) and images.dtype == dtype
+    fmt_ = torch.channels_last if channels_last else torch.contiguous_format
+    assert images.is_contiguous(memory_format=fmt_)
+    assert labels.dtype == torch.int64 and idx.dtype == torch.int64
+    assert labels.tolist() == Store(store).labels[idx.numpy()].tolist()
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    expect = pixels if dtype == torch.uint8 else ((pixels / 255.0 - mean) / std).to(dtype)
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}.get(dtype, 0)
+    assert torch.allclose(images.float(), expect.float(), atol=tol, rtol=0)
+
+
+def test_image_size_mean_std_and_last_batch(store):
+    dl = loader.DataLoader(
+        store,
+        batch_size=B,
+        transform="eval",
+        image_size=(96, 128),
+        mean=(0, 0, 0),
+        std=(1, 1, 1),
+        device="cpu",
+    )
+    batches = list(dl)
+    assert len(dl) == len(batches) == 8 and [len(b[0]) for b in batches] == [B] * 7 + [7]
+    images = batches[0][0]
+    assert images.shape == (B, 3, 96, 128) and images.min() >= 0 and images.max() <= 1
+    dropped = loader.DataLoader(store, batch_size=B, transform="eval", drop_last=True, device="cpu")
+    assert len(dropped) == len(list(dropped)) == 7
+
+
+def test_pin_memory_is_a_silent_no_op_without_cuda(store):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    images, _, _ = next(iter(make(store, pin_memory=True)))
+    assert not images.is_pinned()
+
+
+# -- order, determinism, exactly-once, resume -------------------------------------------
+
+
+def test_same_seed_same_batches_whatever_the_workers(store):
+    inline = epoch(make(store, shuffle=True, seed=3))
+    workers = epoch(make(store, shuffle=True, seed=3, num_workers=2))
+    assert same(inline, workers)
+    other = epoch(make(store, shuffle=True, seed=4))
+    assert not np.array_equal(indices(other), indices(inline))
+    # Same order, other augmentation draws: seeds differ per epoch and step, not only order.
+    a, b = make(store, seed=3), make(store, seed=4)
+    first_a, first_b = next(iter(a)), next(iter(b))
+    assert torch.equal(first_a[2], first_b[2]) and not torch.equal(first_a[0], first_b[0])
+
+
+def test_each_sample_exactly_once_per_epoch(store):
+    dl = make(store, shuffle=True, num_workers=2)
+    labels = Store(store).labels
+    for _ in range(2):
+        batches = epoch(dl)
+        got = indices(batches)
+        assert sorted(got.tolist()) == list(range(NUM_SAMPLES))
+        assert torch.cat([b[1] for b in batches]).tolist() == labels[got].tolist()
+    assert dl.epoch == 2
+
+
+def test_shuffle_false_reads_in_store_order(store):
+    assert indices(epoch(make(store))).tolist() == list(range(NUM_SAMPLES))
+
+
+def test_epochs_advance_and_set_epoch_repeats(store):
+    dl = make(store, shuffle=True)
+    e0, e1 = indices(epoch(dl)), indices(epoch(dl))
+    assert not np.array_equal(e0, e1)
+    dl.set_epoch(0)
+    assert np.array_equal(indices(epoch(dl)), e0)
+
+
+def test_resume_mid_epoch(store):
+    a = make(store, shuffle=True, seed=5, num_workers=2)
+    it = iter(a)
+    head = [tuple(t.clone() for t in next(it)) for _ in range(3)]
+    state = a.state_dict()
+    assert state["consumed"] == 3 * B and state["epoch"] == 0
+    rest = [tuple(t.clone() for t in b) for b in it]
+    later = epoch(a)
+    b = make(store, shuffle=True, seed=5)  # a fresh loader, other worker count
+    b.load_state_dict(state)
+    b.set_epoch(0)  # the usual loop calls set_epoch(epoch) first: the resume is kept
+    assert same(epoch(b), rest)
+    assert same(epoch(b), later)
+    assert sorted(indices(head + rest).tolist()) == list(range(NUM_SAMPLES))
+
+
+def test_resume_with_another_world_size(store):
+    a = make(store, shuffle=True, seed=6)
+    it = iter(a)
+    seen = [next(it)[2] for _ in range(2)]
+    state = a.state_dict()
+    ranks = [make(store, shuffle=True, seed=6, rank=r, world_size=2) for r in range(2)]
+    for r in ranks:
+        r.load_state_dict(state)
+    parts = [indices(epoch(r)) for r in ranks]
+    assert len(parts[0]) == len(parts[1])
+    assert not set(parts[0]) & set(parts[1])
+    done = torch.cat(seen).tolist() + parts[0].tolist() + parts[1].tolist()
+    assert set(done) == set(range(NUM_SAMPLES))
+
+
+def test_ranks_get_disjoint_equal_shares(store):
+    ranks = [make(store, shuffle=True, rank=r, world_size=2, drop_last=True) for r in range(2)]
+    parts = [indices(epoch(r)) for r in ranks]
+    assert len(ranks[0]) == len(ranks[1]) == 3 and len(parts[0]) == len(parts[1]) == 3 * B
+    assert not set(parts[0]) & set(parts[1])
+
+
+def test_stopping_early_then_iterating_again_restarts_the_epoch(store):
+    for persistent in (False, True):
+        dl = make(store, shuffle=True, num_workers=2, persistent_workers=persistent)
+        full = epoch(make(store, shuffle=True))
+        it = iter(dl)
+        next(it)
+        del it  # abandoned: its workers are stopped (or drained, when persistent)
+        assert same(epoch(dl), full)
+        assert (dl.worker_pids != []) == persistent
+        dl.close()
+        assert dl.worker_pids == []
+
+
+def test_spawn_workers(store):
+    inline = epoch(make(store, seed=2))[:2]
+    dl = make(store, seed=2, num_workers=1, multiprocessing_context="spawn")
+    it = iter(dl)
+    assert same([tuple(t.clone() for t in next(it)) for _ in range(2)], inline)
+    dl.close()
+
+
+# -- drop-in for other datasets ----------------------------------------------------------
+
+
+def test_any_other_dataset_gets_torchs_dataloader(store):
+    ds = torch.utils.data.TensorDataset(torch.arange(10.0), torch.arange(10))
+    dl = loader.DataLoader(ds, 4, False, drop_last=True)
+    assert type(dl) is torch.utils.data.DataLoader
+    ref = torch.utils.data.DataLoader(ds, 4, False, drop_last=True)
+    assert [b[1].tolist() for b in dl] == [b[1].tolist() for b in ref]
+    tf = T.Compose([T.Resize(64), T.CenterCrop(64), T.ToTensor()])
+    lmdb_ds = loader.LMDBDataset(store, transform=tf)
+    dl = loader.DataLoader(lmdb_ds, batch_size=4, num_workers=1)
+    assert type(dl) is torch.utils.data.DataLoader
+    images, labels = next(iter(dl))
+    assert images.shape == (4, 3, 64, 64) and labels.tolist() == [0, 0, 0, 0]
+
+
+def test_store_options_are_refused_for_other_datasets():
+    ds = torch.utils.data.TensorDataset(torch.arange(4.0))
+    with pytest.raises(ValueError, match=r"transform=, device= apply only when reading a store"):
+        loader.DataLoader(ds, transform="train", device="cpu")
+
+
+def test_lmdb_dataset_without_transform_takes_the_fast_path(store):
+    dl = loader.DataLoader(loader.LMDBDataset(store), batch_size=B, transform="eval", device="cpu")
+    assert isinstance(dl, loader.DataLoader)
+    assert next(iter(dl))[0].shape == (B, 3, 224, 224)
+
+
+# -- failures -----------------------------------------------------------------------------
+
+
+def test_killed_worker_raises_naming_it(store):
+    dl = make(store, batch_size=2, num_workers=2)
+    it = iter(dl)
+    next(it)
+    victim = dl.worker_pids[0]
+    os.kill(victim, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(
+        RuntimeError,
+        match=rf"worker 0 \(pid {victim}\) died: killed by signal "
+        r"SIGKILL",
+    ):
+        for _ in it:
+            pass
+    assert time.monotonic() - start < 10
+    assert dl.worker_pids == []  # the others were stopped
+    assert len(epoch(dl)) == 32  # and a new iteration starts afresh
+
+
+def test_worker_exception_is_raised_in_the_loop(store):
+    def broken_init(worker_id):
+        raise OSError(f"no GPU for worker {worker_id}")
+
+    with pytest.raises(RuntimeError, match=r"worker \d failed while starting:(.|\n)*no GPU"):
+        next(iter(make(store, num_workers=2, worker_init_fn=broken_init)))
+
+
+def test_timeout(store):
+    def slow_init(worker_id):
+        time.sleep(30)
+
+    dl = make(store, num_workers=1, worker_init_fn=slow_init, timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"timed out after 0.5 seconds"):
+        next(iter(dl))
+    assert time.monotonic() - start < 5
+
+
+def corrupt(store, tmp_path, index: int) -> tuple[str, object]:
+    """Copy the store, replace record ``index``'s image by junk; return (its path, the copy)."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(store, copy)
+    shard = Store(copy).shard_of(index)
+    with (
+        lmdb.open(str(copy / fmt.shard_name(shard)), subdir=True) as env,
+        env.begin(write=True) as txn,
+    ):
+        record = unpack_record(txn.get(fmt.encode_key(index)))
+        record["image"] = b"\xff\xd8\xff\xe0 this is not a JPEG " * 20
+        txn.put(fmt.encode_key(index), pack_record(record))
+    return record["path"], copy
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_corrupt_record_is_replaced_counted_and_logged_once(store, tmp_path, caplog, num_workers):
+    path, damaged = corrupt(store, tmp_path, 17)
+    dl = make(damaged, num_workers=num_workers)
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        batches = epoch(dl)
+        again = epoch(dl)
+    assert len(batches) == len(again) == 8
+    got = indices(batches)
+    assert len(got) == NUM_SAMPLES and 17 not in got  # sample 17 was replaced
+    assert list(dl.bad_samples) == [17] and dl.bad_samples[17].startswith(path)
+    assert dl.num_replaced == 2  # once per epoch
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "sample 17" in warnings[0] and path in warnings[0]
+
+
+# -- errors users make --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"batch_size": 0}, r"batch_size=0 is invalid: it must be an integer >= 1"),
+        ({"num_workers": -1}, r"num_workers=-1 is invalid.*use num_workers=0"),
+        ({"transform": "training"}, r"transform='training' is not a built-in transform; use one"),
+        ({"transform": None}, r"transform= is required when reading a store"),
+        ({"dtype": torch.int32}, r"dtype=torch.int32 is not supported; use one of float32"),
+        ({"device": "mps"}, r"device='mps' is not supported; use 'cpu' or a CUDA device"),
+        ({"decoder": "dali"}, r"decoder='dali' is unknown; known decoders: cpu"),
+        ({"sampler": [0, 1]}, r"sampler= cannot be used when reading a store"),
+        ({"prefetch_factor": 0}, r"prefetch_factor=0 is invalid"),
+    ],
+)
+def test_argument_errors(store, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make(store, **kwargs)
+
+
+def test_cuda_device_without_cuda(store):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=r"device='cuda' asks for CUDA, but .* pass device='cpu'"):
+        make(store, device="cuda")
+
+
+def test_not_a_store(tmp_path, store):
+    with pytest.raises(ValueError, match=r"no such store directory; build one with `ingest build"):
+        make(tmp_path / "missing")
+    partial = tmp_path / "partial"
+    shutil.copytree(store, partial)
+    (partial / fmt.MANIFEST).unlink()
+    with pytest.raises(ValueError, match=r"not a complete store, manifest.json is missing"):
+        make(partial)

@@ -1,0 +1,85 @@
+"""Crash safety and determinism of builds: kill -9 and resume, worker counts, map growth."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fixtures import (
+    AWKWARD_OPTIONS,
+    REPO,
+    Tree,
+    assert_same_store,
+    make_big_tree,
+    read_shards,
+    run_ingest,
+)
+
+from ingest import format as fmt
+from ingest.build import BuildOptions, build
+from ingest.codec import unpack_record
+
+
+def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:
+    src = make_big_tree(tmp_path / "src")
+    out, clean = tmp_path / "out", tmp_path / "clean"
+    args = ["build", src, out, "--shard-size", "200KiB", "--workers", "2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ingest", *map(str, args)], cwd=REPO, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "shard-00001").exists():  # shard 0 is sealed and recorded by then
+            assert proc.poll() is None, "the build ended before it could be killed"
+            assert time.monotonic() < deadline, "no shard was sealed within 60 s"
+            time.sleep(0.001)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the pool workers too
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / fmt.MANIFEST).exists()
+    state = json.loads((out / fmt.BUILD_STATE).read_text())
+    sealed = [s["name"] for s in state["shards"]]
+    assert sealed[0] == "shard-00000" and len(sealed) < 20  # of 23: killed early
+    inodes = {name: (out / name / "data.mdb").stat().st_ino for name in sealed}
+
+    rerun = run_ingest(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "seen 122 = kept 120 + rejected 2 + ignored 0 in 23 shard(s)" in rerun.stdout
+    # Sealed shards were kept, not rewritten: the build resumed.
+    assert {name: (out / name / "data.mdb").stat().st_ino for name in sealed} == inodes
+    assert not (out / fmt.BUILD_STATE).exists() and not (out / fmt.PARTIAL_DIR).exists()
+
+    done = run_ingest(*args[:2], clean, *args[3:])
+    assert done.returncode == 0, done.stderr
+    assert_same_store(out, clean)  # data.mdb files included, byte for byte
+
+
+def test_same_store_whatever_the_number_of_workers(
+    tmp_path: Path, awkward_tree: Tree, awkward_store: Path
+) -> None:
+    out = tmp_path / "store"
+    build(awkward_tree.root, out, AWKWARD_OPTIONS, workers=2, progress=False)
+    assert_same_store(out, awkward_store)  # that one was built with workers=1
+
+
+def test_map_grows_from_a_tiny_initial_map(
+    tmp_path: Path, clean_tree: Path, clean_store: Path
+) -> None:
+    out = tmp_path / "store"
+    options = BuildOptions()  # one shard of all the records, about 100 KB
+    manifest = build(clean_tree, out, options, workers=1, progress=False, map_size=64 << 10)
+    assert len(manifest["shards"]) == 1 and manifest["shards"][0]["map_growths"] > 0
+    assert {s["map_growths"] for s in fmt.read_manifest(clean_store)["shards"]} == {0}
+    assert [unpack_record(v) for _, _, v in read_shards(out)] == [
+        unpack_record(v) for _, _, v in read_shards(clean_store)
+    ]
+    assert manifest["num_samples"] == len(read_shards(out)) == 24
