@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -21,6 +20,7 @@ from tqdm import tqdm
 from ingest import format as fmt
 from ingest.codec import Compression, compress, pack_record
 from ingest.normalize import Options, Reject, convert
+from ingest.resume import fingerprint, load_state, prepare_out
 from ingest.scan import Scan, scan
 from ingest.writer import MiB, ShardWriter, sha256_file
 
@@ -37,10 +37,6 @@ class BuildOptions:
         d = asdict(self)
         d["compression"] = str(self.compression)
         return d
-
-
-class OutputError(ValueError):
-    """OUT cannot be written as asked (exists, is a file, is someone else's directory)."""
 
 
 def build(
@@ -67,9 +63,8 @@ def build(
     options = options or BuildOptions()
     src, out = Path(src), Path(out)
     tree = scan(src)
-    _prepare_out(out, overwrite)
-    fingerprint = _fingerprint(tree, options)
-    state = _load_state(out, fingerprint)
+    prepare_out(out, overwrite)
+    state = load_state(out, fingerprint(tree, options.output_affecting()))
     run = _Run(tree, out, options, state, map_size or int(options.shard_size * 1.25) + MiB)
     workers = workers or os.cpu_count() or 1
     items = tree.items[state["cursor"] :]
@@ -86,59 +81,6 @@ def build(
 
 def _no_bar(progress: bool | None) -> bool | None:
     return None if progress is None else not progress
-
-
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output {out} is a file; pass a directory path for the store")
-    if (out / fmt.MANIFEST).exists():
-        if not overwrite:
-            raise OutputError(
-                f"output {out} is already a complete store; pass --overwrite to replace it"
-            )
-        (out / fmt.MANIFEST).unlink()  # first, so a crash mid-delete never looks complete
-        shutil.rmtree(out)
-    elif out.is_dir() and any(out.iterdir()) and not (out / fmt.BUILD_STATE).exists():
-        raise OutputError(
-            f"output {out} is a non-empty directory that is not a store; "
-            "choose a new or empty directory"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-
-
-def _fingerprint(tree: Scan, options: BuildOptions) -> str:
-    h = hashlib.sha256()
-    h.update(json.dumps([fmt.FORMAT_VERSION, options.output_affecting(), tree.classes]).encode())
-    for rel, label in tree.items:
-        st = os.stat(tree.root / rel)
-        h.update(f"{rel}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()
-
-
-def _fresh_state(fingerprint: str) -> dict:
-    return {"fingerprint": fingerprint, "cursor": 0, "shards": [], "rejects": [], "stats": {}}
-
-
-def _load_state(out: Path, fingerprint: str) -> dict:
-    """The sealed progress of an interrupted build of the same inputs, else a fresh start."""
-    path = out / fmt.BUILD_STATE
-    state = None
-    if path.exists():
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
-        if state.get("fingerprint") != fingerprint:
-            print(f"ingest: {out} holds an interrupted build of other inputs; starting over")
-            state = None
-    if state is None:
-        for child in out.iterdir():  # only our own leftovers can be here (see _prepare_out)
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-        state = _fresh_state(fingerprint)
-        fmt.write_json_atomic(path, state)
-    sealed = {s["name"] for s in state["shards"]}
-    for child in out.glob("shard-*"):
-        if child.name not in sealed:  # renamed into place, but the state never recorded it
-            shutil.rmtree(child)
-    return state
 
 
 def _results(src: Path, items: list, options: BuildOptions, workers: int) -> Iterator[tuple]:
@@ -294,14 +236,10 @@ class _Run:
             "num_ignored": ignored,
             "ignored_by_reason": dict(sorted(self.tree.ignored.items())),
             "shards": self.state["shards"],
-            "index": {"file": fmt.INDEX, "sha256": _sha256(self.out / fmt.INDEX)},
-            "paths": {"file": fmt.PATHS, "sha256": _sha256(self.out / fmt.PATHS)},
-            "rejects": {"file": fmt.REJECTS, "sha256": _sha256(self.out / fmt.REJECTS)},
+            "index": {"file": fmt.INDEX, "sha256": sha256_file(self.out / fmt.INDEX)},
+            "paths": {"file": fmt.PATHS, "sha256": sha256_file(self.out / fmt.PATHS)},
+            "rejects": {"file": fmt.REJECTS, "sha256": sha256_file(self.out / fmt.REJECTS)},
             "record_bytes": sum(s["record_bytes"] for s in self.state["shards"]),
             "stats": dict(sorted(self.stats.items())),
             "options": self.options.output_affecting(),
         }
-
-
-def _sha256(path: Path) -> str:
-    return sha256_file(path)

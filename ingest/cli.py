@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from ingest.build import OutputError
+    from ingest.resume import OutputError
     from ingest.scan import SourceError
 
     try:

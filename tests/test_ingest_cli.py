@@ -10,8 +10,9 @@ import pytest
 from fixtures import read_shards, run_ingest
 
 from ingest import format as fmt
-from ingest.build import OutputError, build
+from ingest.build import build
 from ingest.codec import unpack_record
+from ingest.resume import OutputError
 from ingest.scan import SourceError
 from ingest.synth import make_image_folder
 from ingest.verify import verify_store

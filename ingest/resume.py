@@ -1,0 +1,74 @@
+"""The OUT directory across runs: refuse what is not ours, resume what was interrupted.
+
+A build records its sealed progress in OUT/.build-state.json after every shard; its
+fingerprint (inputs, their sizes and mtimes, the options that decide the content) says
+whether a later run of the same command may resume from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ingest import format as fmt
+from ingest.scan import Scan
+
+
+class OutputError(ValueError):
+    """OUT cannot be written as asked (exists, is a file, is someone else's directory)."""
+
+
+def prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output {out} is a file; pass a directory path for the store")
+    if (out / fmt.MANIFEST).exists():
+        if not overwrite:
+            raise OutputError(
+                f"output {out} is already a complete store; pass --overwrite to replace it"
+            )
+        (out / fmt.MANIFEST).unlink()  # first, so a crash mid-delete never looks complete
+        shutil.rmtree(out)
+    elif out.is_dir() and any(out.iterdir()) and not (out / fmt.BUILD_STATE).exists():
+        raise OutputError(
+            f"output {out} is a non-empty directory that is not a store; "
+            "choose a new or empty directory"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def fingerprint(tree: Scan, options: dict) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([fmt.FORMAT_VERSION, options, tree.classes]).encode())
+    for rel, label in tree.items:
+        st = os.stat(tree.root / rel)
+        h.update(f"{rel}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def fresh_state(digest: str) -> dict:
+    return {"fingerprint": digest, "cursor": 0, "shards": [], "rejects": [], "stats": {}}
+
+
+def load_state(out: Path, digest: str) -> dict:
+    """The sealed progress of an interrupted build of the same inputs, else a fresh start."""
+    path = out / fmt.BUILD_STATE
+    state = None
+    if path.exists():
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+        if state.get("fingerprint") != digest:
+            print(f"ingest: {out} holds an interrupted build of other inputs; starting over")
+            state = None
+    if state is None:
+        for child in out.iterdir():  # only our own leftovers can be here (see _prepare_out)
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+        state = fresh_state(digest)
+        fmt.write_json_atomic(path, state)
+    sealed = {s["name"] for s in state["shards"]}
+    for child in out.glob("shard-*"):
+        if child.name not in sealed:  # renamed into place, but the state never recorded it
+            shutil.rmtree(child)
+    return state
