@@ -7,11 +7,16 @@ and number of workers, page cache warm, one warm-up epoch before the timed ones:
 2. ``loader.DataLoader(store, transform="train", device="cpu")``: the issue asks >= 2x (1);
 3. bare ``cv2.imdecode`` of the same files in a process per core: (2) >= 0.7x (3).
 
-Also the memory of each loader after every epoch (main process + workers, from /proc):
-resident memory must not grow from epoch to epoch, and a worker's private memory (what an
-extra worker costs beyond the shared batch buffers) must stay a few MB.
+Each pipeline runs in a process of its own and their epochs take turns (in rotating
+order), so that a change in machine speed during the run touches all three alike; img/s is
+the median over the timed epochs, a ratio the median of the per-round ratios. Also the
+memory of each loader after every epoch (main process + workers, from /proc): resident
+memory must not grow from epoch to epoch, and a worker's private memory (what an extra
+worker costs beyond the shared batch buffers) must stay a few MB. Writes
+benchmarks/results/loader-<cpus>cpu.json.
 
     python3 benchmarks/bench_loader.py [--images 2560] [--batch-size 128] [--workers N]
+    (16-core GPU machine: --images 10240 --batch-size 256 --workers 16)
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ MiB = 1 << 20
 
 
 def proc_memory(pid: int) -> dict[str, float]:
-    """Resident memory of ``pid`` in MiB: VmRSS and its parts, plus PSS and private (USS)."""
+    """Resident memory of ``pid`` in MiB: VmRSS and its parts, PSS and private dirty pages."""
     out: dict[str, float] = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -48,7 +53,7 @@ def proc_memory(pid: int) -> dict[str, float]:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             rollup = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.strip().endswith("kB")}
         out["Pss"] = rollup["Pss"] / 1024
-        out["Private"] = (rollup["Private_Clean"] + rollup["Private_Dirty"]) / 1024
+        out["PrivateDirty"] = rollup["Private_Dirty"] / 1024  # what this process alone costs
     except (OSError, KeyError):
         pass
     return {k: round(v, 1) for k, v in out.items()}
@@ -63,13 +68,17 @@ def children() -> list[int]:
 
 
 def memory_snapshot() -> dict:
+    """Memory of this process and its workers. ``total`` counts what the loader owns: the
+    main process's anonymous and shared memory (the batch ring once) plus each worker's
+    private dirty pages; file-backed pages (libraries, the store's page cache) are left out."""
     workers = [proc_memory(p) for p in children()]
     main = proc_memory(os.getpid())
+    total = main["RssAnon"] + main["RssShmem"] + sum(w.get("PrivateDirty", 0) for w in workers)
     return {
         "main": main,
         "workers": workers,
-        "total_pss": round(main.get("Pss", 0) + sum(w.get("Pss", 0) for w in workers), 1),
-        "worker_private_max": max((w.get("Private", 0) for w in workers), default=0),
+        "total": round(total, 1),
+        "worker_private_max": max((w.get("PrivateDirty", 0) for w in workers), default=0),
     }
 
 
@@ -161,8 +170,7 @@ def interleaved(pipelines: dict, args) -> dict:
             e = rounds[name][-1]
             print(
                 f"  round {r}{' (warm-up)' if not r else ''} {name:>9}: "
-                f"{e['images'] / e['seconds']:7.1f} img/s, PSS (main + workers) "
-                f"{e['memory']['total_pss']:.0f} MiB",
+                f"{e['images'] / e['seconds']:7.1f} img/s, memory {e['memory']['total']:.0f} MiB",
                 flush=True,
             )
     for name in names:
@@ -172,11 +180,9 @@ def interleaved(pipelines: dict, args) -> dict:
 
 
 def summarise(epochs: list[dict]) -> dict:
-    timed = epochs[1:]
-    return {
-        "img_per_s": sum(e["images"] for e in timed) / sum(e["seconds"] for e in timed),
-        "epochs": epochs,
-    }
+    """img/s: the median of the timed epochs' rates (robust to a passing load spike)."""
+    rates = [e["images"] / e["seconds"] for e in epochs[1:]]
+    return {"img_per_s": float(np.median(rates)), "rates": rates, "epochs": epochs}
 
 
 def prepare(args) -> tuple[Path, Path, list[Path]]:
@@ -191,18 +197,30 @@ def prepare(args) -> tuple[Path, Path, list[Path]]:
     return src, store, paths
 
 
+def torchvision_version() -> str:
+    import torchvision
+
+    return torchvision.__version__
+
+
 def summary(results: dict) -> dict:
-    ours = results["loader"]["epochs"]
-    pss = [e["memory"]["total_pss"] for e in ours]
+    """Ratios per round (the pipelines ran one after the other, so a round's ratio sees the
+    machine at about one speed), then their median; memory of our loader per epoch."""
+    rates = {name: r["rates"] for name, r in results.items()}
+
+    def ratio(a: str, b: str) -> float:
+        return round(float(np.median([x / y for x, y in zip(rates[a], rates[b], strict=True)])), 2)
+
+    memory = [e["memory"]["total"] for e in results["loader"]["epochs"]]
     return {
-        "loader_vs_torch": round(results["loader"]["img_per_s"] / results["torch"]["img_per_s"], 2),
-        "loader_vs_imdecode": round(
-            results["loader"]["img_per_s"] / results["imdecode"]["img_per_s"], 2
+        "loader_vs_torch": ratio("loader", "torch"),
+        "loader_vs_imdecode": ratio("loader", "imdecode"),
+        "loader_memory_mib_per_epoch": memory,
+        "loader_memory_growth_mib": round(memory[-1] - memory[1], 1),
+        "loader_worker_private_mib": max(
+            e["memory"]["worker_private_max"] for e in results["loader"]["epochs"]
         ),
-        "loader_pss_mib_per_epoch": pss,
-        "loader_pss_growth_mib": round(pss[-1] - pss[1], 1),
-        "loader_worker_private_mib": max(e["memory"]["worker_private_max"] for e in ours),
-        "loader_main_rss_mib": [e["memory"]["main"]["VmRSS"] for e in ours],
+        "torch_memory_mib_per_epoch": [e["memory"]["total"] for e in results["torch"]["epochs"]],
     }
 
 
@@ -212,7 +230,7 @@ def main() -> None:
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--workers", type=int, default=os.cpu_count())
-    p.add_argument("--epochs", type=int, default=3, help="timed epochs, after one warm-up")
+    p.add_argument("--epochs", type=int, default=4, help="timed epochs, after one warm-up")
     p.add_argument("--no-antialias", action="store_true", help="plain bilinear shrink")
     p.add_argument("--workdir", type=Path, default=REPO / "bench-data" / "loader")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -229,16 +247,16 @@ def main() -> None:
         print(f"{name:>9}: {r['img_per_s']:8.1f} img/s")
     print(json.dumps(ratios, indent=1))
     report = {
-        "machine": machine(),
+        "machine": {**machine(), "torchvision": torchvision_version()},
         "args": {k: str(v) for k, v in vars(args).items()},
         "images": len(paths),
         "results": results,
         "summary": ratios,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"loader-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = args.out / f"loader-{os.cpu_count()}cpu.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {path.relative_to(REPO)}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

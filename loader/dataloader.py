@@ -145,7 +145,9 @@ class DataLoader:
             world_size=world_size,
         )
         self._labels = np.asarray(self.store.index["label"], dtype=np.int64)
-        self._producer = PixelBatches(self.store, self.transform, self.batch_size, self.decoder)
+        self._producer = PixelBatches(
+            self.store, self.transform, self.batch_size, self.decoder, planar=not channels_last
+        )
         slots = 1 if self.num_workers == 0 else self.num_workers * self.prefetch_factor
         self._ring = Ring(self._producer.buffers(), slots, shared=self.num_workers > 0)
         self._workers = _Workers()
@@ -182,6 +184,7 @@ class DataLoader:
 
     @property
     def epoch(self) -> int:
+        """The epoch the next iteration reads (advances when an epoch is read to its end)."""
         return self._plan.epoch
 
     def set_epoch(self, epoch: int) -> None:
@@ -212,6 +215,7 @@ class DataLoader:
         """Stop the workers now (a later iteration starts new ones)."""
         self._end_active("close()")
         self._workers.stop()
+        self._output.close()
 
     def __enter__(self) -> DataLoader:
         return self

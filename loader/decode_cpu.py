@@ -108,4 +108,11 @@ def _prefilter(window: np.ndarray, sy: float, sx: float) -> np.ndarray:
     if max(sigma_x, sigma_y) < _MIN_SIGMA:
         return window
     # A zero sigma means "same as the other" to OpenCV: a tiny one gives a 1-tap kernel.
-    return cv2.GaussianBlur(window, (0, 0), sigmaX=max(sigma_x, 1e-3), sigmaY=max(sigma_y, 1e-3))
+    # Three taps suffice up to sigma 1 (what remains after DCT reduction) and cost a third
+    # less than OpenCV's default width, with the same agreement with PIL.
+    size = (_taps(sigma_x), _taps(sigma_y))
+    return cv2.GaussianBlur(window, size, sigmaX=max(sigma_x, 1e-3), sigmaY=max(sigma_y, 1e-3))
+
+
+def _taps(sigma: float) -> int:
+    return 3 if sigma <= 1.0 else 2 * int(np.ceil(2 * sigma)) + 1

@@ -1,10 +1,11 @@
 """EpochIterator: yields the rest of one epoch's batches, in order, from workers or inline.
 
-It keeps every ring slot busy: a task ``(slot, step, indices, seed)`` goes to a worker as
-soon as a slot is free, finished batches wait in a reorder buffer until their turn, and a
-slot is handed back once its batch has been copied out. The loader's plan advances only when
-a batch is delivered, so ``state_dict()`` counts what the user has received, not what the
-workers have prefetched.
+It keeps every ring slot busy: as soon as a slot is free the next batch is planned and
+split into chunks, one task per chunk, so that all workers share each batch (the first
+batch comes W times sooner and the end of an epoch leaves no worker idle). Finished batches
+wait in a reorder buffer until their turn, and a slot is handed back once its batch has
+been copied out. The loader's plan advances only when a batch is delivered, so
+``state_dict()`` counts what the user has received, not what the workers have prefetched.
 """
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from loader.batch import BatchReport
 from loader.sampler import EpochPlan, batch_seed
 
 _POLL_S = 1.0  # longest wait between checks of the workers' liveness and of the timeout
+MIN_CHUNK = 16  # samples per task at least: keeps the messages per image negligible
+
+
+def chunk_size(batch_size: int, num_workers: int) -> int:
+    """Samples per worker task: a batch split evenly over the workers, not too finely."""
+    return max(MIN_CHUNK, -(-batch_size // max(1, num_workers)))
 
 
 def tasks(plan: EpochPlan, seed: int) -> Iterator[tuple[int, np.ndarray, int]]:
@@ -46,9 +54,11 @@ class EpochIterator:
         self._length = loader._plan.remaining()
         self._next_step = loader._plan.step
         self._ring, self._pool = loader._ring, loader._pool
+        self._producer = loader._producer
+        self._chunk = chunk_size(loader.batch_size, loader.num_workers)
         self._free = list(range(self._ring.slots - 1, -1, -1))
-        self._in_flight: set[int] = set()  # steps sent to workers, not yet back
-        self._ready: dict[int, tuple[int, object]] = {}  # step -> (slot, report)
+        self._pending: dict[int, list] = {}  # step -> [slot, chunks out, merged report]
+        self._ready: dict[int, tuple[int, BatchReport]] = {}  # step -> (slot, report)
         self._closed = False
         self.ended_by: str | None = None
 
@@ -83,16 +93,17 @@ class EpochIterator:
         self._dispatch()  # refill before returning, so workers run while the user trains
         return batch
 
-    def _produce(self) -> tuple[int, object]:
+    def _produce(self) -> tuple[int, BatchReport]:
         """The slot holding the next batch (StopIteration at the end of the epoch)."""
         if self._pool is None:
             step, indices, seed = next(self._tasks)
             slot = self._free.pop()
             views = {k: v.numpy() for k, v in self._ring.slot(slot).items()}
-            return slot, self._loader._producer.fill(views, indices, seed)
+            crops = self._producer.plan(indices, seed)
+            return slot, self._producer.fill(views, 0, indices, crops, seed)
         self._dispatch()
         step = self._next_step
-        if step not in self._in_flight and step not in self._ready:
+        if step not in self._pending and step not in self._ready:
             raise StopIteration
         self._pool.check_alive()
         timeout = self._loader.timeout
@@ -108,20 +119,28 @@ class EpochIterator:
         return self._ready.pop(step)
 
     def _take(self, results) -> None:
-        for step, slot, report in results:
-            self._in_flight.discard(step)
-            self._ready[step] = (slot, report)
+        for step, _, report in results:
+            entry = self._pending[step]
+            entry[1] -= 1
+            entry[2].bad += report.bad
+            if not entry[1]:
+                del self._pending[step]
+                self._ready[step] = (entry[0], entry[2])
 
     def _dispatch(self) -> None:
-        """Send tasks to the workers while slots are free."""
+        """Plan batches and send their chunks to the workers while slots are free."""
         while self._pool is not None and self._free and not self._closed:
             task = next(self._tasks, None)
             if task is None:
                 return
             step, indices, seed = task
+            crops = self._producer.plan(indices, seed)
             slot = self._free.pop()
-            self._pool.submit((slot, step, indices, seed))
-            self._in_flight.add(step)
+            starts = range(0, len(indices), self._chunk)
+            self._pending[step] = [slot, len(starts), BatchReport(len(indices))]
+            for lo in starts:
+                hi = lo + self._chunk
+                self._pool.submit((slot, step, (lo, indices[lo:hi], crops[lo:hi], seed)))
 
     def close(self, reason: str | None = None) -> None:
         """Abandon the rest of the epoch (its progress stays as delivered); frees the workers."""
@@ -131,17 +150,17 @@ class EpochIterator:
 
     def _close(self, finished: bool) -> None:
         self._closed = True
-        self._loader._iteration_ended(self, finished, drained=not self._in_flight)
+        self._loader._iteration_ended(self, finished, drained=not self._pending)
 
     def drain(self, timeout: float) -> bool:
         """Wait for batches still in the workers (to reuse the workers); False if it failed."""
         deadline = time.monotonic() + timeout
         try:
-            while self._in_flight and time.monotonic() < deadline:
+            while self._pending and time.monotonic() < deadline:
                 self._take(self._pool.receive(min(_POLL_S, deadline - time.monotonic())))
         except RuntimeError:
             return False
-        return not self._in_flight
+        return not self._pending
 
     def __del__(self) -> None:
         # At interpreter shutdown this may fail; the loader's finaliser stops the workers.

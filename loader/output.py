@@ -1,4 +1,4 @@
-"""BatchOutput: a uint8 NHWC ring slot -> the delivered images tensor (dtype, layout, device).
+"""BatchOutput: a uint8 ring slot -> the delivered images tensor (dtype, layout, device).
 
 The slot is copied out before it is handed back to the workers, so a delivered batch never
 aliases shared memory. On a CUDA device the uint8 pixels cross the bus (4x fewer bytes than
@@ -9,13 +9,16 @@ is several times faster than torch's elementwise ops on uint8 input.
 
 from __future__ import annotations
 
-import mmap
+import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import cv2
 import numpy as np
 import torch
 
 from loader.augment import Transform
+from loader.hostmem import HostMemory
 
 DTYPES = {
     "float32": torch.float32,
@@ -76,18 +79,11 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
     return dev
 
 
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor backed by transparent huge pages where the kernel allows.
-
-    A fresh 150 MB batch otherwise costs ~40k page faults when first written: as much time
-    as converting it. The memory is unmapped when the tensor is freed.
-    """
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < 1 << 22 or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
+def conversion_threads() -> int:
+    """Threads for the CPU conversion: half the cores, at most 8, so that the main process
+    keeps up with many workers (``cv2.LUT`` releases the GIL); one on small machines, where
+    the workers already fill the cores and a thread pool would only add overhead."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 class BatchOutput:
@@ -99,6 +95,7 @@ class BatchOutput:
         channels_last: deliver images in ``torch.channels_last`` memory format.
         device: where to deliver.
         pin_memory: pin host memory (only when CUDA is available; a no-op otherwise).
+        threads: threads converting on the CPU (default: ``conversion_threads()``).
     """
 
     def __init__(
@@ -108,24 +105,37 @@ class BatchOutput:
         channels_last: bool,
         device: torch.device,
         pin_memory: bool,
+        threads: int | None = None,
     ) -> None:
         self.dtype, self.device, self.channels_last = dtype, device, channels_last
+        self.threads = conversion_threads() if threads is None else threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._memory = HostMemory()
         self.pin = bool(pin_memory) and torch.cuda.is_available()
         mean = torch.tensor(spec.mean, dtype=torch.float64)
         std = torch.tensor(spec.std, dtype=torch.float64)
         # table[v, c] = (v / 255 - mean[c]) / std[c], rounded once to the output dtype
         table = (torch.arange(256, dtype=torch.float64)[:, None] / 255.0 - mean) / std
-        self.table = table.to(dtype if dtype != torch.uint8 else torch.float32)
+        table = table.to(dtype if dtype != torch.uint8 else torch.float32)
+        # cv2.LUT sees the table as numpy values with the output dtype's bytes.
+        lut = (table.view(torch.int16) if _BITS[dtype] is np.int16 else table).numpy()
+        self._lut3 = lut.reshape(256, 1, 3)  # per channel of an interleaved image
+        self._luts = [np.ascontiguousarray(lut[:, c]) for c in range(3)]  # per plane
         self.scale = (1.0 / (255.0 * std)).float().view(1, 3, 1, 1).to(device)
         self.bias = (-mean / std).float().view(1, 3, 1, 1).to(device)
 
     def images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``pixels``: uint8 [N, H, W, 3] (a ring slot); returns a new [N, 3, H, W] tensor."""
+        """``pixels``: a uint8 ring slot, [N, 3, H, W] when ``channels_last`` is off, else
+        [N, H, W, 3]; returns a new [N, 3, H, W] tensor."""
         if self.device.type == "cpu":
             return self._on_cpu(pixels)
-        host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=self.pin)
-        host.copy_(pixels)
-        x = host.to(self.device, non_blocking=self.pin).permute(0, 3, 1, 2)
+        if self.pin:  # the ring slot is reused as soon as this returns: stage it, pinned
+            host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
+            host.numpy()[...] = pixels.numpy()  # numpy: torch's copy would spin OpenMP threads
+            x = host.to(self.device, non_blocking=True)
+        else:  # a pageable copy has read the slot by the time it returns
+            x = pixels.to(self.device)
+        x = x.permute(0, 3, 1, 2) if self.channels_last else x
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         if self.dtype == torch.uint8:
             return x.contiguous(memory_format=fmt)
@@ -133,31 +143,48 @@ class BatchOutput:
         return torch.addcmul(self.bias, x, self.scale, out=out)
 
     def _on_cpu(self, pixels: torch.Tensor) -> torch.Tensor:
-        n, h, w, _ = pixels.shape
-        nhwc = (n, h, w, 3) if self.channels_last else (n, 3, h, w)
+        n = pixels.shape[0]
         if self.pin:
-            out = torch.empty(nhwc, dtype=self.dtype, pin_memory=True)
+            out = torch.empty(pixels.shape, dtype=self.dtype, pin_memory=True)
         else:
-            out = host_empty(nhwc, self.dtype)
+            out = self._memory.empty(tuple(pixels.shape), self.dtype)
         src = pixels.numpy()
         dst = out.view(torch.int16).numpy() if _BITS[self.dtype] is np.int16 else out.numpy()
-        if self.dtype == torch.uint8:
-            dst[...] = src if self.channels_last else src.transpose(0, 3, 1, 2)
-        elif self.channels_last:
-            lut = self._lut().reshape(256, 1, 3)
-            for i in range(n):
-                cv2.LUT(src[i], lut, dst=dst[i])
+        if self.threads == 1 or n < 2 * self.threads:
+            self._convert(src, dst, 0, n)
         else:
-            luts = [np.ascontiguousarray(self._lut()[:, c]) for c in range(3)]
-            for i in range(n):
-                for c, plane in enumerate(cv2.split(src[i])):
-                    cv2.LUT(plane, luts[c], dst=dst[i, c])
+            bounds = np.linspace(0, n, self.threads + 1).astype(int).tolist()
+            pool = self._executor()
+            parts = [
+                pool.submit(self._convert, src, dst, lo, hi)
+                for lo, hi in itertools.pairwise(bounds)
+            ]
+            for part in parts:
+                part.result()
         return out.permute(0, 3, 1, 2) if self.channels_last else out
 
-    def _lut(self) -> np.ndarray:
-        """The table as numpy values with the output dtype's bits, shape [256, 3]."""
-        t = self.table
-        return (t.view(torch.int16) if _BITS[self.dtype] is np.int16 else t).numpy()
+    def _convert(self, src: np.ndarray, dst: np.ndarray, lo: int, hi: int) -> None:
+        """Images ``lo:hi`` of ``src`` into ``dst``, of the same layout (NCHW or NHWC)."""
+        if self.dtype == torch.uint8:
+            dst[lo:hi] = src[lo:hi]
+        elif self.channels_last:
+            for i in range(lo, hi):
+                cv2.LUT(src[i], self._lut3, dst=dst[i])
+        else:
+            for i in range(lo, hi):
+                for c in range(3):
+                    cv2.LUT(src[i, c], self._luts[c], dst=dst[i, c])
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="imfeed-convert")
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the conversion threads (started again when needed)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def labels(self, values: np.ndarray) -> torch.Tensor:
         """Labels (int64) on the delivery device."""

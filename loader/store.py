@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from functools import cached_property
 from pathlib import Path
 
@@ -31,15 +32,22 @@ class Store:
         self.classes: list[str] = list(self.manifest["classes"])
         self._first = np.array([s["first"] for s in self.manifest["shards"]], dtype=np.int64)
         self._keys = [_env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
+        self._envs: dict[int, lmdb.Environment] = {}  # keeps the shared environments open
+        _LIVE.add(self)
 
     def __len__(self) -> int:
         return self.manifest["num_samples"]
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
+        state["_envs"] = {}
         state.pop("index", None)  # re-mapped in the receiving process, not copied
         state.pop("paths", None)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _LIVE.add(self)
 
     @cached_property
     def index(self) -> np.ndarray:
@@ -60,7 +68,10 @@ class Store:
         return int(np.searchsorted(self._first, i, side="right") - 1)
 
     def _env(self, shard: int) -> lmdb.Environment:
-        return _open_env(self._keys[shard])
+        env = self._envs.get(shard)
+        if env is None:
+            env = self._envs[shard] = _open_env(self._keys[shard])
+        return env
 
     def raw(self, i: int) -> bytes:
         """The stored value of sample ``i`` (a packed record), as bytes.
@@ -89,18 +100,17 @@ class Store:
         return image_bytes(rec), rec["format"]
 
     def close(self) -> None:
-        """Close this store's shard environments in this process (reopened on next use)."""
-        for key in self._keys:
-            env = _ENVS.pop(key, None)
-            if env is not None:
-                env.close()
+        """Let go of this store's shard environments; LMDB closes each one as soon as no
+        Store of this process uses it any more (reopened on next use)."""
+        self._envs = {}
 
 
-# One environment per shard per process, shared by every Store open on it: LMDB forbids
-# opening an environment twice in one process (py-lmdb refuses), and a forked child must
-# drop the parent's handles, all of them, before it can open its own.
-_ENVS: dict[str, lmdb.Environment] = {}
-_ENVS_PID = os.getpid()
+# Every Store of a process shares one environment per shard: LMDB forbids opening an
+# environment twice in one process (py-lmdb refuses). The registry holds them weakly, so an
+# environment closes with the last Store using it. A forked child must drop all of the
+# parent's handles, those of every Store it inherited, before it can open its own.
+_ENVS: weakref.WeakValueDictionary[str, lmdb.Environment] = weakref.WeakValueDictionary()
+_LIVE: weakref.WeakSet[Store] = weakref.WeakSet()
 
 
 def _env_key(path: Path) -> str:
@@ -109,10 +119,6 @@ def _env_key(path: Path) -> str:
 
 def _open_env(key: str) -> lmdb.Environment:
     """The environment of the shard directory ``key`` (a real path), opened once per process."""
-    global _ENVS_PID
-    if os.getpid() != _ENVS_PID:  # forked: the parent's handles must not be used here
-        _ENVS.clear()
-        _ENVS_PID = os.getpid()
     env = _ENVS.get(key)
     if env is None:
         env = lmdb.open(
@@ -121,3 +127,12 @@ def _open_env(key: str) -> lmdb.Environment:
         )  # fmt: skip
         _ENVS[key] = env
     return env
+
+
+def _forget_parent_envs() -> None:
+    for store in list(_LIVE):
+        store._envs = {}
+    _ENVS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_envs)

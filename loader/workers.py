@@ -1,7 +1,7 @@
 """Worker processes that run batch tasks into a shared-memory ring, and notice when one dies.
 
-Each worker owns a duplex pipe: the main process sends it ``(slot, step, indices, seed)``
-tasks, it writes the batch into ring slot ``slot`` and answers with the slot number and a
+Each worker owns a duplex pipe: the main process sends it ``(slot, step, args)`` tasks, it
+writes (part of) a batch into ring slot ``slot`` and answers with the slot number and a
 small report. A batch crosses processes as one shared buffer, never as a tensor per sample
 (that exhausts torch's file-descriptor sharing and has hung 16-worker loaders). The main
 process waits on the pipes and on the workers' process sentinels together, so a worker that
@@ -67,9 +67,9 @@ def _worker_loop(wid: int, producer, tensors: dict, conn, init_fn, parent: int) 
             return
         if task is None:
             return
-        slot, step, indices, seed = task
+        slot, step, args = task
         try:
-            report = producer.fill({k: v[slot] for k, v in views.items()}, indices, seed)
+            report = producer.fill({k: v[slot] for k, v in views.items()}, *args)
             conn.send(("ok", slot, step, report))
         except Exception:
             conn.send(("error", slot, step, traceback.format_exc()))
@@ -98,7 +98,7 @@ class WorkerPool:
     """``num_workers`` processes running ``producer.fill`` into ``ring``.
 
     Args:
-        producer: picklable object with ``fill(slot_views, indices, seed) -> report``.
+        producer: picklable object with ``fill(slot_views, *args) -> report``.
         ring: the shared buffers the workers write into.
         num_workers: processes to start.
         context: a multiprocessing context ("fork" or "spawn" style).
@@ -137,8 +137,9 @@ class WorkerPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    def submit(self, task: tuple[int, int, np.ndarray, int]) -> None:
-        """Send ``(slot, step, indices, seed)`` to the least busy worker."""
+    def submit(self, task: tuple[int, int, tuple]) -> None:
+        """Send ``(slot, step, args)`` to the least busy worker: it runs
+        ``producer.fill(slot's buffers, *args)``."""
         wid = int(np.argmin(self.outstanding))
         try:
             self._conns[wid].send(task)
@@ -153,33 +154,37 @@ class WorkerPool:
                 self._raise_dead(wid)
 
     def receive(self, timeout: float) -> list[tuple[int, int, object]]:
-        """Wait up to ``timeout`` s for finished batches; return their (step, slot, report).
+        """Wait up to ``timeout`` s for finished tasks; return their (step, slot, report).
 
         Raises:
             RuntimeError: a worker died, or a task failed in a worker (with its traceback).
         """
         sentinels = {p.sentinel: wid for wid, p in enumerate(self._procs)}
         ready = wait([*self._conns, *sentinels], timeout)
+        done = []
+        for wid, conn in enumerate(self._conns):
+            if conn in ready:  # before the sentinels: a failing worker reports, then exits
+                done.append(self._message(wid))
         for obj in ready:
             if obj in sentinels:
                 self._raise_dead(sentinels[obj])
-        done = []
-        for wid, conn in enumerate(self._conns):
-            if conn not in ready:
-                continue
-            try:
-                kind, slot, step, payload = conn.recv()
-            except (EOFError, OSError):
-                self._raise_dead(wid)
-            if kind == "error":
-                where = f"on batch {step}" if step is not None else "while starting"
-                raise RuntimeError(f"DataLoader worker {wid} failed {where}:\n{payload}")
-            self.outstanding[wid] -= 1
-            done.append((step, slot, payload))
         return done
 
-    def _raise_dead(self, wid: int) -> None:
+    def _message(self, wid: int) -> tuple[int, int, object]:
+        try:
+            kind, slot, step, payload = self._conns[wid].recv()
+        except (EOFError, OSError):
+            self._raise_dead(wid, read=False)
+        if kind == "error":
+            where = f"on batch {step}" if step is not None else "while starting"
+            raise RuntimeError(f"DataLoader worker {wid} failed {where}:\n{payload}")
+        self.outstanding[wid] -= 1
+        return step, slot, payload
+
+    def _raise_dead(self, wid: int, read: bool = True) -> None:
         proc = self._procs[wid]
+        if read and self._conns[wid].poll(0):
+            self._message(wid)  # raises the worker's own error, if it sent one
         proc.join(0.5)  # reap it, so that its exit code is known
         raise RuntimeError(
             f"DataLoader worker {wid} (pid {proc.pid}) died: {death_cause(proc.exitcode)}; "

@@ -97,10 +97,14 @@ def test_pin_memory_is_a_silent_no_op_without_cuda(store):
 # -- order, determinism, exactly-once, resume -------------------------------------------
 
 
-def test_same_seed_same_batches_whatever_the_workers(store):
-    inline = epoch(make(store, shuffle=True, seed=3))
-    workers = epoch(make(store, shuffle=True, seed=3, num_workers=2))
-    assert same(inline, workers)
+@pytest.mark.parametrize("batch_size", [B, 40])  # 40: each batch is split over the workers
+def test_same_seed_same_batches_whatever_the_workers(store, batch_size):
+    inline = epoch(make(store, batch_size=batch_size, shuffle=True, seed=3))
+    for workers in (2, 3):
+        got = epoch(make(store, batch_size=batch_size, shuffle=True, seed=3, num_workers=workers))
+        assert same(inline, got)
+    if batch_size != B:
+        return
     other = epoch(make(store, shuffle=True, seed=4))
     assert not np.array_equal(indices(other), indices(inline))
     # Same order, other augmentation draws: seeds differ per epoch and step, not only order.
@@ -181,6 +185,15 @@ def test_stopping_early_then_iterating_again_restarts_the_epoch(store):
         assert (dl.worker_pids != []) == persistent
         dl.close()
         assert dl.worker_pids == []
+
+
+def test_store_open_elsewhere_in_the_process(store):
+    """LMDB refuses a second open of a shard in one process, also in a forked worker."""
+    ds = loader.LMDBDataset(store)
+    ds[0]  # the shards are now open in this process
+    for workers in (0, 2):
+        assert len(epoch(make(store, num_workers=workers))) == 8
+    assert ds[1][1] == 0
 
 
 def test_spawn_workers(store):
@@ -280,10 +293,13 @@ def corrupt(store, tmp_path, index: int) -> tuple[str, object]:
 def test_corrupt_record_is_replaced_counted_and_logged_once(store, tmp_path, caplog, num_workers):
     path, damaged = corrupt(store, tmp_path, 17)
     dl = make(damaged, num_workers=num_workers)
+    reference = epoch(make(damaged))  # another loader: it logs on its own
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="loader"):
         batches = epoch(dl)
         again = epoch(dl)
     assert len(batches) == len(again) == 8
+    assert same(batches, reference)  # the replacement is reproducible
     got = indices(batches)
     assert len(got) == NUM_SAMPLES and 17 not in got  # sample 17 was replaced
     assert list(dl.bad_samples) == [17] and dl.bad_samples[17].startswith(path)

@@ -116,7 +116,8 @@ def test_grayscale_jpeg_becomes_rgb(store):
     assert store.index["channels"][i] == 1
     batches = PixelBatches(store, Transform("eval"), batch_size=1)
     slot = {"images": np.zeros((1, 224, 224, 3), np.uint8), "indices": np.zeros(1, np.int64)}
-    batches.fill(slot, np.array([i]), seed=0)
+    indices = np.array([i])
+    batches.fill(slot, 0, indices, batches.plan(indices, seed=0), seed=0)
     img = slot["images"][0]
     assert img.std() > 10  # a real picture, not a blank
     assert (img[..., 0] == img[..., 1]).all() and (img[..., 1] == img[..., 2]).all()

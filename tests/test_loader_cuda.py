@@ -1,0 +1,59 @@
+"""Delivery to a CUDA device: the same batches as on the CPU, converted on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from loader_data import make_store
+
+import loader
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_store(tmp_path_factory.mktemp("cuda"))
+
+
+def batches(store, **kwargs) -> list:
+    args = {"batch_size": 16, "transform": "train", "shuffle": True, "seed": 1}
+    dl = loader.DataLoader(store, **{**args, **kwargs})
+    return [tuple(t.cpu() for t in b) for b in dl]
+
+
+def test_default_device_is_cuda(store):
+    images, labels = next(iter(loader.DataLoader(store, batch_size=4, transform="eval")))
+    assert images.device.type == labels.device.type == "cuda"
+
+
+@pytest.mark.parametrize("pin_memory", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize(
+    "dtype, tol",
+    [(torch.float32, 1e-5), (torch.float16, 4e-3), (torch.bfloat16, 2e-2), (torch.uint8, 0)],
+)
+def test_cuda_batches_equal_cpu_batches(store, dtype, tol, channels_last, pin_memory):
+    kw = {"dtype": dtype, "channels_last": channels_last, "num_workers": 2}
+    on_cpu = batches(store, device="cpu", **kw)
+    dl = loader.DataLoader(
+        store,
+        batch_size=16,
+        transform="train",
+        shuffle=True,
+        seed=1,
+        device="cuda",
+        pin_memory=pin_memory,
+        **kw,
+    )
+    on_gpu = list(dl)
+    assert len(on_gpu) == len(on_cpu) == 4
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    for (gi, gl), (ci, cl) in zip(on_gpu, on_cpu, strict=True):
+        assert gi.device.type == gl.device.type == "cuda"
+        assert gi.dtype == dtype and gi.is_contiguous(memory_format=fmt)
+        assert torch.equal(gl.cpu(), cl)
+        assert torch.allclose(gi.cpu().float(), ci.float(), atol=tol, rtol=0)
