@@ -15,7 +15,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 from ingest.build import BuildOptions, build
@@ -34,32 +33,21 @@ def add_real_world_mess(src: Path) -> None:
     (src / "class_02" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
 
 
-def read_back(store: Path, batch_size: int = 32) -> tuple[int, float]:
-    import torch
-
-    from loader import LMDBDataset
-
-    ds = LMDBDataset(store)
-    ones = np.asarray(ds[0][0]).shape
+def read_back(store: Path, batch_size: int = 32) -> int:
+    """One shuffled training epoch through loader.DataLoader, on the CPU."""
     import loader
 
-    if hasattr(loader, "DataLoader"):
-        dl = loader.DataLoader(str(store), batch_size=batch_size, shuffle=True, num_workers=2,
-                               transform="train", device="cpu")  # fmt: skip
-    else:  # the drop-in loader is not built yet: the dataset in torch's own DataLoader
-        import torchvision.transforms.v2 as T
-
-        tf = T.Compose([T.PILToTensor(), T.RandomResizedCrop(224, antialias=True)])
-        ds = LMDBDataset(store, transform=tf)
-        dl = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=2)
-    t0 = time.perf_counter()
-    seen = 0
+    first, _ = loader.LMDBDataset(store)[0]
+    dl = loader.DataLoader(str(store), batch_size=batch_size, shuffle=True, num_workers=2,
+                           transform="train", device="cpu")  # fmt: skip
+    t0, seen = time.perf_counter(), 0
     for images, labels in dl:
         seen += len(labels)
-        shape = tuple(images.shape)
-    print(f"read back  {seen} samples in batches of {shape} (first image {ones}), "
-          f"{seen / (time.perf_counter() - t0):.0f} img/s")  # fmt: skip
-    return seen, time.perf_counter() - t0
+        shape, dtype = tuple(images.shape), images.dtype
+    dl.close()
+    print(f"read back  {seen} samples as {dtype} batches of {shape} (LMDBDataset[0]: PIL "
+          f"{first.size}), {seen / (time.perf_counter() - t0):.0f} img/s")  # fmt: skip
+    return seen
 
 
 def main() -> None:
@@ -85,8 +73,8 @@ def main() -> None:
         for line in (store / "rejects.jsonl").read_text().splitlines():
             print(f"rejected   {line}")
         problems = verify_store(store)
-        print(f"verify     {'OK' if not problems else problems}")
-        seen, _ = read_back(store)
+        print(f"verify     {problems or 'OK'}")
+        seen = read_back(store)
         ok = not problems and seen == m["num_samples"]
         print("demo       OK" if ok else "demo       FAILED")
         if not ok:
