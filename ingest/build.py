@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import multiprocessing as mp
 import os
 import shutil
-import signal
+import sys
 import zlib
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tqdm import tqdm
 from ingest import format as fmt
 from ingest.codec import Compression, compress, pack_record
 from ingest.normalize import Options, Reject, convert
+from ingest.parallel import Result, can_fork, ordered_map
 from ingest.resume import fingerprint, load_state, prepare_out
 from ingest.scan import Scan, scan
 from ingest.writer import MiB, ShardWriter, sha256_file
@@ -83,34 +85,31 @@ def _no_bar(progress: bool | None) -> bool | None:
     return None if progress is None else not progress
 
 
-def _results(src: Path, items: list, options: BuildOptions, workers: int) -> Iterator[tuple]:
-    """Yield one result per item, in item order, whatever the number of workers."""
-    jobs = ((os.path.join(src, rel), rel, label, options) for rel, label in items)
-    if workers <= 1 or len(items) < 2:
-        yield from map(_process, jobs)
-        return
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers, initializer=_worker_init) as pool:
-        # Without decoding, the per-image work is small: larger chunks amortise the IPC.
-        yield from pool.imap(_process, jobs, chunksize=8 if options.verify else 64)
+def _results(src: Path, items: list, options: BuildOptions, workers: int) -> Iterator[Result]:
+    """``_process`` of every item, in item order, whatever the number of workers."""
+    jobs = [(os.path.join(src, rel), rel, label) for rel, label in items]
+    fn = functools.partial(_process, options=options)
+    if workers <= 1 or len(jobs) < 2:
+        return map(fn, jobs)
+    if not can_fork():
+        print("ingest: no fork() on this platform; converting in one process", file=sys.stderr)
+        return map(fn, jobs)
+    # Small chunks balance the workers; 16 keeps the parent's switching between pipes rare.
+    return ordered_map(fn, jobs, workers, chunk=16)
 
 
-def _worker_init() -> None:
-    # Ctrl-C reaches the whole process group: let the parent alone handle it and stop us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _process(job: tuple) -> tuple:
-    """Worker: ("ok", value, index_row_without_shard) or ("reject", path, reason)."""
-    path, rel, label, options = job
+def _process(job: tuple, options: BuildOptions) -> Result:
+    """One source file: (["ok", index row without shard, fixes], record) or
+    (["reject", path, reason], b"")."""
+    path, rel, label = job
     try:
         with open(path, "rb") as f:
             data = f.read()
         conv = convert(data, Options(options.verify, options.max_size, options.quality))
     except Reject as e:
-        return ("reject", rel, str(e))
+        return ["reject", rel, str(e)], b""
     except OSError as e:
-        return ("reject", rel, f"unreadable: {e.strerror or e}")
+        return ["reject", rel, f"unreadable: {e.strerror or e}"], b""
     record = {
         "image": compress(conv.payload, options.compression),
         "label": label,
@@ -131,10 +130,10 @@ def _process(job: tuple) -> tuple:
         | fmt.FLAG_REENCODED * (conv.payload is not data)
         | fmt.FLAG_COMPRESSED * (record["compression"] is not None)
     )
-    row = (label, len(value), conv.height, conv.width, zlib.crc32(value),
+    row = [label, len(value), conv.height, conv.width, zlib.crc32(value),
            fmt.FORMAT_CODES[conv.format], flags, conv.channels,
-           fmt.SUBSAMPLING_CODES.get(conv.subsampling or "", 0))  # fmt: skip
-    return ("ok", value, row, conv.fixes)
+           fmt.SUBSAMPLING_CODES.get(conv.subsampling or "", 0)]  # fmt: skip
+    return ["ok", row, conv.fixes], value
 
 
 class _Run:
@@ -150,12 +149,16 @@ class _Run:
         self.writer: ShardWriter | None = None
         self.rows: list[tuple] = []
         self.paths: list[str] = []
+        # Hashing a sealed shard (hashlib drops the GIL) overlaps writing the next one.
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="ingest-sha256")
+        self.hashing: dict[str, Future] = {}
 
-    def add(self, pos: int, result: tuple) -> None:
-        if result[0] == "reject":
-            self.state["rejects"].append({"path": result[1], "reason": result[2]})
+    def add(self, pos: int, result: Result) -> None:
+        header, value = result
+        if header[0] == "reject":
+            self.state["rejects"].append({"path": header[1], "reason": header[2]})
             return
-        _, value, row, fixes = result
+        _, row, fixes = header
         if (
             self.writer
             and self.writer.count
@@ -192,14 +195,30 @@ class _Run:
         with open(f"{stem}.paths.msgpack", "wb") as f:
             f.write(msgpack.packb(self.paths, use_bin_type=True))
         self.state["shards"].append(entry)
+        self.hashing[entry["name"]] = self.hasher.submit(sha256_file, self._data(entry))
+        self._collect_hashes(wait=False)
         self.state["cursor"] = cursor
         self.state["stats"] = dict(self.stats)
         fmt.write_json_atomic(self.out / fmt.BUILD_STATE, self.state)
         self.writer, self.rows, self.paths = None, [], []
 
+    def _data(self, entry: dict) -> Path:
+        return self.out / entry["name"] / "data.mdb"
+
+    def _collect_hashes(self, wait: bool) -> None:
+        """Fill in the sha256 of sealed shards (all of them when ``wait``)."""
+        for entry in self.state["shards"]:
+            job = self.hashing.get(entry["name"])
+            if entry["sha256"] is not None or not (wait or (job and job.done())):
+                continue
+            # A shard sealed by an interrupted run may never have been hashed: do it now.
+            entry["sha256"] = job.result() if job else sha256_file(self._data(entry))
+
     def finish(self) -> dict:
         if self.writer is not None:
             self._seal(cursor=len(self.tree.items))
+        self._collect_hashes(wait=True)
+        self.hasher.shutdown()
         index, paths = self._gather()
         np.save(self.out / fmt.INDEX, index)
         with open(self.out / fmt.PATHS, "wb") as f:

@@ -40,10 +40,12 @@ def prepare_out(out: Path, overwrite: bool) -> None:
 
 
 def fingerprint(tree: Scan, options: dict) -> str:
+    """Digest of what decides a build's content: inputs with their sizes and mtimes, options."""
     h = hashlib.sha256()
     h.update(json.dumps([fmt.FORMAT_VERSION, options, tree.classes]).encode())
+    root = str(tree.root)
     for rel, label in tree.items:
-        st = os.stat(tree.root / rel)
+        st = os.stat(os.path.join(root, rel))
         h.update(f"{rel}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
 

@@ -61,7 +61,11 @@ class ShardWriter:
         self._pending_bytes = 0
 
     def seal(self) -> dict:
-        """Commit, sync, close, drop the lock file and rename into place; return its entry."""
+        """Commit, sync, close, drop the lock file and rename into place; return its entry.
+
+        The entry's "sha256" is left None: hashing the file is the caller's, so that it
+        can run beside the writing of the next shard.
+        """
         self._commit()
         self._env.sync(True)
         self._env.close()
@@ -69,9 +73,7 @@ class ShardWriter:
         if lock.exists():
             lock.unlink()
         data = self.tmp_dir / "data.mdb"
-        digest, size = sha256_file(data), data.stat().st_size
-        with open(data, "rb") as f:
-            os.fsync(f.fileno())
+        size = data.stat().st_size
         if self.final_dir.exists():
             shutil.rmtree(self.final_dir)
         os.replace(self.tmp_dir, self.final_dir)
@@ -82,7 +84,7 @@ class ShardWriter:
             "count": self.count,
             "record_bytes": self.nbytes,
             "file_bytes": size,
-            "sha256": digest,
+            "sha256": None,
         }
 
     def abort(self) -> None:
