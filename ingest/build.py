@@ -10,7 +10,6 @@ import sys
 import zlib
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -149,9 +148,6 @@ class _Run:
         self.writer: ShardWriter | None = None
         self.rows: list[tuple] = []
         self.paths: list[str] = []
-        # Hashing a sealed shard (hashlib drops the GIL) overlaps writing the next one.
-        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="ingest-sha256")
-        self.hashing: dict[str, Future] = {}
 
     def add(self, pos: int, result: Result) -> None:
         header, value = result
@@ -175,50 +171,42 @@ class _Run:
         self.rows.append((row[0], len(self.state["shards"]), *row[1:]))
         self.paths.append(self.tree.items[pos][0])
         self.kept += 1
-        self._count(row, fixes)
-
-    def _count(self, row: tuple, fixes: list[str]) -> None:
-        name = fmt.FORMAT_NAMES[row[5]]
-        if name == "jpeg":
-            name += " progressive" if row[6] & fmt.FLAG_PROGRESSIVE else " baseline"
-        self.stats[name] += 1
-        if row[6] & fmt.FLAG_REENCODED:
-            self.stats["re-encoded"] += 1
         for fix in fixes:
             self.stats["fix " + fix.split(":")[0]] += 1
 
+    def _count(self, rows: np.ndarray) -> None:
+        """Add a sealed shard's format mix to the stats."""
+        jpeg = rows["format"] == fmt.FORMAT_CODES["jpeg"]
+        progressive = (rows["flags"] & fmt.FLAG_PROGRESSIVE) != 0
+        counts = {
+            "jpeg baseline": jpeg & ~progressive,
+            "jpeg progressive": jpeg & progressive,
+            "png": rows["format"] == fmt.FORMAT_CODES["png"],
+            "re-encoded": (rows["flags"] & fmt.FLAG_REENCODED) != 0,
+        }
+        for name, mask in counts.items():
+            if mask.any():
+                self.stats[name] += int(mask.sum())
+
     def _seal(self, cursor: int) -> None:
         entry = self.writer.seal()
+        rows = np.array(self.rows, dtype=fmt.INDEX_DTYPE)
+        entry["digest"] = fmt.records_digest(entry["first"], rows["crc32"], rows["nbytes"])
+        self._count(rows)
         entry["map_growths"] = self.writer.map_growths
         stem = self.partial / entry["name"]
-        np.save(f"{stem}.index.npy", np.array(self.rows, dtype=fmt.INDEX_DTYPE))
+        np.save(f"{stem}.index.npy", rows)
         with open(f"{stem}.paths.msgpack", "wb") as f:
             f.write(msgpack.packb(self.paths, use_bin_type=True))
         self.state["shards"].append(entry)
-        self.hashing[entry["name"]] = self.hasher.submit(sha256_file, self._data(entry))
-        self._collect_hashes(wait=False)
         self.state["cursor"] = cursor
         self.state["stats"] = dict(self.stats)
         fmt.write_json_atomic(self.out / fmt.BUILD_STATE, self.state)
         self.writer, self.rows, self.paths = None, [], []
 
-    def _data(self, entry: dict) -> Path:
-        return self.out / entry["name"] / "data.mdb"
-
-    def _collect_hashes(self, wait: bool) -> None:
-        """Fill in the sha256 of sealed shards (all of them when ``wait``)."""
-        for entry in self.state["shards"]:
-            job = self.hashing.get(entry["name"])
-            if entry["sha256"] is not None or not (wait or (job and job.done())):
-                continue
-            # A shard sealed by an interrupted run may never have been hashed: do it now.
-            entry["sha256"] = job.result() if job else sha256_file(self._data(entry))
-
     def finish(self) -> dict:
         if self.writer is not None:
             self._seal(cursor=len(self.tree.items))
-        self._collect_hashes(wait=True)
-        self.hasher.shutdown()
         index, paths = self._gather()
         np.save(self.out / fmt.INDEX, index)
         with open(self.out / fmt.PATHS, "wb") as f:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -68,6 +69,19 @@ def encode_key(index: int) -> bytes:
 
 def decode_key(key: bytes) -> int:
     return int.from_bytes(key, "big")
+
+
+def records_digest(first: int, crc32: np.ndarray, nbytes: np.ndarray) -> str:
+    """A shard's content checksum: SHA-256 over, for each record in key order, its 8-byte
+    big-endian key, then the CRC-32 and the length of its value, 4 bytes little-endian each.
+
+    Computed at build time from the index rows (free: workers already CRC each record) and
+    at verify time from the records read back, so any changed record changes it.
+    """
+    rows = np.empty(len(crc32), dtype=[("key", ">u8"), ("crc32", "<u4"), ("nbytes", "<u4")])
+    rows["key"] = np.arange(first, first + len(crc32), dtype=np.uint64)
+    rows["crc32"], rows["nbytes"] = crc32, nbytes
+    return hashlib.sha256(rows.tobytes()).hexdigest()
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

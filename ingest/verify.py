@@ -19,10 +19,11 @@ from ingest.writer import sha256_file
 def verify_store(root: str | os.PathLike, *, decode: bool = True) -> list[str]:
     """Return every problem found in the store at ``root`` (empty: the store is sound).
 
-    Checks the SHA-256 of each shard file, index, paths and rejects file; then reads every
-    record of every shard, checking its key range, CRC-32 (recorded in the index), fields
-    and, with ``decode``, that its image decodes to the recorded size. Problems name the
-    shard and key.
+    Checks the SHA-256 of the index, paths and rejects files; then reads every record of
+    every shard, checking its key, its CRC-32 and length (recorded in the index), its
+    fields and, with ``decode``, that its image decodes to the recorded size; and each
+    shard's content checksum (``ingest.format.records_digest``) against the manifest.
+    Problems name the shard, and the key where one record is at fault.
 
     Raises:
         ingest.format.StoreError: ``root`` is not a complete store.
@@ -46,20 +47,22 @@ def verify_store(root: str | os.PathLike, *, decode: bool = True) -> list[str]:
 
 def _check_shard(root: Path, shard: int, entry: dict, index: np.ndarray, decode: bool) -> list:
     name = entry["name"]
-    data = root / name / "data.mdb"
-    if not data.is_file():
+    if not (root / name / "data.mdb").is_file():
         return [f"{name}: data.mdb is missing"]
-    problems = []
-    if sha256_file(data) != entry["sha256"]:
-        problems.append(f"{name}: checksum mismatch (the file changed since it was built)")
+    crcs: list[int] = []
+    sizes: list[int] = []
     try:
-        problems.extend(_check_records(root / name, name, entry, index, decode))
+        problems = list(_check_records(root / name, name, entry, index, decode, crcs, sizes))
     except lmdb.Error as e:
-        problems.append(f"{name}: LMDB cannot read the shard: {e}")
+        return [f"{name}: LMDB cannot read the shard: {e}"]
+    if fmt.records_digest(entry["first"], np.array(crcs), np.array(sizes)) != entry["digest"]:
+        problems.append(f"{name}: content checksum mismatch (records changed since the build)")
     return problems
 
 
-def _check_records(path: Path, name: str, entry: dict, index: np.ndarray, decode: bool) -> Iterator:
+def _check_records(
+    path: Path, name: str, entry: dict, index: np.ndarray, decode: bool, crcs: list, sizes: list
+) -> Iterator[str]:
     env = lmdb.open(str(path), readonly=True, lock=False, readahead=False)
     try:
         with env.begin() as txn:
@@ -69,7 +72,9 @@ def _check_records(path: Path, name: str, entry: dict, index: np.ndarray, decode
                 if i != expected:
                     yield f"{name}: key {i} found where key {expected} was expected"
                     expected = i
-                problem = _check_record(i, value, index, decode)
+                crcs.append(zlib.crc32(value))
+                sizes.append(len(value))
+                problem = _check_record(i, value, crcs[-1], index, decode)
                 if problem:
                     yield f"{name}: key {i}: {problem}"
                 expected += 1
@@ -80,11 +85,11 @@ def _check_records(path: Path, name: str, entry: dict, index: np.ndarray, decode
         env.close()
 
 
-def _check_record(i: int, value: bytes, index: np.ndarray, decode: bool) -> str | None:
+def _check_record(i: int, value: bytes, crc: int, index: np.ndarray, decode: bool) -> str | None:
     if not 0 <= i < len(index):
         return "key outside the index"
     row = index[i]
-    if len(value) != row["nbytes"] or zlib.crc32(value) != row["crc32"]:
+    if len(value) != row["nbytes"] or crc != row["crc32"]:
         return "record bytes differ from those recorded at build time (CRC-32 mismatch)"
     try:
         rec = unpack_record(value)

@@ -166,5 +166,5 @@ def test_verify_names_the_shard_and_key_of_a_flipped_byte(tmp_path: Path, clean_
     assert f"{entry['name']}: key {key}: " in broken.stderr
     problems = verify_store(store)
     assert len(problems) == 2
-    assert problems[0].startswith(f"{entry['name']}: checksum mismatch")
-    assert problems[1].startswith(f"{entry['name']}: key {key}: ") and "CRC-32" in problems[1]
+    assert problems[0].startswith(f"{entry['name']}: key {key}: ") and "CRC-32" in problems[0]
+    assert problems[1].startswith(f"{entry['name']}: content checksum mismatch")
