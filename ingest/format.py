@@ -93,13 +93,14 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path, *, data_only: bool = False) -> None:
+    """fsync (or fdatasync) a file or a directory (after a rename into it) by its path."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        (os.fdatasync if data_only else os.fsync)(fd)
     finally:
         os.close(fd)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import lmdb
 
-from ingest.format import encode_key, fsync_dir
+from ingest.format import encode_key, fsync_path
 
 MiB = 1 << 20
 TXN_BYTES = 16 * MiB  # commit this often: bounds the dirty pages LMDB keeps in memory
@@ -67,7 +68,8 @@ class ShardWriter:
         so that the sync at seal time waits for the last few only."""
         if self._flusher is not None and self._flusher.is_alive():
             return
-        self._flusher = threading.Thread(target=_datasync, args=(self.tmp_dir / "data.mdb",))
+        sync = functools.partial(fsync_path, self.tmp_dir / "data.mdb", data_only=True)
+        self._flusher = threading.Thread(target=sync)
         self._flusher.start()
 
     def seal(self) -> dict:
@@ -84,7 +86,7 @@ class ShardWriter:
         if self.final_dir.exists():
             shutil.rmtree(self.final_dir)
         os.replace(self.tmp_dir, self.final_dir)
-        fsync_dir(self.final_dir.parent)
+        fsync_path(self.final_dir.parent)
         return {
             "name": self.final_dir.name,
             "first": self.first,
@@ -92,14 +94,6 @@ class ShardWriter:
             "record_bytes": self.nbytes,
             "file_bytes": size,
         }
-
-
-def _datasync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
 
 
 def sha256_file(path: Path, chunk: int = 8 * MiB) -> str:
