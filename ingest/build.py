@@ -93,8 +93,9 @@ def _results(src: Path, items: list, options: BuildOptions, workers: int) -> Ite
     if not can_fork():
         print("ingest: no fork() on this platform; converting in one process", file=sys.stderr)
         return map(fn, jobs)
-    # Small chunks balance the workers; 16 keeps the parent's switching between pipes rare.
-    return ordered_map(fn, jobs, workers, chunk=16)
+    # A worker can run ahead by what its pipe holds (1 MiB): a chunk must fit in it, even
+    # of large images, or the parent waits for the rest of the chunk to be made.
+    return ordered_map(fn, jobs, workers, chunk=8)
 
 
 def _process(job: tuple, options: BuildOptions) -> Result:
