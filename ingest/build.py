@@ -110,6 +110,8 @@ def _process(job: tuple, options: BuildOptions) -> Result:
         return ["reject", rel, str(e)], b""
     except OSError as e:
         return ["reject", rel, f"unreadable: {e.strerror or e}"], b""
+    except Exception as e:  # a decoder's surprise on one file rejects that file, not the build
+        return ["reject", rel, f"could not convert: {type(e).__name__}: {e}"], b""
     record = {
         "image": compress(conv.payload, options.compression),
         "label": label,

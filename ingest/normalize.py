@@ -20,9 +20,9 @@ from PIL import Image, ImageOps
 
 from ingest.probe import JpegHeaderError, JpegInfo, parse_jpeg, scan_problem, sniff
 
-# Training images are large but bounded; a decompression-bomb check would reject real
-# panoramas, and a rejected image is lost, so lift PIL's limit in this (worker) process.
-Image.MAX_IMAGE_PIXELS = None
+# PIL refuses images over twice this many pixels (a decompression bomb: a small file that
+# would take gigabytes to decode); its default, 89 Mpx, would reject real panoramas.
+Image.MAX_IMAGE_PIXELS = 256 << 20
 cv2.setNumThreads(1)
 
 
