@@ -250,13 +250,20 @@ class DataLoader:
                     self.store.root,
                 )
 
-    def _iteration_ended(self, it: EpochIterator, finished: bool, drained: bool) -> None:
+    def _iteration_ended(
+        self, it: EpochIterator, finished: bool, drained: bool, failed: bool = False
+    ) -> None:
         active = self._active is not None and self._active() is it
+        # A loop bounded by len(loader) (zip, islice) reads every batch but never sees
+        # StopIteration: its epoch is done all the same, the next one must not repeat it.
+        finished = finished or (active and self._plan.remaining() == 0)
         if finished and active:
             self._plan.end_epoch()
         if active:
             self._active = None
-        keep = self.persistent_workers and (drained or it.drain(30.0))
+        # After an error (a dead or failed worker, a timeout, Ctrl-C) batches in flight may
+        # never come: stop the workers at once rather than wait for them.
+        keep = self.persistent_workers and not failed and (drained or it.drain(30.0))
         if not keep:
             self._workers.stop(graceful=finished)
 

@@ -60,6 +60,7 @@ class EpochIterator:
         self._pending: dict[int, list] = {}  # step -> [slot, chunks out, merged report]
         self._ready: dict[int, tuple[int, BatchReport]] = {}  # step -> (slot, report)
         self._closed = False
+        self._failure: Exception | None = None  # raised by a refill after a delivery
         self.ended_by: str | None = None
 
     def __iter__(self) -> EpochIterator:
@@ -77,20 +78,25 @@ class EpochIterator:
                 )
             raise StopIteration
         try:
+            if self._failure is not None:
+                raise self._failure
             slot, report = self._produce()
+            try:  # a failure here loses the batch: end the iteration, not only this call
+                batch = self._loader._deliver(self._ring.slot(slot), report)
+            finally:
+                self._free.append(slot)
         except StopIteration:
             self._close(finished=True)
             raise
         except BaseException:
-            self._close(finished=False)
+            self._close(finished=False, failed=True)
             raise
-        try:
-            batch = self._loader._deliver(self._ring.slot(slot), report)
-        finally:
-            self._free.append(slot)
         next(self._official)
         self._next_step += 1
-        self._dispatch()  # refill before returning, so workers run while the user trains
+        try:  # refill before returning, so workers run while the user trains
+            self._dispatch()
+        except Exception as e:  # the batch is delivered and counted: raise on the next call
+            self._failure = e
         return batch
 
     def _produce(self) -> tuple[int, BatchReport]:
@@ -148,9 +154,9 @@ class EpochIterator:
             self.ended_by = reason
             self._close(finished=False)
 
-    def _close(self, finished: bool) -> None:
+    def _close(self, finished: bool, failed: bool = False) -> None:
         self._closed = True
-        self._loader._iteration_ended(self, finished, drained=not self._pending)
+        self._loader._iteration_ended(self, finished, drained=not self._pending, failed=failed)
 
     def drain(self, timeout: float) -> bool:
         """Wait for batches still in the workers (to reuse the workers); False if it failed."""

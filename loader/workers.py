@@ -140,6 +140,7 @@ class WorkerPool:
     def submit(self, task: tuple[int, int, tuple]) -> None:
         """Send ``(slot, step, args)`` to the least busy worker: it runs
         ``producer.fill(slot's buffers, *args)``."""
+        self._check_open()
         wid = int(np.argmin(self.outstanding))
         try:
             self._conns[wid].send(task)
@@ -159,6 +160,7 @@ class WorkerPool:
         Raises:
             RuntimeError: a worker died, or a task failed in a worker (with its traceback).
         """
+        self._check_open()
         sentinels = {p.sentinel: wid for wid, p in enumerate(self._procs)}
         ready = wait([*self._conns, *sentinels], timeout)
         done = []
@@ -169,6 +171,14 @@ class WorkerPool:
             if obj in sentinels:
                 self._raise_dead(sentinels[obj])
         return done
+
+    def _check_open(self) -> None:
+        # Waiting on no pipes would return nothing forever: a hang, not an error.
+        if not self._procs:
+            raise RuntimeError(
+                "the DataLoader's workers were stopped (close(), or the interpreter is "
+                "exiting); start a new iteration"
+            )
 
     def _message(self, wid: int) -> tuple[int, int, object]:
         try:

@@ -6,6 +6,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import lmdb
@@ -19,6 +21,7 @@ from loader_data import NUM_SAMPLES, make_store
 import loader
 from ingest import format as fmt
 from ingest.codec import pack_record, unpack_record
+from loader.batch import PixelBatches
 from loader.store import Store
 
 B = 8  # 63 samples: 7 full batches and one of 7
@@ -187,6 +190,35 @@ def test_stopping_early_then_iterating_again_restarts_the_epoch(store):
         assert dl.worker_pids == []
 
 
+def test_a_loop_bounded_by_len_moves_on_to_the_next_epoch(store):
+    """zip(range(len(dl)), dl) reads every batch but never sees StopIteration."""
+    dl = make(store, shuffle=True)
+    steps = range(len(dl))
+    bounded = [indices([b for _, b in zip(steps, dl, strict=False)]) for _ in range(2)]
+    assert dl.epoch == 2 and not np.array_equal(bounded[0], bounded[1])
+    reference = make(store, shuffle=True)
+    assert all(np.array_equal(indices(epoch(reference)), got) for got in bounded)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_failed_delivery_ends_the_iteration_not_the_epoch(store, num_workers):
+    dl = make(store, num_workers=num_workers)
+    it = iter(dl)
+    head = [next(it)[2] for _ in range(2)]
+    convert = dl._output.images
+    dl._output.images = lambda pixels: (_ for _ in ()).throw(KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    dl._output.images = convert
+    assert list(it) == [] and dl.worker_pids == []
+    state = dl.state_dict()
+    assert state["epoch"] == 0 and state["consumed"] == 2 * B  # the rest was never delivered
+    resumed = make(store)
+    resumed.load_state_dict(state)
+    rest = indices(epoch(resumed)).tolist()
+    assert torch.cat(head).tolist() + rest == list(range(NUM_SAMPLES))
+
+
 def test_store_open_elsewhere_in_the_process(store):
     """LMDB refuses a second open of a shard in one process, also in a forked worker."""
     ds = loader.LMDBDataset(store)
@@ -253,6 +285,66 @@ def test_killed_worker_raises_naming_it(store):
     assert time.monotonic() - start < 10
     assert dl.worker_pids == []  # the others were stopped
     assert len(epoch(dl)) == 32  # and a new iteration starts afresh
+
+
+def test_a_batch_is_delivered_when_its_refill_finds_a_dead_worker(store):
+    dl = make(store, num_workers=2)
+    it = iter(dl)
+    got = [next(it)[2]]
+    convert = dl._output.images
+
+    def kill_workers_then_convert(pixels):  # they die while the batch is being copied out
+        for pid in dl.worker_pids:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(alive(pid) for pid in dl.worker_pids):
+            time.sleep(0.01)
+        return convert(pixels)
+
+    dl._output.images = kill_workers_then_convert
+    got.append(next(it)[2])
+    dl._output.images = convert
+    with pytest.raises(RuntimeError, match=r"worker \d \(pid \d+\) died: killed by signal SIGKILL"):
+        next(it)
+    assert dl.state_dict()["consumed"] == len(torch.cat(got)) == 2 * B  # nothing lost
+
+
+def alive(pid: int) -> bool:
+    """The process runs (a zombie has closed its pipes)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_persistent_workers_stop_at_once_when_a_batch_fails(store, monkeypatch):
+    fill = PixelBatches.fill
+
+    def fail_on_sample_20(self, slot, lo, indices, *args):
+        if 20 in indices.tolist():
+            raise OSError("disk gone")
+        return fill(self, slot, lo, indices, *args)
+
+    monkeypatch.setattr(PixelBatches, "fill", fail_on_sample_20)  # inherited by the fork
+    dl = make(store, num_workers=2, persistent_workers=True)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker \d failed on batch 2:(.|\n)*disk gone"):
+        epoch(dl)
+    assert time.monotonic() - start < 10  # not a wait for the batch that will never come
+    assert dl.worker_pids == []
+
+
+def test_interpreter_exits_promptly_with_a_live_persistent_iteration(store):
+    script = (
+        "import loader, sys\n"
+        "dl = loader.DataLoader(sys.argv[1], batch_size=8, transform='eval', device='cpu',"
+        " num_workers=2, persistent_workers=True)\n"
+        "it = iter(dl)\n"
+        "next(it)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", script, str(store)], env=env, check=True, timeout=60)
+    assert time.monotonic() - start < 20  # was 30 s more: draining workers already stopped
 
 
 def test_worker_exception_is_raised_in_the_loop(store):
