@@ -20,6 +20,20 @@ import torch
 _MIN_BYTES = 1 << 22  # smaller batches are cheap to allocate: plain torch.empty
 
 
+def _free_refcount() -> int | None:
+    """What ``sys.getrefcount`` reads for a mapping held only by our list, or None when a
+    tensor over it does not raise that count (another interpreter's rules): then no reuse."""
+    held = [mmap.mmap(-1, mmap.PAGESIZE)]
+    free = sys.getrefcount(held[0])
+    view = torch.frombuffer(held[0], dtype=torch.uint8)
+    used = sys.getrefcount(held[0])
+    del view
+    return free if used > free and sys.getrefcount(held[0]) == free else None
+
+
+_FREE_REFS = _free_refcount()
+
+
 class HostMemory:
     """Hands out CPU tensors, recycling the mappings of batches that are no longer used.
 
@@ -37,9 +51,9 @@ class HostMemory:
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
         if nbytes < _MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
-        for i in range(len(self._maps)):
-            # References: our list's and getrefcount's argument; a live storage adds one.
-            if len(self._maps[i]) == nbytes and sys.getrefcount(self._maps[i]) == 2:
+        for i in range(len(self._maps) if _FREE_REFS is not None else 0):
+            # A live storage over the mapping holds a reference to it.
+            if len(self._maps[i]) == nbytes and sys.getrefcount(self._maps[i]) == _FREE_REFS:
                 return torch.frombuffer(self._maps[i], dtype=dtype).view(shape)
         buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
