@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import cv2
+import lmdb
 import msgpack
 import numpy as np
 import zstandard
@@ -143,5 +144,7 @@ class PixelBatches:
             return image_bytes(record), record["format"]
         except KeyError as e:  # a missing record, or a record without a field
             raise DecodeError(f"damaged record: {e}") from None
-        except (msgpack.UnpackException, ValueError, TypeError, zstandard.ZstdError) as e:
+        except (
+            msgpack.UnpackException, ValueError, TypeError, zstandard.ZstdError, lmdb.Error
+        ) as e:  # fmt: skip
             raise DecodeError(f"damaged record: {type(e).__name__}: {e}") from None
