@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+from collections import Counter
 
 from ingest import format as fmt
 
@@ -110,7 +111,7 @@ def _build(args: argparse.Namespace) -> int:
 def summary(manifest: dict) -> dict:
     """The facts `ingest info` prints, as one JSON-able dict."""
     keys = ("num_samples", "num_classes", "classes", "num_rejected", "num_ignored", "num_seen",
-            "record_bytes", "stats", "options", "version")  # fmt: skip
+            "ignored_by_reason", "record_bytes", "stats", "options", "version")  # fmt: skip
     out = {k: manifest[k] for k in keys}
     out["shards"] = [
         {k: s[k] for k in ("name", "first", "count", "record_bytes", "file_bytes")}
@@ -132,9 +133,21 @@ def _info(args: argparse.Namespace) -> int:
           f"{info['record_bytes'] / mib:.1f} MiB of records")  # fmt: skip
     print(f"seen       {info['num_seen']} = kept {info['num_samples']} + rejected "
           f"{info['num_rejected']} + ignored {info['num_ignored']}")  # fmt: skip
-    for name, count in info["stats"].items():
-        print(f"  {name:<24} {count}")
+    rows = [
+        *info["stats"].items(),
+        *((f"ignored: {reason}", n) for reason, n in info["ignored_by_reason"].items()),
+        *((f"rejected: {reason}", n) for reason, n in _reject_reasons(args.store).most_common()),
+    ]
+    for name, count in rows:
+        print(f"  {name:<40} {count}")
     return 0
+
+
+def _reject_reasons(store: str) -> Counter:
+    """Rejected files by the first part of their reason (before any colon or bracket)."""
+    with open(os.path.join(store, fmt.REJECTS), encoding="utf-8") as f:
+        reasons = (json.loads(line)["reason"] for line in f if line.strip())
+        return Counter(re.split(r"[:(]", r, maxsplit=1)[0].strip() for r in reasons)
 
 
 def _verify(args: argparse.Namespace) -> int:
