@@ -141,6 +141,10 @@ def test_info_json(awkward_store: Path) -> None:
     text = run_ingest("info", awkward_store)
     assert text.returncode == 0
     assert "seen       37 = kept 26 + rejected 6 + ignored 5" in text.stdout
+    lines = [" ".join(line.split()) for line in text.stdout.splitlines()]
+    assert "rejected: empty file 1" in lines
+    assert "rejected: HTML/XML text, not an image 1" in lines
+    assert "ignored: hidden or system file 3" in lines
 
 
 def test_verify_names_the_shard_and_key_of_a_flipped_byte(tmp_path: Path, clean_store: Path):
