@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
-import sys
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -24,6 +24,8 @@ from ingest.parallel import Result, can_fork, ordered_map
 from ingest.resume import fingerprint, load_state, prepare_out
 from ingest.scan import Scan, scan
 from ingest.writer import MiB, ShardWriter, sha256_file
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ def _results(src: Path, items: list, options: BuildOptions, workers: int) -> Ite
     if workers <= 1 or len(jobs) < 2:
         return map(fn, jobs)
     if not can_fork():
-        print("ingest: no fork() on this platform; converting in one process", file=sys.stderr)
+        log.warning("ingest: no fork() on this platform; converting in one process")
         return map(fn, jobs)
     # A worker can run ahead by what its pipe holds (1 MiB): a chunk must fit in it, even
     # of large images, or the parent waits for the rest of the chunk to be made.

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from ingest import format as fmt
 from ingest.scan import Scan
+
+log = logging.getLogger(__name__)
 
 
 class OutputError(ValueError):
@@ -62,7 +65,7 @@ def load_state(out: Path, digest: str) -> dict:
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
         if state.get("fingerprint") != digest:
-            print(f"ingest: {out} holds an interrupted build of other inputs; starting over")
+            log.warning("ingest: %s holds an interrupted build of other inputs; starting over", out)
             state = None
     if state is None:
         for child in out.iterdir():  # only our own leftovers can be here (see _prepare_out)

@@ -12,7 +12,6 @@ import logging
 import os
 import weakref
 
-import numpy as np
 import torch
 import torch.utils.data
 
@@ -144,7 +143,7 @@ class DataLoader:
             rank=rank,
             world_size=world_size,
         )
-        self._labels = np.asarray(self.store.index["label"], dtype=np.int64)
+        self._labels = self.store.labels
         self._producer = PixelBatches(
             self.store, self.transform, self.batch_size, self.decoder, planar=not channels_last
         )

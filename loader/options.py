@@ -8,6 +8,7 @@ import os
 
 from loader.dataset import LMDBDataset
 from loader.decode import decoders
+from loader.sampler import check_int
 from loader.store import Store
 
 # Arguments only the store path uses; meaningless for torch's DataLoader over a Dataset.
@@ -71,12 +72,6 @@ def check_not_for_store(sampler, batch_sampler, collate_fn) -> None:
             "memory; to use your own, pass loader.LMDBDataset(root, transform=<torchvision "
             "transform>) instead of the path and get torch's DataLoader"
         )
-
-
-def check_int(name: str, value, low: int, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= {low}; {hint}")
-    return value
 
 
 def check_batch_size(batch_size) -> int:

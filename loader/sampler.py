@@ -53,9 +53,11 @@ def _dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _check_int(name: str, value: int, low: int, hint: str) -> None:
+def check_int(name: str, value: int, low: int, hint: str) -> int:
+    """``value`` as an int, if it is an integer >= ``low``; else ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= {low}; {hint}")
+    return int(value)
 
 
 class EpochPlan:
@@ -82,10 +84,10 @@ class EpochPlan:
             dist_rank, dist_world = _dist_rank_world()
             rank = dist_rank if rank is None else rank
             world_size = dist_world if world_size is None else world_size
-        _check_int("num_samples", num_samples, 1, "the store must hold at least one sample")
-        _check_int("batch_size", batch_size, 1, "pass a positive batch size")
-        _check_int("seed", seed, 0, "pass a non-negative seed")
-        _check_int("world_size", world_size, 1, "pass the number of training processes")
+        check_int("num_samples", num_samples, 1, "the store must hold at least one sample")
+        check_int("batch_size", batch_size, 1, "pass a positive batch size")
+        check_int("seed", seed, 0, "pass a non-negative seed")
+        check_int("world_size", world_size, 1, "pass the number of training processes")
         if not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
             raise ValueError(
                 f"rank={rank!r} is invalid: it must be in [0, world_size={world_size}); "
@@ -118,7 +120,7 @@ class EpochPlan:
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning (as ``DistributedSampler.set_epoch``)."""
-        _check_int("epoch", epoch, 0, "epochs count from 0")
+        check_int("epoch", epoch, 0, "epochs count from 0")
         self.epoch, self.consumed, self.step = int(epoch), 0, 0
 
     def end_epoch(self) -> None:
@@ -198,7 +200,7 @@ class EpochPlan:
                     f"create the plan with {key}={state[key]!r} or start afresh"
                 )
         consumed = state["consumed"]
-        _check_int("state['consumed']", consumed, 0, "the state dict is corrupt")
+        check_int("state['consumed']", consumed, 0, "the state dict is corrupt")
         if consumed > self.num_samples:
             raise ValueError(
                 f"state['consumed']={consumed} exceeds num_samples={self.num_samples}; "
