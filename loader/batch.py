@@ -38,6 +38,16 @@ class BatchReport:
 
     n: int
     bad: list[tuple[int, str]] = field(default_factory=list)
+    cpu_decoded: int = 0  # samples decoded on the CPU by the workers
+    decode_s: float = 0.0  # worker seconds spent decoding them
+    worker_s: float = 0.0  # worker seconds spent on the batch in all
+
+    def merge(self, part: BatchReport) -> None:
+        """Add the report of one chunk of the batch."""
+        self.bad += part.bad
+        self.cpu_decoded += part.cpu_decoded
+        self.decode_s += part.decode_s
+        self.worker_s += part.worker_s
 
 
 class PixelBatches:
@@ -97,9 +107,7 @@ class PixelBatches:
 
         ``seed`` (the batch's) seeds the choice of replacements for records that fail.
         """
-        if self._decoder is None:
-            self._decoder = get_decoder(self.decoder_name, antialias=self.spec.antialias)
-            self._scratch = np.empty((*self.spec.size, 3), np.uint8) if self.planar else None
+        self._ensure_decoder()
         report = BatchReport(len(indices))
         images = slot["images"]
         for k, (i, crop) in enumerate(zip(indices.tolist(), crops, strict=True)):
@@ -109,6 +117,12 @@ class PixelBatches:
             if self.planar:
                 cv2.split(out, list(images[row]))  # straight into the slot's three planes
         return report
+
+    def _ensure_decoder(self) -> None:
+        """Create this process's decoder (and scratch) on first use."""
+        if self._decoder is None:
+            self._decoder = get_decoder(self.decoder_name, antialias=self.spec.antialias)
+            self._scratch = np.empty((*self.spec.size, 3), np.uint8) if self.planar else None
 
     def _one(self, i: int, crop, out: np.ndarray, key: tuple, report: BatchReport) -> int:
         """Decode sample ``i`` into ``out``, or a replacement; return the index written."""

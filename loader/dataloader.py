@@ -18,9 +18,14 @@ import torch.utils.data
 from loader import options as opt
 from loader.augment import Transform, resolve_transform
 from loader.batch import PixelBatches
+from loader.decode import runs_in_workers
+from loader.encoded import EncodedBatches
 from loader.epoch import EpochIterator
+from loader.gpu_stage import GpuStage
 from loader.output import BatchOutput, resolve_device, resolve_dtype
+from loader.prefetch import GpuEpochIterator
 from loader.sampler import EpochPlan
+from loader.stats import LoaderStats
 from loader.workers import Ring, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -57,7 +62,12 @@ class DataLoader:
         seed: seed of the epoch order and the augmentation (default: ``generator``'s, or 0).
         rank, world_size: this process's share (default: from torch.distributed, else 0/1).
         with_indices: batches are ``(images, labels, indices)``; indices stay on the CPU.
-        decoder: decoder backend (``loader.decode.decoders()``), default "cpu".
+        decoder: "auto" (default: "nvjpeg" on a CUDA device, else "cpu"), or a backend
+            of ``loader.decode.decoders()``: "cpu" decodes in the workers; "nvjpeg" decodes
+            batches on the GPU (torchvision's nvjpeg) and augments them there, the workers
+            only gathering encoded bytes (and decoding ``cpu_share`` of them).
+        cpu_share: GPU path: fraction of the JPEGs the workers decode on the CPU beside the
+            GPU decoder; "auto" (default) sizes it from measured rates as it runs.
 
     Attributes:
         bad_samples: {sample index: "path: reason"} of records that failed to decode; each
@@ -114,7 +124,8 @@ class DataLoader:
         rank: int | None = None,
         world_size: int | None = None,
         with_indices: bool = False,
-        decoder: str = "cpu",
+        decoder: str = "auto",
+        cpu_share: float | str = "auto",
     ) -> None:
         opt.check_not_for_store(sampler, batch_sampler, collate_fn)
         self.batch_size = opt.check_batch_size(batch_size)
@@ -122,8 +133,9 @@ class DataLoader:
             num_workers, prefetch_factor, timeout
         )
         self.transform = resolve_transform(transform, image_size, mean, std)
-        self.decoder = opt.check_decoder(decoder)
         self.device = resolve_device(device)
+        self.decoder = opt.resolve_decoder(decoder, self.device)
+        cpu_share = opt.check_cpu_share(cpu_share)
         self._output = BatchOutput(
             self.transform, resolve_dtype(dtype), bool(channels_last), self.device, pin_memory
         )
@@ -144,10 +156,22 @@ class DataLoader:
             world_size=world_size,
         )
         self._labels = self.store.labels
-        self._producer = PixelBatches(
-            self.store, self.transform, self.batch_size, self.decoder, planar=not channels_last
-        )
-        slots = 1 if self.num_workers == 0 else self.num_workers * self.prefetch_factor
+        self._stats = LoaderStats()
+        self._gpu_stage: GpuStage | None = None
+        if runs_in_workers(self.decoder):
+            self._producer = PixelBatches(
+                self.store, self.transform, self.batch_size, self.decoder,
+                planar=not channels_last,
+            )  # fmt: skip
+            slots = 1 if self.num_workers == 0 else self.num_workers * self.prefetch_factor
+        else:  # workers gather encoded bytes (and decode a CPU share); the GPU does the rest
+            self._producer = EncodedBatches(self.store, self.transform, self.batch_size)
+            self._gpu_stage = GpuStage(
+                self._producer, self.transform, self._output.dtype, bool(channels_last),
+                self.device, self.decoder, cpu_share, self.num_workers, self._stats,
+            )  # fmt: skip
+            # The prefetch thread holds one slot while the workers fill the next ones.
+            slots = 1 if self.num_workers == 0 else max(3, 2 * self.prefetch_factor)
         self._ring = Ring(self._producer.buffers(), slots, shared=self.num_workers > 0)
         self._workers = _Workers()
         self._finalizer = weakref.finalize(self, self._workers.stop, False)
@@ -173,7 +197,7 @@ class DataLoader:
             self._workers.pool = WorkerPool(
                 self._producer, self._ring, self.num_workers, self._context, self.worker_init_fn
             )
-        it = EpochIterator(self)
+        it = EpochIterator(self) if self._gpu_stage is None else GpuEpochIterator(self)
         self._active = weakref.ref(it)
         return it
 
@@ -205,6 +229,24 @@ class DataLoader:
         self._plan.load_state_dict(state)
         self._resume = True
 
+    def stats(self) -> dict:
+        """Where the time went so far, per stage (seconds, counts; also per sample).
+
+        Keys (those of stages that ran): ``batches``, ``samples``; ``wait_s``: the training
+        loop's wait for the next batch; ``worker_read_s``: worker time reading records;
+        ``cpu_decode_s``: worker time decoding on the CPU; ``gpu_decode_s``: the GPU
+        decoder's wall time; ``augment_s``: GPU time of cropping, resizing and normalising
+        (CUDA events); ``gpu_decoded``/``cpu_decoded`` and ``gpu_share``: samples decoded
+        on each side; ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
+        ``cpu_share``: the workers' current share of the GPU-decodable samples. Worker
+        times add up over workers (CPU seconds, not wall time).
+        """
+        out = self._stats.snapshot()
+        out["decoder"] = self.decoder
+        if self._gpu_stage is not None:
+            out["cpu_share"] = self._gpu_stage.cpu_share
+        return out
+
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the running workers (empty when none run)."""
@@ -226,6 +268,9 @@ class DataLoader:
 
     def _deliver(self, slot: dict[str, torch.Tensor], report) -> tuple:
         self._note_bad(report.bad)
+        self._stats.add(
+            batches=1, samples=report.n, cpu_decoded=report.n, cpu_decode_s=report.decode_s
+        )
         indices = slot["indices"][: report.n].numpy().copy()
         images = self._output.images(slot["images"][: report.n])
         labels = self._output.labels(self._labels[indices])

@@ -1,8 +1,10 @@
 """Decoder backends behind one small interface and a registry: ``get_decoder("cpu")``.
 
-A decoder turns one stored image (JPEG or PNG bytes) into the output pixels of one sample:
-it decodes, applies a row of crop parameters (``loader.augment.CROP_COLUMNS``) and writes
-uint8 RGB into a slot the caller owns. Backends are imported lazily, so that the loader works
+A CPU decoder turns one stored image (JPEG or PNG bytes) into the output pixels of one
+sample: it decodes, applies a row of crop parameters (``loader.augment.CROP_COLUMNS``) and
+writes uint8 RGB into a slot the caller owns (``decode_into``). A GPU decoder decodes a
+whole batch of JPEGs at once into device tensors (``decode_batch``); cropping then happens
+on the GPU (``loader.augment_gpu``). Backends are imported lazily, so that the loader works
 without the optional GPU libraries.
 """
 
@@ -16,6 +18,7 @@ import numpy as np
 # name -> "module:Class", imported on first use.
 _BACKENDS = {
     "cpu": "loader.decode_cpu:CpuDecoder",
+    "nvjpeg": "loader.decode_nvjpeg:NvjpegDecoder",
 }
 
 
@@ -30,10 +33,12 @@ class Decoder(Protocol):
         name: the registry name.
         in_workers: True when it runs in the worker processes (the CPU decoder); a GPU
             decoder runs in the main process and lets the workers gather encoded bytes.
+        devices: the device types (``torch.device.type``) it can deliver to.
     """
 
     name: str
     in_workers: bool
+    devices: tuple[str, ...]
 
     def decode_into(
         self, data: bytes, kind: str, shape: tuple[int, int], crop: np.ndarray, out: np.ndarray
@@ -57,14 +62,29 @@ def decoders() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def _backend(name: str) -> type:
+    target = _BACKENDS.get(name)
+    if target is None:
+        raise ValueError(f"decoder={name!r} is unknown; known decoders: {', '.join(decoders())}")
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def delivers_to(name: str) -> tuple[str, ...]:
+    """Device types a backend's output can be produced for ("cuda" for a GPU decoder)."""
+    return tuple(_backend(name).devices)
+
+
+def runs_in_workers(name: str) -> bool:
+    """True for a backend that decodes in the worker processes (the CPU decoder); a GPU
+    backend decodes in the main process, from bytes the workers gather."""
+    return bool(_backend(name).in_workers)
+
+
 def get_decoder(name: str, **options) -> Decoder:
     """A new decoder of backend ``name``, constructed with ``options`` (e.g. ``antialias``).
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
     """
-    target = _BACKENDS.get(name)
-    if target is None:
-        raise ValueError(f"decoder={name!r} is unknown; known decoders: {', '.join(decoders())}")
-    module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)(**options)
+    return _backend(name)(**options)

@@ -39,6 +39,7 @@ class CpuDecoder:
 
     name = "cpu"
     in_workers = True
+    devices = ("cpu", "cuda")  # decodes on the CPU, delivers anywhere
 
     def __init__(self, antialias: bool = True) -> None:
         # Workers are the parallelism; OpenCV's own threads would oversubscribe the cores.

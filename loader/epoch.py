@@ -128,7 +128,7 @@ class EpochIterator:
         for step, _, report in results:
             entry = self._pending[step]
             entry[1] -= 1
-            entry[2].bad += report.bad
+            entry[2].merge(report)
             if not entry[1]:
                 del self._pending[step]
                 self._ready[step] = (entry[0], entry[2])

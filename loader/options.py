@@ -3,13 +3,16 @@ the value, the limit and what to do instead."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 
 from loader.dataset import LMDBDataset
-from loader.decode import decoders
+from loader.decode import decoders, delivers_to
 from loader.sampler import check_int
 from loader.store import Store
+
+log = logging.getLogger(__name__)
 
 # Arguments only the store path uses; meaningless for torch's DataLoader over a Dataset.
 STORE_ONLY = (
@@ -25,6 +28,7 @@ STORE_ONLY = (
     "world_size",
     "with_indices",
     "decoder",
+    "cpu_share",
 )
 
 
@@ -95,10 +99,44 @@ def check_workers(num_workers, prefetch_factor, timeout) -> tuple[int, int, floa
     return num_workers, prefetch, float(timeout)
 
 
-def check_decoder(name: str) -> str:
+def resolve_decoder(name: str, device) -> str:
+    """The decoder backend ``decoder=`` asks for on ``device``: "auto" is the GPU path
+    ("nvjpeg", torchvision's batched nvjpeg decode) on a CUDA device, else "cpu".
+
+    Raises:
+        ValueError: an unknown name, or a GPU decoder with a CPU device.
+    """
+    if name == "auto":
+        if device.type != "cuda":
+            return "cpu"
+        try:
+            import torchvision.io  # noqa: F401  (the nvjpeg backend's only need)
+        except ImportError:
+            log.info("DataLoader: torchvision is not installed: decoding on the CPU")
+            return "cpu"
+        return "nvjpeg"
     if name not in decoders():
-        raise ValueError(f"decoder={name!r} is unknown; known decoders: {', '.join(decoders())}")
+        raise ValueError(
+            f"decoder={name!r} is unknown; known decoders: auto, {', '.join(decoders())}"
+        )
+    if device.type not in delivers_to(name):
+        raise ValueError(
+            f"decoder={name!r} decodes on a CUDA device but device={str(device)!r}; pass "
+            "device='cuda' or decoder='cpu'"
+        )
     return name
+
+
+def check_cpu_share(share) -> float | str:
+    """``cpu_share=``: "auto" or a fraction in [0, 1]."""
+    if share == "auto":
+        return share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        raise ValueError(
+            f"cpu_share={share!r} is invalid: pass 'auto' (sized from measured decode rates) "
+            "or the fraction of JPEGs the workers decode on the CPU, in [0, 1]"
+        )
+    return float(share)
 
 
 def mp_context(context):

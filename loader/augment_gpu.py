@@ -1,0 +1,182 @@
+"""Batched GPU augmentation: decoded images of any size -> the output batch, in two launches.
+
+Each decoded image (uint8, [3, H, W], its own allocation: what a batched JPEG decoder
+returns) gets one row of crop parameters (``loader.augment.CROP_COLUMNS``). Two Triton
+kernels read the ragged images through a table of their addresses, so no image is padded,
+copied or converted to float first:
+
+1. ``_resample_rows``: the crop window's rows, each resampled horizontally to the output
+   columns it contributes to, into a float32 scratch of ``sum(window heights)`` rows;
+2. ``_resample_cols``: each output row resampled vertically from that scratch, rounded to
+   the uint8 grid (as a PIL image would be), mirrored, normalised, cast and written at its
+   row of the output batch with the output's strides (contiguous or channels_last).
+
+The filter is PIL's (and torchvision's ``antialias=True``) separable triangle filter:
+when shrinking by a factor s it spans s source pixels on each side, otherwise it is plain
+bilinear interpolation. Windows and flips come from the sampler, exactly as on the CPU path.
+Triton is imported lazily: the module loads without it, and its kernels also run under
+Triton's CPU interpreter (``TRITON_INTERPRET=1``), which the CPU test suite uses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Columns of the per-image parameter table handed to the kernels (int32).
+_P_Y, _P_X, _P_H, _P_W, _P_RH, _P_RW, _P_OY, _P_OX, _P_FLIP = range(9)
+_P_IMG_H, _P_IMG_W, _P_OUT_ROW, _P_ROW0 = range(9, 13)
+_P_STRIDES = slice(13, 16)  # the image's element strides: channel, row, column
+_P_COLS = 16
+_BLOCK_W = 128
+
+
+def _kernels():
+    """The two Triton kernels (Triton is imported on first use)."""
+    from loader import augment_kernels
+
+    return augment_kernels.resample_rows, augment_kernels.resample_cols
+
+
+def _max_taps(window: np.ndarray, resized: np.ndarray, antialias: bool) -> int:
+    """Most source pixels one output pixel reads along an axis, over the batch."""
+    scale = window.astype(np.float64) / np.maximum(resized, 1)
+    support = np.maximum(scale, 1.0) if antialias else np.ones_like(scale)
+    return int(np.ceil(2 * support.max())) + 2 if len(scale) else 1
+
+
+def image_params(
+    crops: np.ndarray, shapes: np.ndarray, strides: np.ndarray, out_rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' per-image parameter table and, per scratch row, its image.
+
+    Args:
+        crops: int rows of ``loader.augment.CROP_COLUMNS``, one per decoded image.
+        shapes: (height, width) of each decoded image.
+        strides: (channel, row, column) element strides of each decoded image (a decoder
+            may return planar or interleaved pixels).
+        out_rows: the row of the output batch each image goes to.
+
+    Returns:
+        (params int32 [G, 16], row_image int32 [sum of window heights]).
+    """
+    g = len(crops)
+    params = np.empty((g, _P_COLS), dtype=np.int32)
+    params[:, :9] = crops[:, :9]
+    params[:, _P_IMG_H], params[:, _P_IMG_W] = shapes[:, 0], shapes[:, 1]
+    params[:, _P_OUT_ROW] = out_rows
+    params[:, _P_STRIDES] = strides
+    heights = crops[:, _P_H].astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(heights)[:-1]]) if g else np.zeros(0, np.int64)
+    params[:, _P_ROW0] = starts
+    return params, np.repeat(np.arange(g, dtype=np.int32), heights)
+
+
+def filter_matrix(
+    out_size: int, offset: int, window: int, resized: int, antialias: bool
+) -> np.ndarray:
+    """Weights [out_size, window] of the kernels' filter along one axis: output pixel k is
+    pixel ``offset + k`` of the window resized to ``resized`` pixels (PIL's coefficients)."""
+    scale = window / resized
+    fscale = max(scale, 1.0) if antialias else 1.0
+    centre = (np.arange(out_size) + offset + 0.5)[:, None] * scale
+    lo = np.maximum(np.trunc(centre - fscale + 0.5), 0)
+    hi = np.minimum(np.trunc(centre + fscale + 0.5), window)
+    x = np.arange(window)[None, :]
+    w = np.clip(1.0 - np.abs((x - centre + 0.5) / fscale), 0.0, None)
+    w = np.where((x >= lo) & (x < hi), w, 0.0)
+    total = w.sum(axis=1, keepdims=True)
+    return w / np.where(total > 0, total, 1.0)
+
+
+class GpuAugment:
+    """Crops, resizes, flips, normalises and casts decoded images into an output batch.
+
+    Args:
+        size: output (height, width).
+        mean, std: normalisation (RGB, 0..1); ignored for uint8 output.
+        antialias: PIL's antialiased filter when shrinking, else plain bilinear.
+        backend: "triton" (the kernels; the default on CUDA) or "torch" (the same filter as
+            two matrix products per image: the default on the CPU, where the CPU test
+            suite runs the GPU path's pipeline).
+    """
+
+    def __init__(
+        self, size: tuple[int, int], mean, std, antialias: bool = True, backend: str = "auto"
+    ) -> None:
+        self.size, self.antialias, self.backend = tuple(size), bool(antialias), backend
+        std64 = np.asarray(std, dtype=np.float64)
+        self._scale = [float(v) for v in 1.0 / (255.0 * std64)]
+        self._bias = [float(v) for v in -np.asarray(mean, dtype=np.float64) / std64]
+
+    def __call__(
+        self,
+        images: list[torch.Tensor],
+        crops: np.ndarray,
+        out_rows: np.ndarray,
+        out: torch.Tensor,
+    ) -> None:
+        """Write ``images[k]`` (uint8 [3, H, W], on ``out``'s device), cropped by
+        ``crops[k]``, into ``out[out_rows[k]]`` ([N, 3, H, W], any strides); on the
+        current stream."""
+        if not images:
+            return
+        use_triton = self.backend == "triton" or (self.backend == "auto" and out.is_cuda)
+        if not use_triton:
+            raw = out.dtype == torch.uint8
+            for image, crop, row in zip(images, crops, out_rows, strict=True):
+                out[int(row)] = self._one(image, crop, raw).to(out.dtype)
+            return
+        shapes = np.array([im.shape[1:] for im in images], dtype=np.int64)
+        strides = np.array([im.stride() for im in images], dtype=np.int64)
+        params, row_image = image_params(crops, shapes, strides, out_rows)
+        dev = out.device
+        table = torch.from_numpy(
+            np.array([im.data_ptr() for im in images], dtype=np.int64)
+        )  # fmt: skip
+        p = torch.from_numpy(params)
+        rows = torch.from_numpy(row_image)
+        if dev.type == "cuda":
+            table, p, rows = (t.pin_memory().to(dev, non_blocking=True) for t in (table, p, rows))
+        h_out, w_out = self.size
+        scratch = torch.empty((len(row_image), 3, w_out), dtype=torch.float32, device=dev)
+        taps_x = _max_taps(crops[:, _P_W], crops[:, _P_RW], self.antialias)
+        taps_y = _max_taps(crops[:, _P_H], crops[:, _P_RH], self.antialias)
+        rows_kernel, cols_kernel = _kernels()
+        blocks = -(-w_out // _BLOCK_W)
+        rows_kernel[(len(row_image), blocks)](
+            table, p, rows, scratch, w_out, taps_x, ANTIALIAS=self.antialias, BLOCK=_BLOCK_W
+        )
+        cols_kernel[(len(images), h_out, blocks)](
+            scratch, p, out, w_out, taps_y, *out.stride(), *self._scale, *self._bias,
+            ANTIALIAS=self.antialias, RAW=out.dtype == torch.uint8, BLOCK=_BLOCK_W,
+        )  # fmt: skip
+
+    def _one(self, image: torch.Tensor, crop: np.ndarray, raw: bool) -> torch.Tensor:
+        """One image through the same filter as the kernels, as matrix products."""
+        y, x, h, w, rh, rw, oy, ox, flip = (int(v) for v in crop[:9])
+        h_out, w_out = self.size
+        wy = filter_matrix(h_out, oy, h, rh, self.antialias)
+        wx = filter_matrix(w_out, ox, w, rw, self.antialias)
+        window = image[:, y : y + h, x : x + w].double().cpu()
+        v = torch.from_numpy(wy) @ window @ torch.from_numpy(wx).T
+        v = torch.floor(v + 0.5).clamp_(0, 255).to(image.device)
+        if flip:
+            v = v.flip(-1)
+        if raw:
+            return v
+        scale = torch.tensor(self._scale, dtype=torch.float64).view(3, 1, 1)
+        bias = torch.tensor(self._bias, dtype=torch.float64).view(3, 1, 1)
+        return v * scale + bias
+
+    def pixels(self, pixels: torch.Tensor, out_rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Write ready-made uint8 pixels ([K, H, W, 3], decoded and cropped on the CPU) into
+        ``out[out_rows]``, normalised and cast like the rest of the batch."""
+        if not len(pixels):
+            return
+        x = pixels.permute(0, 3, 1, 2)
+        if out.dtype != torch.uint8:
+            scale = torch.tensor(self._scale, device=out.device).view(1, 3, 1, 1)
+            bias = torch.tensor(self._bias, device=out.device).view(1, 3, 1, 1)
+            x = torch.addcmul(bias, x.float(), scale)
+        out.index_copy_(0, out_rows, x.to(out.dtype))

@@ -1,0 +1,111 @@
+"""Triton kernels of ``loader.augment_gpu`` (imported only when a batch is augmented).
+
+Triton resolves the helpers a kernel calls from the module's globals, so the kernels live
+at the top level of a module of their own, which the rest of the loader imports lazily.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def filter_span(pos, size, scale, antialias: tl.constexpr):
+    # PIL's precompute_coeffs: the centre of output pixel `pos` in source coordinates,
+    # the filter's half-width (scale when shrinking with antialias, else 1) and the
+    # first source pixel it covers.
+    centre = (pos.to(tl.float32) + 0.5) * scale
+    if antialias:  # noqa: SIM108  (a constexpr branch: Triton compiles one side)
+        fscale = tl.maximum(scale, 1.0)
+    else:
+        fscale = scale * 0.0 + 1.0
+    lo = tl.maximum((centre - fscale + 0.5).to(tl.int32), 0)
+    hi = tl.minimum((centre + fscale + 0.5).to(tl.int32), size)
+    return centre, fscale, lo, hi
+
+
+@triton.jit
+def resample_rows(
+    images, params, row_image, scratch, out_w, taps,
+    ANTIALIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    g = tl.load(row_image + t)
+    p = params + g * 16
+    wy, wx, ww = tl.load(p + 0), tl.load(p + 1), tl.load(p + 3)
+    rw, ox, row0 = tl.load(p + 5), tl.load(p + 7), tl.load(p + 12)
+    sc, sy, sx = tl.load(p + 13).to(tl.int64), tl.load(p + 14).to(tl.int64), tl.load(p + 15)
+    src = tl.load(images + g).to(tl.pointer_type(tl.uint8))
+    y = wy + (t - row0)  # source row of this scratch row
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = j < out_w
+    scale = ww.to(tl.float32) / rw.to(tl.float32)
+    centre, fscale, lo, hi = filter_span(j + ox, ww, scale, ANTIALIAS)
+    acc0 = tl.zeros([BLOCK], tl.float32)
+    acc1 = tl.zeros([BLOCK], tl.float32)
+    acc2 = tl.zeros([BLOCK], tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
+    row = src + y.to(tl.int64) * sy + wx * sx
+    for k in range(0, taps):
+        x = lo + k
+        use = live & (x < hi)
+        wgt = tl.maximum(1.0 - tl.abs((x.to(tl.float32) - centre + 0.5) / fscale), 0.0)
+        wgt = tl.where(use, wgt, 0.0)
+        at = row + x * sx
+        acc0 += wgt * tl.load(at, mask=use, other=0).to(tl.float32)
+        acc1 += wgt * tl.load(at + sc, mask=use, other=0).to(tl.float32)
+        acc2 += wgt * tl.load(at + 2 * sc, mask=use, other=0).to(tl.float32)
+        total += wgt
+    total = tl.where(total > 0, total, 1.0)
+    base = scratch + t.to(tl.int64) * 3 * out_w + j
+    tl.store(base, acc0 / total, mask=live)
+    tl.store(base + out_w, acc1 / total, mask=live)
+    tl.store(base + 2 * out_w, acc2 / total, mask=live)
+
+
+@triton.jit
+def resample_cols(
+    scratch, params, out, out_w, taps,
+    s_n, s_c, s_h, s_w,
+    m0, m1, m2, b0, b1, b2,
+    ANTIALIAS: tl.constexpr, RAW: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    g = tl.program_id(0)
+    i = tl.program_id(1)
+    p = params + g * 16
+    wh, rh, oy = tl.load(p + 2), tl.load(p + 4), tl.load(p + 6)
+    flip, out_row, row0 = tl.load(p + 8), tl.load(p + 11), tl.load(p + 12)
+    j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    live = j < out_w
+    scale = wh.to(tl.float32) / rh.to(tl.float32)
+    # One output row: the same taps for every column (broadcast over the block).
+    pos = j * 0 + (i + oy)
+    centre, fscale, lo, hi = filter_span(pos, wh, scale, ANTIALIAS)
+    acc0 = tl.zeros([BLOCK], tl.float32)
+    acc1 = tl.zeros([BLOCK], tl.float32)
+    acc2 = tl.zeros([BLOCK], tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
+    for k in range(0, taps):
+        y = lo + k
+        use = live & (y < hi)
+        wgt = tl.maximum(1.0 - tl.abs((y.to(tl.float32) - centre + 0.5) / fscale), 0.0)
+        wgt = tl.where(use, wgt, 0.0)
+        base = scratch + (row0 + y).to(tl.int64) * 3 * out_w + j
+        acc0 += wgt * tl.load(base, mask=use, other=0.0)
+        acc1 += wgt * tl.load(base + out_w, mask=use, other=0.0)
+        acc2 += wgt * tl.load(base + 2 * out_w, mask=use, other=0.0)
+        total += wgt
+    total = tl.where(total > 0, total, 1.0)
+    # Round to the uint8 grid, as the resized PIL image (or the CPU path) would be.
+    v0 = tl.minimum(tl.maximum(tl.floor(acc0 / total + 0.5), 0.0), 255.0)
+    v1 = tl.minimum(tl.maximum(tl.floor(acc1 / total + 0.5), 0.0), 255.0)
+    v2 = tl.minimum(tl.maximum(tl.floor(acc2 / total + 0.5), 0.0), 255.0)
+    if not RAW:
+        v0 = v0 * m0 + b0
+        v1 = v1 * m1 + b1
+        v2 = v2 * m2 + b2
+    jo = tl.where(flip != 0, out_w - 1 - j, j)
+    dst = out + out_row.to(tl.int64) * s_n + i.to(tl.int64) * s_h + jo.to(tl.int64) * s_w
+    ty = out.dtype.element_ty
+    tl.store(dst, v0.to(ty), mask=live)
+    tl.store(dst + s_c, v1.to(ty), mask=live)
+    tl.store(dst + 2 * s_c, v2.to(ty), mask=live)

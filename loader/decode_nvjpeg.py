@@ -1,0 +1,76 @@
+"""The nvjpeg decoder: batched JPEG decode on a CUDA device through torchvision.
+
+``torchvision.io.decode_jpeg(list, device="cuda")`` sends the baseline JPEGs of a batch to
+the GPU's hardware JPEG engines in one call (nvjpeg's batched hardware backend, on A100,
+H100, H200...) and needs nothing beyond torch and torchvision, so it is the GPU backend
+every CUDA machine has. The call blocks its thread until the batch is decoded (it
+synchronises its own stream), which is why the loader calls it from its prefetch thread;
+it releases the GIL meanwhile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loader.decode import DecodeError
+
+
+class NvjpegDecoder:
+    """Decodes lists of JPEG byte tensors into uint8 [3, H, W] tensors on ``device``.
+
+    Args:
+        device: the CUDA device to decode on.
+        antialias: accepted for the registry's common signature; resizing is not done here.
+
+    Raises:
+        ValueError: no CUDA device, or a torchvision without nvjpeg support.
+    """
+
+    name = "nvjpeg"
+    in_workers = False
+    devices = ("cuda",)
+
+    def __init__(self, device: torch.device | str | None = None, antialias: bool = True) -> None:
+        del antialias
+        device = torch.device(device if device is not None else "cuda")
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(
+                f"decoder='nvjpeg' decodes on a CUDA device, and device={str(device)!r} is "
+                "not one (or CUDA is unavailable here); use decoder='cpu'"
+            )
+        try:
+            from torchvision.io import ImageReadMode, decode_jpeg
+        except ImportError as e:
+            raise ValueError(
+                f"decoder='nvjpeg' needs torchvision ({e}); pip install torchvision"
+            ) from None
+        self.device, self._decode, self._mode = device, decode_jpeg, ImageReadMode.RGB
+
+    def decode_batch(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Decode every JPEG of ``encoded`` (1-D uint8 CPU tensors) on the device.
+
+        Returns:
+            One RGB tensor [3, H, W] per input, or None where that input could not be
+            decoded (the caller retries those on the CPU).
+        """
+        if not encoded:
+            return []
+        try:
+            return list(self._decode(encoded, mode=self._mode, device=self.device))
+        except RuntimeError:
+            # One bad stream fails the whole batched call: find it by decoding one by one.
+            return [self._one(data) for data in encoded]
+
+    def _one(self, data: torch.Tensor) -> torch.Tensor | None:
+        try:
+            return self._decode(data, mode=self._mode, device=self.device)
+        except RuntimeError:
+            return None
+
+
+def check_decoded(image: torch.Tensor, shape: tuple[int, int]) -> None:
+    """Raise DecodeError unless ``image`` ([3, H, W]) has the index's (height, width)."""
+    if tuple(image.shape[1:]) != tuple(shape) or image.shape[0] != 3:
+        raise DecodeError(
+            f"decoded size {tuple(image.shape)} differs from the index's {tuple(shape)}"
+        )

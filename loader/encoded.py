@@ -1,0 +1,132 @@
+"""EncodedBatches: batch tasks -> encoded JPEG bytes for a GPU decoder, plus a CPU share.
+
+The GPU path's producer. The main process plans each batch (crop windows, as on the CPU
+path) and routes every sample: to the GPU decoder (baseline JPEGs, whose bytes the
+workers copy into one contiguous byte buffer of the slot, each at an offset planned from
+the index) or to the CPU (PNGs, progressive JPEGs, which the hardware JPEG engines do not
+take, bytes that would overflow the slot, and a share of the rest chosen to keep both
+sides busy), which the workers decode, crop and resize into the slot's pixel rows exactly
+as the CPU path does. A batch therefore crosses processes as one buffer, never as a
+tensor per sample.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ingest import format as fmt
+from loader.augment import CROP_COLUMNS, Transform
+from loader.batch import BatchReport, PixelBatches
+from loader.decode import DecodeError
+from loader.decode_cpu import reduction
+from loader.store import Store
+
+# Extra columns of a planned row, after CROP_COLUMNS: where the worker puts the sample's
+# bytes in the slot's byte buffer, and how many bytes it may take there (0: decode on the
+# CPU instead).
+START, ROOM = len(CROP_COLUMNS), len(CROP_COLUMNS) + 1
+_SLACK = 1.5  # byte buffer per slot: batch_size records of this many times the mean size
+
+
+class EncodedBatches(PixelBatches):
+    """Gathers encoded bytes for a GPU decoder and decodes the CPU share in the workers.
+
+    Args:
+        store: the store to read.
+        spec: the built-in transform (its crop windows are planned here).
+        batch_size: the most samples a slot holds.
+        cpu_share: fraction of the GPU-decodable samples of each batch decoded on the CPU
+            instead (the prefetcher adjusts it when it is "auto").
+    """
+
+    def __init__(
+        self, store: Store, spec: Transform, batch_size: int, cpu_share: float = 0.0
+    ) -> None:
+        super().__init__(store, spec, batch_size, decoder="cpu", planar=False)
+        index = store.index
+        self._gpu_ok = (index["format"] == fmt.FORMAT_CODES["jpeg"]) & (
+            (index["flags"] & fmt.FLAG_PROGRESSIVE) == 0
+        )
+        sizes = np.asarray(index["nbytes"], dtype=np.int64)
+        self.capacity = int(batch_size * float(sizes.mean()) * _SLACK) + int(sizes.max())
+        self.cpu_share = float(cpu_share)
+
+    def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        h, w = self.spec.size
+        b = self.batch_size
+        return {
+            "data": ((self.capacity,), "uint8"),
+            "lengths": ((b,), "int64"),  # bytes at the planned start; -1: pixels row
+            "starts": ((b,), "int64"),
+            "crops": ((b, len(CROP_COLUMNS)), "int32"),
+            "pixels": ((b, h, w, 3), "uint8"),
+            "indices": ((b,), "int64"),
+            "seed": ((1,), "int64"),  # the batch's: a retry on the GPU side replaces alike
+        }
+
+    def plan(self, indices: np.ndarray, seed: int) -> np.ndarray:
+        """Crop rows of a batch, each followed by its byte offset and room (0: CPU)."""
+        crops = super().plan(indices, seed)
+        rows = np.zeros((len(indices), ROOM + 1), dtype=np.int64)
+        rows[:, : len(CROP_COLUMNS)] = crops
+        gpu = self._gpu_ok[indices].copy()
+        gpu[self._cpu_share(crops, gpu)] = False
+        room = np.where(gpu, self.store.index["nbytes"][indices], 0).astype(np.int64)
+        ends = np.cumsum(room)
+        room[ends > self.capacity] = 0  # the rest of a heavy batch decodes on the CPU
+        rows[:, START] = np.cumsum(room) - room
+        rows[:, ROOM] = room
+        return rows
+
+    def _cpu_share(self, crops: np.ndarray, gpu: np.ndarray) -> np.ndarray:
+        """Positions of the GPU-decodable samples sent to the CPU instead: those whose
+        DCT-domain reduction saves the CPU the most (small windows of large images)."""
+        k = round(self.cpu_share * int(gpu.sum()))
+        if k <= 0:
+            return np.zeros(0, dtype=np.int64)
+        candidates = np.flatnonzero(gpu)
+        gain = np.array([reduction("jpeg", crops[i]) for i in candidates])
+        return candidates[np.argsort(-gain, kind="stable")[:k]]
+
+    def fill(
+        self,
+        slot: dict[str, np.ndarray],
+        lo: int,
+        indices: np.ndarray,
+        rows: np.ndarray,
+        seed: int,
+    ) -> BatchReport:
+        """Copy the bytes of GPU-routed samples into the slot; decode the others into
+        their pixel rows (a record that cannot be read is replaced, as on the CPU path)."""
+        self._ensure_decoder()
+        report = BatchReport(len(indices))
+        started = time.perf_counter()
+        slot["seed"][0] = seed
+        for k, (i, row) in enumerate(zip(indices.tolist(), rows, strict=True)):
+            at = lo + k
+            slot["crops"][at] = row[: len(CROP_COLUMNS)]
+            if row[ROOM] and self._gather(slot, at, i, int(row[START]), int(row[ROOM])):
+                continue
+            t0 = time.perf_counter()
+            key = (seed, at)
+            slot["indices"][at] = self._one(i, row, slot["pixels"][at], key, report)
+            slot["lengths"][at] = -1
+            report.cpu_decoded += 1
+            report.decode_s += time.perf_counter() - t0
+        report.worker_s += time.perf_counter() - started
+        return report
+
+    def _gather(self, slot: dict, at: int, i: int, start: int, room: int) -> bool:
+        """Put sample ``i``'s JPEG bytes at ``start``; False when it must go to the CPU
+        (unreadable, or larger than planned: the CPU path then replaces or decodes it)."""
+        try:
+            data, kind = self.read(i)
+        except DecodeError:  # the CPU path reports it with its reason
+            return False
+        if kind != "jpeg" or len(data) > room:
+            return False
+        slot["data"][start : start + len(data)] = np.frombuffer(data, np.uint8)
+        slot["starts"][at], slot["lengths"][at], slot["indices"][at] = start, len(data), i
+        return True

@@ -1,0 +1,203 @@
+"""GpuStage: one gathered ring slot -> a finished batch on the GPU, on a side stream.
+
+For each slot the workers filled (``loader.encoded``) it decodes the JPEG bytes with the
+GPU decoder (one batched call), retries any image the decoder rejects on the CPU (then,
+like the CPU path, replaces a record that fails there too), crops/resizes/flips/normalises
+every GPU-decoded image straight into the output batch (``loader.augment_gpu``), copies the
+rows the workers decoded on the CPU through pinned memory and normalises them into the
+same batch. Everything runs on one high-priority side stream and ends with an event the
+training stream waits on; nothing synchronises the device.
+
+With ``cpu_share="auto"`` it sizes the workers' share of each batch from measured rates:
+the GPU decoder's samples per second against the workers' together, so that neither side
+waits for the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import torch
+
+from loader.augment import Transform
+from loader.augment_gpu import GpuAugment
+from loader.decode import get_decoder
+from loader.decode_nvjpeg import check_decoded
+from loader.encoded import EncodedBatches
+from loader.stats import LoaderStats
+
+_MIN_AUTO_SHARE = 0.05  # keep measuring the CPU side, however fast the GPU is
+_MAX_AUTO_SHARE = 0.9
+_SMOOTHING = 0.3  # weight of the newest batch in the share's moving average
+
+
+class GpuStage:
+    """Turns gathered slots into output batches on ``device``.
+
+    Args:
+        producer: the loader's ``EncodedBatches`` (its CPU decoder serves the retries).
+        spec: the transform (output size, mean, std, antialias).
+        dtype: output dtype (float dtypes are normalised, uint8 is left raw).
+        channels_last: deliver in ``torch.channels_last`` memory format.
+        device: the CUDA device.
+        decoder: registry name of the GPU decoder.
+        cpu_share: "auto" or a fixed fraction of GPU-decodable samples the workers decode.
+        num_workers: worker processes (the CPU side's parallelism, for "auto").
+        stats: where stage timings go.
+    """
+
+    def __init__(
+        self,
+        producer: EncodedBatches,
+        spec: Transform,
+        dtype: torch.dtype,
+        channels_last: bool,
+        device: torch.device,
+        decoder: str,
+        cpu_share: float | str,
+        num_workers: int,
+        stats: LoaderStats,
+    ) -> None:
+        self.producer, self.device, self.dtype, self.stats = producer, device, dtype, stats
+        self.size = spec.size
+        self.format = torch.channels_last if channels_last else torch.contiguous_format
+        self.decoder = get_decoder(decoder, device=device)
+        self.augment = GpuAugment(spec.size, spec.mean, spec.std, spec.antialias)
+        # Data before training work; the device may be the CPU only in tests.
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device, priority=-1) if cuda else None
+        self.auto = cpu_share == "auto" and num_workers > 0
+        self.num_workers = num_workers
+        producer.cpu_share = 0.25 if self.auto else (0.0 if cpu_share == "auto" else cpu_share)
+        self._labels = producer.store.labels
+        self._index = producer.store.index
+
+    def process(self, slot: dict[str, torch.Tensor], report) -> tuple:
+        """The batch in ``slot`` (``report.n`` samples) as (images, labels, indices, event).
+
+        Reads the slot's bytes and pixels before it returns, so the caller may hand the
+        slot back to the workers at once; the tensors are ready once ``event`` completes.
+        """
+        n = report.n
+        views = {k: v.numpy() for k, v in slot.items()}
+        lengths, starts = views["lengths"][:n], views["starts"][:n]
+        gpu_rows = np.flatnonzero(lengths >= 0)
+        data = slot["data"]
+        spans = zip(starts[gpu_rows].tolist(), lengths[gpu_rows].tolist(), strict=True)
+        encoded = [data[s : s + m] for s, m in spans]
+        with self._on_side_stream():
+            t0 = time.perf_counter()
+            decoded = self.decoder.decode_batch(encoded)
+            decode_s = time.perf_counter() - t0
+            ok_rows, images = self._keep_decoded(views, gpu_rows, decoded, report)
+            begin = _event(self.device)
+            out = torch.empty(
+                (n, 3, *self.size), dtype=self.dtype, device=self.device,
+                memory_format=self.format,
+            )  # fmt: skip
+            self.augment(images, views["crops"][ok_rows], ok_rows, out)
+            cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
+            if len(cpu_rows):
+                pixels = _to_device(views["pixels"][cpu_rows], self.device)
+                self.augment.pixels(pixels, _to_device(cpu_rows, self.device), out)
+            indices = views["indices"][:n].copy()
+            labels = _to_device(self._labels[indices], self.device)
+            done = _event(self.device)
+        self.stats.add_gpu_time("augment", begin, done)
+        self._account(report, len(ok_rows), len(cpu_rows), decode_s)
+        return out, labels, indices, done
+
+    def _on_side_stream(self) -> contextlib.AbstractContextManager:
+        if self.stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self.stream))
+        return stack
+
+    def _keep_decoded(self, views, gpu_rows, decoded, report) -> tuple[np.ndarray, list]:
+        """The rows whose GPU decode is usable, and their images; the others are decoded
+        (or replaced) on the CPU into their pixel rows, here, before the slot is let go."""
+        heights = self._index["height"][views["indices"][gpu_rows]]
+        widths = self._index["width"][views["indices"][gpu_rows]]
+        ok_rows, images = [], []
+        for row, image, h, w in zip(gpu_rows.tolist(), decoded, heights, widths, strict=True):
+            try:
+                if image is None:
+                    raise ValueError("rejected by the GPU decoder")
+                check_decoded(image, (int(h), int(w)))
+            except ValueError:  # DecodeError too: retry on the CPU, as the issue promises
+                self._cpu_retry(views, row, report)
+                continue
+            ok_rows.append(row)
+            images.append(image)
+        return np.asarray(ok_rows, dtype=np.int64), images
+
+    def _cpu_retry(self, views: dict, row: int, report) -> None:
+        self.producer._ensure_decoder()
+        i = int(views["indices"][row])
+        crop = views["crops"][row]
+        key = (int(views["seed"][0]), row)  # as the workers key their replacements
+        written = self.producer._one(i, crop, views["pixels"][row], key, report)
+        views["indices"][row] = written
+        views["lengths"][row] = -1
+        self.stats.add(gpu_rejected=1)
+
+    def _account(self, report, on_gpu: int, on_cpu: int, decode_s: float) -> None:
+        self.stats.add(
+            batches=1, samples=report.n, gpu_decoded=on_gpu, cpu_decoded=on_cpu,
+            gpu_decode_s=decode_s, cpu_decode_s=report.decode_s,
+            worker_read_s=max(0.0, report.worker_s - report.decode_s),
+        )  # fmt: skip
+        if not self.auto or not on_gpu or not report.cpu_decoded:
+            return
+        gpu_rate = on_gpu / max(decode_s, 1e-6)
+        cpu_rate = self.num_workers * report.cpu_decoded / max(report.decode_s, 1e-6)
+        target = min(max(cpu_rate / (cpu_rate + gpu_rate), _MIN_AUTO_SHARE), _MAX_AUTO_SHARE)
+        share = self.producer.cpu_share
+        self.producer.cpu_share = (1 - _SMOOTHING) * share + _SMOOTHING * target
+        self.stats.add(share_updates=1)
+
+    @property
+    def cpu_share(self) -> float:
+        return self.producer.cpu_share
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device`` through a pinned buffer, without blocking the host: the
+    pinned block is recycled by torch only after the copy's stream has passed it."""
+    if device.type != "cuda":
+        return torch.from_numpy(np.ascontiguousarray(array))
+    host = torch.empty(array.shape, dtype=_TORCH[array.dtype.type], pin_memory=True)
+    host.numpy()[...] = array
+    return host.to(device, non_blocking=True)
+
+
+class _Done:
+    """A completed event, where there is no CUDA stream (the CPU, in tests)."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end) -> float:
+        return 0.0
+
+
+def _event(device: torch.device):
+    """A timing event recorded now on the current stream (a completed stand-in on CPU)."""
+    if device.type != "cuda":
+        return _Done()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+_TORCH = {np.uint8: torch.uint8, np.int64: torch.int64, np.int32: torch.int32}

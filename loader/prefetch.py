@@ -1,0 +1,136 @@
+"""GpuEpochIterator: the epoch iterator of the GPU path, with a CUDA prefetch thread.
+
+A background thread runs the whole producing side: it plans and dispatches batches to the
+workers, collects the gathered slots, runs each through the ``GpuStage`` (decode and
+augmentation on a side stream) and puts the finished batch into a bounded queue
+(``prefetch_factor`` batches). The GPU decoder blocks the thread that calls it for the
+whole batch, so that thread must not be the training loop's; it releases the GIL meanwhile.
+
+The training loop only takes finished batches: its stream waits on the batch's event
+(``wait_event``: never the whole device) and the tensors are marked as used by that
+stream (``record_stream``), so the allocator never hands their memory to the side stream
+while the training loop may still read them. The plan advances on delivery, as on the CPU
+path, so ``state_dict()`` counts what the user received.
+
+The thread holds the iterator only weakly while it waits on the queue, so an iterator the
+user abandons is collected, stops its thread and frees the workers as on the CPU path.
+Errors in the thread (a dead worker, a CUDA error, a damaged store) reach the training
+loop as the exception itself, naming the stage.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+
+import torch
+
+from loader.epoch import EpochIterator
+
+_JOIN_S = 30.0  # longest wait for the thread to finish the batch it is on
+_PUT_POLL_S = 0.1
+
+
+class GpuStageError(RuntimeError):
+    """A failure in the GPU stage (decode, augmentation, copy), naming it."""
+
+
+class GpuEpochIterator(EpochIterator):
+    """See the module docstring; ``DataLoader.__iter__`` returns one on the GPU path."""
+
+    def __init__(self, loader) -> None:
+        super().__init__(loader)
+        self._stage = loader._gpu_stage
+        self._stats = loader._stats
+        self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch_factor)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __next__(self):
+        if self._closed:
+            return super().__next__()  # raises as the CPU path does
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_run, args=(weakref.ref(self), self._queue, self._stop),
+                name="imfeed-gpu-prefetch", daemon=True,
+            )  # fmt: skip
+            self._thread.start()
+        t0 = time.perf_counter()
+        kind, payload = self._take_finished()
+        self._stats.add(wait_s=time.perf_counter() - t0)
+        if kind == "end":
+            self._close(finished=True)
+            raise StopIteration
+        if kind == "error":
+            self._close(finished=False, failed=True)
+            raise payload
+        images, labels, indices, event, bad = payload
+        if images.device.type == "cuda":
+            stream = torch.cuda.current_stream(images.device)
+            stream.wait_event(event)  # the training stream waits; the host does not
+            images.record_stream(stream)
+            labels.record_stream(stream)
+        self._loader._note_bad(bad)
+        next(self._official)
+        if self._loader.with_indices:
+            return images, labels, torch.from_numpy(indices)
+        return images, labels
+
+    def _take_finished(self) -> tuple[str, object]:
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    return "error", GpuStageError("the GPU prefetch thread ended unexpectedly")
+
+    def _produce_one(self) -> tuple:
+        """Thread side: the next finished batch, or raise StopIteration at the epoch's end."""
+        slot, report = self._produce()
+        self._next_step += 1
+        try:
+            images, labels, indices, event = self._stage.process(self._ring.slot(slot), report)
+        except torch.cuda.OutOfMemoryError:
+            raise  # torch's own message says what to do
+        except RuntimeError as e:  # CUDA, nvjpeg or Triton errors: name the stage
+            if not any(word in str(e) for word in ("CUDA", "nvjpeg", "nvJPEG", "triton")):
+                raise
+            raise GpuStageError(
+                f"the GPU stage (decode + augmentation on {self._stage.device}) failed: {e}"
+            ) from e
+        finally:
+            self._free.append(slot)
+        return images, labels, indices, event, report.bad
+
+    def _close(self, finished: bool, failed: bool = False) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_JOIN_S)
+        super()._close(finished, failed)
+
+
+def _run(ref: weakref.ref, out: queue.Queue, stop: threading.Event) -> None:
+    """The prefetch thread: produce batches into ``out`` until the epoch ends or ``stop``."""
+    while not stop.is_set():
+        it = ref()
+        if it is None:
+            return
+        try:
+            item = ("batch", it._produce_one())
+        except StopIteration:
+            item = ("end", None)
+        except BaseException as e:  # reaches the training loop, raised there
+            item = ("error", e)
+        del it  # wait without keeping the iterator alive
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=_PUT_POLL_S)
+                break
+            except queue.Full:
+                if ref() is None:
+                    return
+        if item[0] != "batch":
+            return

@@ -1,0 +1,75 @@
+"""Test data and stand-ins of the GPU path tests.
+
+Without CUDA (CI), the GPU path's pipeline runs on the CPU: a stand-in batched decoder
+(torchvision's CPU ``decode_jpeg``) takes the place of nvjpeg and Triton's interpreter runs
+the augmentation kernels, so everything but the CUDA calls themselves is tested. The
+images are small, because the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import torch
+from PIL import Image
+
+from ingest.build import build
+from ingest.synth import make_image_folder, random_view, sample_photos
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+BACKEND = "nvjpeg" if CUDA else "tvcpu"
+SIZE = 64 if CUDA else 16  # output side; the interpreter needs tiny batches
+SHORT_SIDE = (300, 450) if CUDA else (24, 40)
+CLASSES, PER_CLASS = 2, 10
+EXTRA = 3  # a PNG, a progressive JPEG and a grayscale JPEG: routed to the CPU or handled
+NUM_SAMPLES = CLASSES * PER_CLASS + EXTRA
+
+
+def make_small_store(root):
+    """Build ``root/store`` from 23 small images (20 baseline JPEGs and the extras)."""
+    src = root / "src"
+    make_image_folder(src, CLASSES, PER_CLASS, seed=3, short_side=SHORT_SIDE)
+    rng = np.random.default_rng(3)
+    photo = cv2.imread(str(sample_photos()[1]), cv2.IMREAD_COLOR)
+    view = random_view(photo, rng, SHORT_SIDE)
+    cv2.imwrite(str(src / "class_00" / "zz_plain.png"), view)
+    prog = [cv2.IMWRITE_JPEG_PROGRESSIVE, 1, cv2.IMWRITE_JPEG_QUALITY, 90]
+    progressive = random_view(photo, rng, SHORT_SIDE)
+    cv2.imwrite(str(src / "class_01" / "zz_progressive.JPEG"), progressive, prog)
+    gray = cv2.cvtColor(random_view(photo, rng, SHORT_SIDE), cv2.COLOR_BGR2GRAY)
+    cv2.imwrite(str(src / "class_01" / "zz_gray.JPEG"), gray, [cv2.IMWRITE_JPEG_QUALITY, 90])
+    store = root / "store"
+    build(src, store, workers=2, progress=False)
+    return store
+
+
+class TorchvisionCpuBatchDecoder:
+    """Stand-in for a GPU batch decoder on the CPU: torchvision's libjpeg decode."""
+
+    name = "tvcpu"
+    in_workers = False
+    devices = ("cpu",)
+
+    def __init__(self, device=None, antialias: bool = True) -> None:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        self._decode, self._mode = decode_jpeg, ImageReadMode.RGB
+
+    def decode_batch(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        out = []
+        for data in encoded:
+            try:
+                out.append(self._decode(data, mode=self._mode))
+            except RuntimeError:
+                out.append(None)
+        return out
+
+
+def pil_resized_crop(rgb: np.ndarray, crop, size: tuple[int, int]) -> np.ndarray:
+    """Reference: PIL's antialiased bilinear resize of the crop window, cropped, flipped."""
+    y, x, h, w, rh, rw, oy, ox, flip = (int(v) for v in crop[:9])
+    img = Image.fromarray(rgb).crop((x, y, x + w, y + h))
+    out = np.asarray(img.resize((rw, rh), Image.BILINEAR, reducing_gap=None))
+    out = out[oy : oy + size[0], ox : ox + size[1]]
+    return np.ascontiguousarray(out[:, ::-1] if flip else out)

@@ -1,0 +1,414 @@
+"""The GPU path: the samples, crop windows and pixels of the CPU path; routing between the
+GPU decoder and the workers; failures, resume, stream safety, bounded memory.
+
+On a CUDA machine these run the real thing (nvjpeg, Triton kernels on the GPU). Without
+one (CI), the same pipeline runs on the CPU with a stand-in batch decoder and Triton's
+interpreter (``gpu_path_data``). Tolerances, in uint8 levels (0..255):
+
+- the augmentation kernels against PIL's resize of the same window: max 1, mean 0.25
+  (rounding of the two separable passes);
+- the GPU path against torchvision's PIL pipeline on the same windows: mean 0.5 per
+  sample with a libjpeg decode, 2.0 with nvjpeg (its IDCT and chroma upsampling differ);
+- on CUDA, at full size, the GPU path against the CPU path: mean 2.0 per epoch (the CPU
+  path approximates PIL's filter with a Gaussian prefilter after DCT-domain reduction,
+  which at the tiny sizes of the CPU run is far coarser, so there only samples and labels
+  are compared).
+
+Where the same decode happens on both sides the comparison is exact: a sample decoded by
+the workers (a CPU share, a retry) equals the CPU path's pixels bit for bit, a sample
+decoded by the GPU decoder equals the GPU-only run's.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import shutil
+import threading
+import time
+
+import cv2
+import lmdb
+import numpy as np
+import pytest
+import torch
+from gpu_path_data import (
+    BACKEND,
+    CUDA,
+    DEVICE,
+    NUM_SAMPLES,
+    SHORT_SIDE,
+    SIZE,
+    make_small_store,
+    pil_resized_crop,
+)
+from PIL import Image
+
+if not CUDA:  # before Triton is first imported: run the kernels in its CPU interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import loader
+import loader.decode as decode_registry
+from ingest import format as fmt
+from ingest.codec import pack_record, unpack_record
+from ingest.synth import random_view, sample_photos
+from loader.augment import Transform, plan_crops
+from loader.augment_gpu import GpuAugment
+from loader.sampler import batch_seed
+from loader.store import Store
+
+B = 8  # 23 samples: batches of 8, 8, 7
+GPU_ELIGIBLE = NUM_SAMPLES - 2  # all but the PNG and the progressive JPEG
+PIL_TOL = 2.0 if CUDA else 0.5
+EVAL = Transform("eval", SIZE)
+TRAIN = Transform("train", SIZE)
+gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_small_store(tmp_path_factory.mktemp("gpu_path"))
+
+
+@pytest.fixture(autouse=True)
+def backend(monkeypatch):  # the CPU stand-in of the GPU decoder, without CUDA
+    if not CUDA:
+        target = "gpu_path_data:TorchvisionCpuBatchDecoder"
+        monkeypatch.setitem(decode_registry._BACKENDS, "tvcpu", target)
+
+
+def make(store, **kwargs) -> loader.DataLoader:
+    args = {
+        "batch_size": B, "transform": EVAL, "device": DEVICE, "decoder": BACKEND,
+        "with_indices": True, "num_workers": 2, "shuffle": True, "seed": 5,
+        "dtype": torch.uint8,
+    }  # fmt: skip
+    return loader.DataLoader(store, **{**args, **kwargs})
+
+
+def epoch(dl) -> list[tuple]:
+    return [tuple(t.cpu() for t in batch) for batch in dl]
+
+
+def flat(batches, k: int) -> torch.Tensor:
+    return torch.cat([b[k] for b in batches])
+
+
+def mean_diff(a, b) -> float:
+    return float((a.float() - b.float()).abs().mean())
+
+
+# -- the augmentation kernels ----------------------------------------------------------------
+
+
+def photos(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    photo = cv2.cvtColor(cv2.imread(str(sample_photos()[0])), cv2.COLOR_BGR2RGB)
+    return [np.ascontiguousarray(random_view(photo, rng, SHORT_SIDE)) for _ in range(n)]
+
+
+def train_crops(images, seed: int) -> np.ndarray:
+    heights, widths = (np.array(v) for v in zip(*[im.shape[:2] for im in images], strict=True))
+    return plan_crops(TRAIN, heights, widths, np.random.default_rng(seed))
+
+
+def augment(
+    images, crops, dtype=torch.uint8, channels_last=False, antialias=True, backend="triton"
+):
+    aug = GpuAugment((SIZE, SIZE), EVAL.mean, EVAL.std, antialias, backend)
+    fmt_ = torch.channels_last if channels_last else torch.contiguous_format
+    out = torch.full((len(images), 3, SIZE, SIZE), 7, dtype=dtype, device=DEVICE)
+    out = out.contiguous(memory_format=fmt_)
+    tensors = [torch.from_numpy(im).permute(2, 0, 1).contiguous().to(DEVICE) for im in images]
+    aug(tensors, crops, np.arange(len(images)), out)
+    return out.cpu()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("spec", [TRAIN, EVAL], ids=["train", "eval"])
+def test_augment_matches_pil_resize_of_the_window(spec, backend):
+    images = photos(5, seed=1)
+    rng = np.random.default_rng(2)
+    heights = np.array([im.shape[0] for im in images])
+    widths = np.array([im.shape[1] for im in images])
+    crops = plan_crops(spec, heights, widths, rng)
+    crops[:, 8] = [1, 0, 1, 0, 0]  # some mirrored, whatever the transform
+    out = augment(images, crops, backend=backend)
+    for k, image in enumerate(images):
+        ref = pil_resized_crop(image, crops[k], (SIZE, SIZE)).astype(np.int64)
+        got = out[k].permute(1, 2, 0).numpy().astype(np.int64)
+        assert np.abs(got - ref).max() <= 1, crops[k]
+        assert np.abs(got - ref).mean() <= 0.25, crops[k]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize(
+    "dtype, tol", [(torch.float32, 1e-5), (torch.float16, 4e-3), (torch.bfloat16, 2e-2)]
+)
+def test_augment_normalises_casts_and_keeps_the_layout(dtype, tol, channels_last):
+    images = photos(3, seed=4)
+    crops = plan_crops(
+        TRAIN, *zip(*[im.shape[:2] for im in images], strict=True), np.random.default_rng(5)
+    )
+    raw = augment(images, crops).float() / 255.0
+    out = augment(images, crops, dtype, channels_last)
+    mean = torch.tensor(EVAL.mean).view(1, 3, 1, 1)
+    std = torch.tensor(EVAL.std).view(1, 3, 1, 1)
+    fmt_ = torch.channels_last if channels_last else torch.contiguous_format
+    assert out.dtype == dtype and out.is_contiguous(memory_format=fmt_)
+    assert torch.allclose(out.float(), (raw - mean) / std, atol=tol, rtol=0)
+
+
+def test_augment_without_antialias_is_plain_bilinear():
+    images = photos(3, seed=6)
+    crops = plan_crops(
+        TRAIN, *zip(*[im.shape[:2] for im in images], strict=True), np.random.default_rng(7)
+    )
+    crops[:, 8] = 0
+    out = augment(images, crops, antialias=False)
+    for k, image in enumerate(images):
+        y, x, h, w = crops[k, :4]
+        window = torch.from_numpy(image[y : y + h, x : x + w]).permute(2, 0, 1)[None].float()
+        ref = torch.nn.functional.interpolate(
+            window, (SIZE, SIZE), mode="bilinear", align_corners=False, antialias=False
+        )
+        ref = ref.round().clamp(0, 255)[0]
+        assert (out[k].float() - ref).abs().max() <= 1
+
+
+# -- the pipeline against the CPU path -------------------------------------------------------
+
+
+def pil_reference(store, spec, batches, seed: int) -> torch.Tensor:
+    """What torchvision's PIL pipeline makes of each delivered sample, with the windows
+    the sampler planned for its batch (as ``PixelBatches.plan`` draws them)."""
+    st = Store(store)
+    out = []
+    for step, (_, _, indices) in enumerate(batches):
+        idx = indices.numpy()
+        rng = np.random.default_rng(batch_seed(seed, 0, step, rank=0))
+        crops = plan_crops(spec, st.index["height"][idx], st.index["width"][idx], rng)
+        for i, crop in zip(idx.tolist(), crops, strict=True):
+            data, _ = st.image(i)
+            rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+            out.append(torch.from_numpy(pil_resized_crop(rgb, crop, spec.size)).permute(2, 0, 1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("spec", [EVAL, TRAIN], ids=["eval", "train"])
+def test_same_samples_labels_and_windows_as_the_cpu_path(store, spec):
+    on_cpu = epoch(make(store, transform=spec, decoder="cpu", device="cpu"))
+    on_gpu = epoch(make(store, transform=spec, cpu_share=0.0))
+    assert len(on_cpu) == len(on_gpu) == 3
+    assert torch.equal(flat(on_gpu, 2), flat(on_cpu, 2))  # the same samples, in order
+    assert torch.equal(flat(on_gpu, 1), flat(on_cpu, 1))  # and labels
+    # The same windows: each sample is what PIL makes of its planned window.
+    reference = pil_reference(store, spec, on_gpu, seed=5)
+    cpu_side = [k * B + r for k, b in enumerate(on_gpu) for r in cpu_rows(store, b[2])]
+    assert len(cpu_side) == 2  # the PNG and the progressive JPEG: the CPU path's pixels
+    rows = zip(flat(on_gpu, 0), reference, flat(on_cpu, 0), strict=True)
+    for k, (got, ref, cpu) in enumerate(rows):
+        assert torch.equal(got, cpu) if k in cpu_side else mean_diff(got, ref) <= PIL_TOL
+    if CUDA:  # at full size the CPU path's approximation of PIL's filter is close too
+        assert mean_diff(flat(on_gpu, 0), flat(on_cpu, 0)) <= 2.0
+    if spec is TRAIN:  # negative control: other windows are far apart
+        other = epoch(make(store, transform=spec, seed=6, shuffle=False))
+        mine = epoch(make(store, transform=spec, shuffle=False))
+        assert mean_diff(flat(other, 0), flat(mine, 0)) > 10
+
+
+def same_as_one_of(batches, gpu_only, cpu_only) -> list[str]:
+    """Per sample: "gpu" or "cpu", whichever reference it equals exactly (else "none")."""
+    got, g, c = flat(batches, 0), flat(gpu_only, 0), flat(cpu_only, 0)
+    return [
+        "gpu" if torch.equal(x, y) else "cpu" if torch.equal(x, z) else "none"
+        for x, y, z in zip(got, g, c, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_every_sample_once_per_epoch_and_resume(store, num_workers):
+    dl = make(store, num_workers=num_workers, drop_last=False)
+    first = epoch(dl)
+    assert sorted(flat(first, 2).tolist()) == list(range(NUM_SAMPLES))
+    second = epoch(dl)  # a new order, every sample once again
+    assert sorted(flat(second, 2).tolist()) == list(range(NUM_SAMPLES))
+    assert not torch.equal(flat(first, 2), flat(second, 2))
+    it = iter(dl)
+    head = [tuple(t.cpu() for t in next(it))]
+    state = dl.state_dict()
+    resumed = make(store, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    rest = epoch(resumed)
+    del it
+    got = flat(head + rest, 2).tolist()
+    assert sorted(got) == list(range(NUM_SAMPLES))
+
+
+@pytest.mark.parametrize("share, on_gpu", [(0.0, GPU_ELIGIBLE), (1.0, 0)])
+def test_routing_png_and_progressive_to_the_workers(store, share, on_gpu):
+    dl = make(store, cpu_share=share)
+    epoch(dl)
+    stats = dl.stats()
+    assert stats["samples"] == NUM_SAMPLES and stats["batches"] == 3
+    assert stats["gpu_decoded"] == on_gpu
+    assert stats["cpu_decoded"] == NUM_SAMPLES - on_gpu
+    assert stats["decoder"] == BACKEND and stats["cpu_share"] == share
+
+
+def test_a_cpu_share_decodes_each_sample_on_one_side(store):
+    gpu_side = epoch(make(store, cpu_share=0.0))
+    cpu_side = epoch(make(store, cpu_share=1.0))
+    shared = make(store, cpu_share=0.5)
+    batches = epoch(shared)
+    stats = shared.stats()
+    assert 0 < stats["gpu_decoded"] < GPU_ELIGIBLE
+    assert stats["gpu_decoded"] + stats["cpu_decoded"] == NUM_SAMPLES
+    assert torch.equal(flat(batches, 2), flat(gpu_side, 2))
+    sides = same_as_one_of(batches, gpu_side, cpu_side)
+    assert "none" not in sides
+    assert sides.count("gpu") == stats["gpu_decoded"] or (
+        CUDA is False
+        and (
+            sides.count("gpu") >= stats["gpu_decoded"]  # a sample may be equal on both sides
+        )
+    )
+
+
+def test_auto_share_adapts_and_keeps_the_samples(store):
+    dl = make(store, cpu_share="auto")
+    reference = epoch(make(store, cpu_share=0.0))
+    got = epoch(dl)
+    assert torch.equal(flat(got, 2), flat(reference, 2))
+    sides = same_as_one_of(got, reference, epoch(make(store, cpu_share=1.0)))
+    assert "none" not in sides
+    share = dl.stats()["cpu_share"]
+    assert 0.05 <= share <= 0.9
+
+
+def test_an_image_the_gpu_decoder_rejects_is_decoded_on_the_cpu(store):
+    reference = epoch(make(store, cpu_share=0.0))
+    dl = make(store, cpu_share=0.0)
+    real = dl._gpu_stage.decoder.decode_batch
+    calls = []
+
+    def reject_first(encoded):
+        out = real(encoded)
+        if not calls:
+            out[0] = None  # the first image of the first batch
+        calls.append(len(encoded))
+        return out
+
+    dl._gpu_stage.decoder.decode_batch = reject_first
+    batches = epoch(dl)
+    stats = dl.stats()
+    assert stats["gpu_rejected"] == 1 and dl.bad_samples == {} and dl.num_replaced == 0
+    assert stats["gpu_decoded"] == GPU_ELIGIBLE - 1
+    assert torch.equal(flat(batches, 2), flat(reference, 2))
+    sides = same_as_one_of(batches, reference, epoch(make(store, cpu_share=1.0)))
+    first_gpu = next(k for k in range(B) if k not in cpu_rows(store, batches[0][2]))
+    assert sides[first_gpu] == "cpu" and "none" not in sides
+
+
+def cpu_rows(store, indices) -> set[int]:
+    """Rows of a batch that the workers decode whatever the share (PNG, progressive)."""
+    index = Store(store).index
+    fmts, flags = index["format"][indices.numpy()], index["flags"][indices.numpy()]
+    jpeg = (fmts == fmt.FORMAT_CODES["jpeg"]) & ((flags & fmt.FLAG_PROGRESSIVE) == 0)
+    return set(np.flatnonzero(~jpeg).tolist())
+
+
+def corrupt(store, tmp_path, index: int):
+    """A copy of the store whose record ``index`` holds junk instead of a JPEG."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(store, copy)
+    shard = Store(copy).shard_of(index)
+    with (
+        lmdb.open(str(copy / fmt.shard_name(shard)), subdir=True) as env,
+        env.begin(write=True) as txn,
+    ):
+        record = unpack_record(txn.get(fmt.encode_key(index)))
+        record["image"] = b"\xff\xd8\xff\xe0 this is not a JPEG " * 4
+        txn.put(fmt.encode_key(index), pack_record(record))
+    return copy
+
+
+def test_a_corrupt_record_is_replaced_and_counted(store, tmp_path):
+    damaged = corrupt(store, tmp_path, 3)
+    dl = make(damaged, shuffle=False)
+    batches = epoch(dl)
+    again = epoch(dl)
+    assert [len(b[0]) for b in batches] == [len(b[0]) for b in again] == [8, 8, 7]
+    got = flat(batches, 2).tolist()
+    assert 3 not in got and len(got) == NUM_SAMPLES
+    assert list(dl.bad_samples) == [3] and dl.num_replaced == 2
+    assert torch.equal(flat(batches, 2), flat(again, 2))  # replaced reproducibly
+
+
+def test_an_abandoned_iterator_stops_its_thread(store):
+    dl = make(store)
+    it = iter(dl)
+    next(it)
+    del it
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        names = [t.name for t in threading.enumerate()]
+        if "imfeed-gpu-prefetch" not in names:
+            break
+        time.sleep(0.05)
+    assert "imfeed-gpu-prefetch" not in names
+    assert len(epoch(dl)) == 3  # and the loader still reads whole epochs
+
+
+def test_argument_errors_and_auto(store):
+    with pytest.raises(ValueError, match=r"decoder='nvjpeg' decodes on a CUDA device but"):
+        make(store, decoder="nvjpeg", device="cpu")
+    with pytest.raises(ValueError, match=r"cpu_share=1.5 is invalid: pass 'auto'"):
+        make(store, cpu_share=1.5)
+    assert make(store, decoder="auto", device="cpu").decoder == "cpu"
+    if CUDA:
+        assert make(store, decoder="auto", device="cuda").decoder == "nvjpeg"
+
+
+def test_stats_say_where_the_time_went(store):
+    dl = make(store, cpu_share=0.0)
+    epoch(dl)
+    stats = dl.stats()
+    for key in ("wait_s", "gpu_decode_s", "augment_s", "worker_read_s", "cpu_decode_s"):
+        assert stats[key] >= 0.0, key
+        assert key[:-2] + "_us_per_sample" in stats
+    assert stats["gpu_share"] == GPU_ELIGIBLE / NUM_SAMPLES
+
+
+# -- CUDA only: stream safety and memory -----------------------------------------------------
+
+
+@gpu_only
+def test_delivered_batches_are_never_overwritten(store):
+    dl = make(store, dtype=torch.float16, num_workers=2)
+    held, copies = [], []
+    for _ in range(3):
+        for images, labels, _ in dl:
+            if len(held) < 4:
+                held.append((images, labels))
+                copies.append((images.clone(), labels.clone()))
+            # keep the device busy so that a missing wait would show
+            torch.cuda._sleep(1_000_000)
+    torch.cuda.synchronize()
+    for (images, labels), (i0, l0) in zip(held, copies, strict=True):
+        assert torch.equal(images, i0) and torch.equal(labels, l0)
+
+
+@gpu_only
+def test_gpu_memory_is_flat_across_epochs(store):
+    dl = make(store, dtype=torch.float16, batch_size=8, num_workers=2)
+    reserved = []
+    for _ in range(5):
+        for _batch in dl:
+            pass
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+    assert reserved[-1] == reserved[1], reserved
