@@ -40,10 +40,10 @@ def resample_rows(
     live = j < out_w
     scale = ww.to(tl.float32) / rw.to(tl.float32)
     centre, fscale, lo, hi = filter_span(j + ox, ww, scale, ANTIALIAS)
-    acc0 = tl.zeros([BLOCK], tl.float32)
-    acc1 = tl.zeros([BLOCK], tl.float32)
-    acc2 = tl.zeros([BLOCK], tl.float32)
-    total = tl.zeros([BLOCK], tl.float32)
+    acc0 = tl.full([BLOCK], 0.0, tl.float32)
+    acc1 = tl.full([BLOCK], 0.0, tl.float32)
+    acc2 = tl.full([BLOCK], 0.0, tl.float32)
+    total = tl.full([BLOCK], 0.0, tl.float32)
     row = src + y.to(tl.int64) * sy + wx * sx
     for k in range(0, taps):
         x = lo + k
@@ -80,10 +80,10 @@ def resample_cols(
     # One output row: the same taps for every column (broadcast over the block).
     pos = j * 0 + (i + oy)
     centre, fscale, lo, hi = filter_span(pos, wh, scale, ANTIALIAS)
-    acc0 = tl.zeros([BLOCK], tl.float32)
-    acc1 = tl.zeros([BLOCK], tl.float32)
-    acc2 = tl.zeros([BLOCK], tl.float32)
-    total = tl.zeros([BLOCK], tl.float32)
+    acc0 = tl.full([BLOCK], 0.0, tl.float32)
+    acc1 = tl.full([BLOCK], 0.0, tl.float32)
+    acc2 = tl.full([BLOCK], 0.0, tl.float32)
+    total = tl.full([BLOCK], 0.0, tl.float32)
     for k in range(0, taps):
         y = lo + k
         use = live & (y < hi)

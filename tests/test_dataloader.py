@@ -412,7 +412,7 @@ def test_corrupt_record_is_replaced_counted_and_logged_once(store, tmp_path, cap
         ({"transform": None}, r"transform= is required when reading a store"),
         ({"dtype": torch.int32}, r"dtype=torch.int32 is not supported; use one of float32"),
         ({"device": "mps"}, r"device='mps' is not supported; use 'cpu' or a CUDA device"),
-        ({"decoder": "dali"}, r"decoder='dali' is unknown; known decoders: cpu"),
+        ({"decoder": "dali"}, r"decoder='dali' is unknown; known decoders: auto, cpu, nvjpeg"),
         ({"sampler": [0, 1]}, r"sampler= cannot be used when reading a store"),
         ({"prefetch_factor": 0}, r"prefetch_factor=0 is invalid"),
     ],

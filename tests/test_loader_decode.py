@@ -43,10 +43,13 @@ def special(store: Store, name: str) -> int:
 
 
 def test_registry():
-    assert "cpu" in decoders()
+    assert decoders() == ["cpu", "nvjpeg"]
     assert get_decoder("cpu").in_workers
-    with pytest.raises(ValueError, match=r"decoder='nvjpeg' is unknown; known decoders: cpu"):
-        get_decoder("nvjpeg")
+    with pytest.raises(ValueError, match=r"decoder='dali' is unknown; known decoders: cpu, nvj"):
+        get_decoder("dali")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"decoder='nvjpeg' decodes on a CUDA device"):
+            get_decoder("nvjpeg", device="cpu")
 
 
 @pytest.mark.parametrize(
