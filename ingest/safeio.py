@@ -35,8 +35,8 @@ def read_regular(path: str | os.PathLike, max_bytes: int, *, size: int | None = 
     """The bytes of ``path`` (links followed), if it is a regular file of at most ``max_bytes``.
 
     Args:
-        max_bytes: refuse a larger file (checked before reading, and while reading, in
-            case the file grows).
+        max_bytes: refuse a larger file (checked before reading; a file that changes size
+            while it is read is refused too).
         size: when given, the file must have exactly this size.
 
     Raises:
@@ -48,12 +48,13 @@ def read_regular(path: str | os.PathLike, max_bytes: int, *, size: int | None = 
         st = os.fstat(fd)
         _check_size(st.st_size, max_bytes, size)
         with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(max_bytes + 1)
+            data = f.read(st.st_size + 1)  # one more byte tells a file that grows
     except OSError as e:
         raise FileRefused(f"unreadable: {e.strerror or e}") from None
     finally:
         os.close(fd)
-    _check_size(len(data), max_bytes, size)
+    if len(data) != st.st_size:
+        raise FileRefused(f"changed while being read ({st.st_size} bytes, then {len(data)})")
     return data
 
 
