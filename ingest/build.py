@@ -150,7 +150,8 @@ def _process(job: tuple, options: BuildOptions) -> Result:
         with captured() as warnings:  # what libjpeg, libtiff... print: never on the terminal
             conv = convert(data, opts)
         if warnings and conv.source_format == "jpeg":
-            raise Reject(f"corrupt JPEG data: the decoder warns: {warnings[0]}")
+            warning = warnings[0].removeprefix("Corrupt JPEG data: ")
+            raise Reject(f"corrupt JPEG data: the decoder warns: {warning}")
     except FileRefused as e:
         hint = " (--max-file-size)" if str(e).startswith("too large") else ""
         return ["reject", stored, f"{e}{hint}"], b""

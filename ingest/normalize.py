@@ -107,7 +107,8 @@ def check_jpeg(data: bytes) -> None:
         simplejpeg.decode_jpeg(data, out, min_height=1, min_width=1, strict=True)
     except ValueError as e:
         end = "" if _has_eoi(data) else " (truncated: no end-of-image marker)"
-        raise Reject(f"corrupt JPEG data: the decoder warns: {e}{end}") from None
+        warning = str(e).removeprefix("Corrupt JPEG data: ")
+        raise Reject(f"corrupt JPEG data: the decoder warns: {warning}{end}") from None
 
 
 def _plain_jpeg(data: bytes, info: JpegInfo, opts: Options) -> Converted:

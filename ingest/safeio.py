@@ -87,8 +87,11 @@ def open_failure(path: str | os.PathLike, e: OSError) -> str:
         if os.path.islink(path):
             return "unreadable: a broken symbolic link (its target does not exist)"
         return "unreadable: the file vanished during the build"
-    if e.errno == errno.ENXIO:  # a socket, or a FIFO nobody writes to (O_NONBLOCK)
-        return "not a regular file: a socket or a FIFO"
+    if e.errno == errno.ENXIO:  # a socket (open() cannot open one)
+        try:
+            return f"not a regular file: {kind_of(os.stat(path).st_mode)}"
+        except OSError:
+            return "not a regular file"
     return f"unreadable: {e.strerror or e}"
 
 

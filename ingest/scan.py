@@ -58,11 +58,12 @@ def scan(root: str | os.PathLike) -> Scan:
     result = Scan(root, [], [])
     with os.scandir(root) as entries:
         for entry in entries:
-            if entry.is_dir() and _is_store(entry.path):
+            is_dir = _is_dir(entry)
+            if is_dir and _is_store(entry.path):
                 result.skipped.append((entry.name, "a store (ingest build output), not a class"))
-            elif entry.is_dir() and not entry.name.startswith("."):
+            elif is_dir and not entry.name.startswith("."):
                 result.classes.append(entry.name)
-            elif entry.is_dir():
+            elif is_dir:
                 result.ignored["hidden folder"] += _count_files(entry.path)
             else:
                 result.ignored["file outside class folders"] += 1
@@ -73,7 +74,7 @@ def scan(root: str | os.PathLike) -> Scan:
             f"{root}/CLASS_NAME/IMAGE.jpg"
         )
     # A class folder is walked as a class, never through a link from elsewhere.
-    walked = {_dir_id(root): "."} | {_dir_id(root / n): n for n in result.classes}
+    walked = {_dir_id(root): "the source folder"} | {_dir_id(root / n): n for n in result.classes}
     for label, name in enumerate(result.classes):
         _scan_class(root, name, label, result, walked)
     return result
@@ -105,7 +106,7 @@ def _walk(root: Path, top: Path, result: Scan, walked: dict) -> list[tuple[str, 
             result.skipped.append((_rel(root, path), f"unreadable folder: {e.strerror or e}"))
             continue
         for entry in entries:
-            if not entry.is_dir():  # files, and anything else (FIFOs, broken links): read later
+            if not _is_dir(entry):  # files, and anything else (FIFOs, broken links): read later
                 files.append(entry.name)
                 continue
             rel = _rel(root, entry.path)
@@ -122,6 +123,15 @@ def _walk(root: Path, top: Path, result: Scan, walked: dict) -> list[tuple[str, 
                 stack.append(Path(entry.path))
         out.append((str(path), files))
     return out
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    """A directory, links followed; a link loop or a vanished entry is not (it is read as a
+    file later, and rejected with the reason)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def _dir_id(path: str | os.PathLike) -> tuple[int, int]:
