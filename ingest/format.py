@@ -250,7 +250,7 @@ def store_file(root: str | os.PathLike, manifest: dict, what: str | int) -> Path
             f"{path}: {e.strerror or e}; the store is incomplete: rebuild it"
         ) from None
     if not stat.S_ISREG(st.st_mode):
-        raise StoreError(f"{path}: not a regular file ({kind_of(st.st_mode)}); rebuild the store")
+        raise StoreError(f"{path}: {kind_of(st.st_mode)}, not a regular file; rebuild the store")
     if size is not None and st.st_size != size:
         raise StoreError(
             f"{path}: {st.st_size} bytes where the manifest records {size} (truncated or "
@@ -270,7 +270,7 @@ def load_index(root: str | os.PathLike, mmap: bool = True, manifest: dict | None
     path = store_file(root, manifest, "index")
     try:
         arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except (ValueError, OSError, EOFError, SyntaxError) as e:  # numpy's header parser
+    except Exception as e:  # numpy's header parser raises many types (TokenError, ...)
         raise StoreError(f"{path}: not a valid index ({type(e).__name__}: {e})") from None
     if arr.dtype != INDEX_DTYPE or arr.ndim != 1:
         raise StoreError(f"{path}: dtype {arr.dtype} is not the index dtype of this format")

@@ -91,10 +91,23 @@ class Store:
         Raises:
             ingest.format.StoreError: naming the shard and what differs.
         """
-        fmt.store_file(self.root, self.manifest, shard)
+        try:
+            fmt.store_file(self.root, self.manifest, shard)
+        except fmt.StoreError:
+            self._check_not_rebuilt(shard)  # the likelier cause says what to do
+            raise
         env = _open_env(self._keys[shard])
         check_build(env, self.manifest, self.root / fmt.shard_name(shard))
         return env
+
+    def _check_not_rebuilt(self, shard: int) -> None:
+        """Raise the error of a store rebuilt since it was opened, if it was."""
+        try:
+            build = fmt.read_manifest(self.root).get("build")
+        except fmt.StoreError:
+            return  # not a (complete) store now: the caller's error says enough
+        if build != self.manifest.get("build"):
+            raise fmt.StoreError(_rebuilt(self.root / fmt.shard_name(shard)))
 
     def raw(self, i: int) -> bytes:
         """The stored value of sample ``i`` (a packed record), as bytes.
@@ -203,10 +216,14 @@ def check_build(env: lmdb.Environment, manifest: dict, where: Path) -> None:
     with env.begin() as txn:
         build = txn.get(fmt.BUILD_KEY)
     if build != manifest["build"].encode():
-        raise fmt.StoreError(
-            f"{where}: written by another build than the store's manifest (the store was "
-            "rebuilt or changed since it was opened); open the store again"
-        )
+        raise fmt.StoreError(_rebuilt(where))
+
+
+def _rebuilt(where: Path) -> str:
+    return (
+        f"{where}: written by another build than the store's manifest (the store was "
+        "rebuilt or changed since it was opened); open the store again"
+    )
 
 
 def _read_paths(root: Path, manifest: dict) -> list[str]:
