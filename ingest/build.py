@@ -81,7 +81,10 @@ def build(
         _convert_all(run, src, options, workers or os.cpu_count() or 1, progress)
         return run.finish()
     except (lmdb.Error, OSError) as e:
-        raise _write_failure(out, e) from e
+        failure = _write_failure(out, e)
+        if failure is None:
+            raise
+        raise failure from e
 
 
 def _convert_all(run: _Run, src: Path, options: BuildOptions, workers: int, progress) -> None:
@@ -101,10 +104,11 @@ def _convert_all(run: _Run, src: Path, options: BuildOptions, workers: int, prog
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _write_failure(out: Path, e: Exception) -> Exception:
-    """A one-line OutputError for a failure to write OUT (a full disk, an I/O error)."""
+def _write_failure(out: Path, e: Exception) -> OutputError | None:
+    """A one-line OutputError for a failure to write OUT (a full disk, an I/O error), or
+    None for an error that is not about writing (it keeps its traceback)."""
     if isinstance(e, OSError) and e.errno not in (*_FULL, errno.EIO, errno.EROFS):
-        return e  # not about writing OUT: keep the traceback
+        return None
     try:
         st = os.statvfs(out)
         full = st.f_bavail * st.f_frsize < 64 * MiB

@@ -151,9 +151,8 @@ def _info(args: argparse.Namespace) -> int:
 
 def _reject_reasons(store: str) -> Counter:
     """Rejected files by the first part of their reason (before any colon or bracket)."""
-    with open(os.path.join(store, fmt.REJECTS), encoding="utf-8") as f:
-        reasons = (json.loads(line)["reason"] for line in f if line.strip())
-        return Counter(re.split(r"[:(]", r, maxsplit=1)[0].strip() for r in reasons)
+    reasons = (r.get("reason", "?") for r in fmt.read_rejects(store, fmt.read_manifest(store)))
+    return Counter(re.split(r"[:(]", str(r), maxsplit=1)[0].strip() for r in reasons)
 
 
 def _verify(args: argparse.Namespace) -> int:

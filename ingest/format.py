@@ -200,7 +200,9 @@ def _manifest_problem(m: dict) -> str | None:
     """What is wrong with the shape of a manifest (keys, types, shard names), or None."""
     for key, typ in (("num_samples", int), ("num_classes", int), ("classes", list),
                      ("shards", list), ("index", dict), ("paths", dict), ("rejects", dict),
-                     ("options", dict)):  # fmt: skip
+                     ("options", dict), ("num_seen", int), ("num_rejected", int),
+                     ("num_ignored", int), ("ignored_by_reason", dict), ("stats", dict),
+                     ("record_bytes", int)):  # fmt: skip
         if not isinstance(m.get(key), typ):
             return f"{key!r} is missing or not a {typ.__name__}"
     if m["version"] >= 2 and not isinstance(m.get("build"), str):
@@ -311,6 +313,23 @@ def _row_text(row, field: str) -> str:
     if field == "size":
         return f"{row['width']}x{row['height']}"
     return f"{row[field]}"
+
+
+def read_rejects(root: str | os.PathLike, manifest: dict) -> list[dict]:
+    """The rejected files of a store (``rejects.jsonl``), read through ``store_file``.
+
+    Raises:
+        StoreError: the file is unsafe to read or not JSON lines.
+    """
+    path = store_file(root, manifest, "rejects")
+    try:
+        text = read_regular(path, MAX_MANIFEST_BYTES << 4).decode("utf-8")
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (FileRefused, ValueError) as e:
+        raise StoreError(f"{path}: unreadable ({e}); rebuild the store") from None
+    if not all(isinstance(r, dict) for r in rows):
+        raise StoreError(f"{path}: a line is not a JSON object; rebuild the store")
+    return rows
 
 
 def check_record(record: object) -> str | None:

@@ -423,6 +423,35 @@ def test_index_or_paths_replaced_by_a_fifo_or_a_device_never_hangs(copy: Path, w
         LMDBDataset(copy).samples  # noqa: B018
 
 
+def test_info_and_verify_do_not_hang_on_a_fifo_for_rejects(copy: Path):
+    (copy / fmt.REJECTS).unlink()
+    os.mkfifo(copy / fmt.REJECTS)
+    info = run_ingest("info", copy, timeout=30)
+    assert (info.returncode, info.stderr) == (
+        2,
+        f"ingest info: error: {copy / fmt.REJECTS}: a FIFO (named pipe), not a regular file; "
+        "rebuild the store\n",
+    )
+    assert verify_store(copy) == [
+        f"{fmt.REJECTS}: a FIFO (named pipe), not a regular file; rebuild the store"
+    ]
+
+
+def test_a_version_1_store_still_reads(copy: Path):
+    """Version 1 recorded no build identity, file sizes or pixel limit: those checks are
+    skipped, the others apply."""
+    manifest = json.loads((copy / fmt.MANIFEST).read_text())
+    manifest["version"] = 1
+    del manifest["build"], manifest["options"]["max_pixels"]
+    for key in ("index", "paths", "rejects"):
+        del manifest[key]["bytes"]
+    (copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    assert verify_store(copy) == []  # before a reader opens the shards in this process
+    ds = LMDBDataset(copy)
+    assert [ds[i][1] for i in range(len(ds))] == fmt.load_index(copy)["label"].tolist()
+    assert ds.store.max_pixels == fmt.DEFAULT_MAX_PIXELS
+
+
 def test_a_manifest_that_is_not_json_is_one_line_from_info_and_verify(copy: Path):
     (copy / fmt.MANIFEST).write_text('{"format": "imfeed-lmdb", "version": 2, ')
     for command in ("info", "verify"):
