@@ -9,6 +9,7 @@ an open loader). Every test runs under an alarm: a hang fails it instead of the 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -29,11 +30,13 @@ import pytest
 from fixtures import REPO, assert_same_store, run_ingest
 
 import ingest.build as ingest_build
+import ingest.writer as ingest_writer
 import loader
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
 from ingest.codec import pack_record, unpack_record
 from ingest.probe import parse_jpeg
+from ingest.resume import OutputError
 from ingest.synth import make_image_folder
 from ingest.verify import verify_store
 from loader import LMDBDataset
@@ -227,6 +230,39 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes_to_the_same_store(tmp_pat
         assert_same_store(disk / "out", tmp_path / "clean")
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_failing_commit_is_one_error_and_the_rerun_gives_the_clean_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The same path without a small filesystem: the writer's commit fails as LMDB fails on
+    a full disk (an I/O error) once two shards are sealed; the disk itself has room."""
+    src = tmp_path / "src"
+    make_image_folder(src, 2, 6, short_side=(160, 200))
+    options = BuildOptions(shard_size=64 * KiB)
+    commit, calls = ingest_writer.ShardWriter._commit, []
+
+    def failing(self):
+        calls.append(self.tmp_dir.name)
+        if len(set(calls)) == 3:
+            raise lmdb.Error("mdb_txn_commit: Input/output error")
+        commit(self)
+
+    monkeypatch.setattr(ingest_writer.ShardWriter, "_commit", failing)
+    message = (
+        f"output {tmp_path / 'out'}: writing failed (mdb_txn_commit: Input/output error); "
+        "check the disk, then run the same command again: it resumes from the last "
+        "completed shard"
+    )
+    with pytest.raises(OutputError, match=f"^{re.escape(message)}$"):
+        build(src, tmp_path / "out", options, workers=1, progress=False)
+    gc.collect()  # the failed build's LMDB environment closes with its last reference
+    assert not (tmp_path / "out" / fmt.MANIFEST).exists()
+    assert len(json.loads((tmp_path / "out" / fmt.BUILD_STATE).read_text())["shards"]) == 2
+    monkeypatch.undo()
+    build(src, tmp_path / "out", options, workers=1, progress=False)
+    build(src, tmp_path / "clean", options, workers=1, progress=False)
+    assert_same_store(tmp_path / "out", tmp_path / "clean")
 
 
 def test_no_valid_image_leaves_no_store_and_the_rerun_is_not_refused(tmp_path: Path):
