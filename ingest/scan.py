@@ -115,7 +115,8 @@ def _walk(root: Path, top: Path, result: Scan, walked: dict) -> list[tuple[str, 
             except OSError:  # gone since the listing: its files are not seen
                 continue
             if key in walked:
-                result.skipped.append((rel, f"a link to a folder walked already ({walked[key]})"))
+                what = "a link to a folder" if entry.is_symlink() else "a folder"
+                result.skipped.append((rel, f"{what} walked already ({walked[key]})"))
             elif _is_store(entry.path):
                 result.skipped.append((rel, "a store (ingest build output), not images"))
             else:
