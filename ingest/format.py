@@ -207,6 +207,8 @@ def _manifest_problem(m: dict) -> str | None:
             return f"{key!r} is missing or not a {typ.__name__}"
     if m["version"] >= 2 and not isinstance(m.get("build"), str):
         return "'build' is missing or not a string"
+    if not isinstance(m["options"].get("max_pixels", 0), int):
+        return "'options.max_pixels' is not an integer"
     if len(m["classes"]) != m["num_classes"] or not all(isinstance(c, str) for c in m["classes"]):
         return f"'classes' does not list {m['num_classes']} class names"
     for k, entry in enumerate(m["shards"]):
@@ -263,7 +265,7 @@ def store_file(root: str | os.PathLike, manifest: dict, what: str | int) -> Path
 
 def load_index(root: str | os.PathLike, mmap: bool = True, manifest: dict | None = None):
     """Load the per-sample index (structured array of INDEX_DTYPE), checked against the
-    manifest (``check_index``); never unpickles.
+    manifest (``index_problem``); never unpickles.
 
     Raises:
         StoreError: the index is missing, not a valid .npy file or inconsistent.
@@ -289,7 +291,8 @@ def index_problem(index: np.ndarray, manifest: dict) -> str | None:
     if len(index) != n:
         return f"{len(index)} rows, but the manifest counts {n} samples"
     counts = [s["count"] for s in shards]
-    if sum(counts) != n or [s["first"] for s in shards] != np.cumsum([0, *counts[:-1]]).tolist():
+    firsts = np.cumsum([0, *counts])[:-1].tolist()
+    if min(counts, default=0) < 0 or sum(counts) != n or [s["first"] for s in shards] != firsts:
         return "the manifest's shard ranges do not cover the samples in order"
     expected = np.repeat(np.arange(len(shards), dtype=np.uint32), counts)
     labels = index["label"]
