@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import errno
 import functools
-import json
 import logging
 import os
 import shutil
@@ -13,16 +13,19 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import lmdb
 import msgpack
 import numpy as np
 from tqdm import tqdm
 
 from ingest import format as fmt
 from ingest.codec import Compression, compress, pack_record
-from ingest.normalize import Options, Reject, convert
+from ingest.cstderr import captured
+from ingest.normalize import DEFAULT_MAX_PIXELS, Options, Reject, convert
 from ingest.parallel import Result, can_fork, ordered_map
-from ingest.resume import fingerprint, load_state, prepare_out
-from ingest.scan import Scan, scan
+from ingest.resume import OutputError, check_out_outside, fingerprint, load_state, prepare_out
+from ingest.safeio import FileRefused, read_regular
+from ingest.scan import Scan, SourceError, scan
 from ingest.writer import MiB, ShardWriter, sha256_file
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,8 @@ class BuildOptions:
     max_size: int | None = None
     quality: int = 95
     verify: bool = True
+    max_pixels: int = DEFAULT_MAX_PIXELS  # larger images are rejected (decompression bombs)
+    max_file_bytes: int = 1 << 30  # larger source files are rejected, unread
 
     def output_affecting(self) -> dict:
         d = asdict(self)
@@ -65,21 +70,59 @@ def build(
     """
     options = options or BuildOptions()
     src, out = Path(src), Path(out)
+    check_out_outside(src, out)
     tree = scan(src)
+    for rel, reason in tree.skipped:
+        log.warning("ingest: skipped %s: %s", fmt.shown(rel), reason)
     prepare_out(out, overwrite)
     state = load_state(out, fingerprint(tree, options.output_affecting()))
     run = _Run(tree, out, options, state, map_size or int(options.shard_size * 1.25) + MiB)
-    workers = workers or os.cpu_count() or 1
-    items = tree.items[state["cursor"] :]
+    try:
+        _convert_all(run, src, options, workers or os.cpu_count() or 1, progress)
+        return run.finish()
+    except (lmdb.Error, OSError) as e:
+        failure = _write_failure(out, e)
+        if failure is None:
+            raise
+        raise failure from e
+
+
+def _convert_all(run: _Run, src: Path, options: BuildOptions, workers: int, progress) -> None:
+    cursor = run.state["cursor"]
     bar = tqdm(
-        total=len(tree.items), initial=state["cursor"], unit="img", disable=_no_bar(progress),
+        total=len(run.tree.items), initial=cursor, unit="img", disable=_no_bar(progress),
         desc="ingest", smoothing=0.05,
     )  # fmt: skip
     with bar:
-        for pos, result in enumerate(_results(src, items, options, workers), state["cursor"]):
+        for pos, result in enumerate(
+            _results(src, run.tree.items[cursor:], options, workers), cursor
+        ):
             run.add(pos, result)
             bar.update(1)
-    return run.finish()
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _write_failure(out: Path, e: Exception) -> OutputError | None:
+    """A one-line OutputError for a failure to write OUT (a full disk, an I/O error), or
+    None for an error that is not about writing (it keeps its traceback)."""
+    if isinstance(e, OSError) and e.errno not in (*_FULL, errno.EIO, errno.EROFS):
+        return None
+    try:
+        st = os.statvfs(out)
+        full = st.f_bavail * st.f_frsize < 64 * MiB
+    except OSError:
+        full = False
+    if full or getattr(e, "errno", None) in _FULL:
+        return OutputError(
+            f"output {out}: its filesystem is full ({e}); free some space and run the same "
+            "command again: it resumes from the last completed shard"
+        )
+    return OutputError(
+        f"output {out}: writing failed ({e}); check the disk, then run the same command "
+        "again: it resumes from the last completed shard"
+    )
 
 
 def _no_bar(progress: bool | None) -> bool | None:
@@ -104,20 +147,26 @@ def _process(job: tuple, options: BuildOptions) -> Result:
     """One source file: (["ok", index row without shard, fixes], record) or
     (["reject", path, reason], b"")."""
     path, rel, label = job
+    stored = fmt.path_value(rel)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-        conv = convert(data, Options(options.verify, options.max_size, options.quality))
+        data = read_regular(path, options.max_file_bytes)
+        opts = Options(options.verify, options.max_size, options.quality, options.max_pixels)
+        with captured() as warnings:  # what libjpeg, libtiff... print: never on the terminal
+            conv = convert(data, opts)
+        if warnings and conv.source_format == "jpeg":
+            warning = warnings[0].removeprefix("Corrupt JPEG data: ")
+            raise Reject(f"corrupt JPEG data: the decoder warns: {warning}")
+    except FileRefused as e:
+        hint = " (--max-file-size)" if str(e).startswith("too large") else ""
+        return ["reject", stored, f"{e}{hint}"], b""
     except Reject as e:
-        return ["reject", rel, str(e)], b""
-    except OSError as e:
-        return ["reject", rel, f"unreadable: {e.strerror or e}"], b""
+        return ["reject", stored, str(e)], b""
     except Exception as e:  # a decoder's surprise on one file rejects that file, not the build
-        return ["reject", rel, f"could not convert: {type(e).__name__}: {e}"], b""
+        return ["reject", stored, f"could not convert: {type(e).__name__}: {e}"], b""
     record = {
         "image": compress(conv.payload, options.compression),
         "label": label,
-        "path": rel,
+        "path": stored,
         "height": conv.height,
         "width": conv.width,
         "channels": conv.channels,
@@ -146,6 +195,7 @@ class _Run:
     def __init__(self, tree: Scan, out: Path, options: BuildOptions, state: dict, map_size: int):
         self.tree, self.out, self.options, self.state = tree, out, options, state
         self.map_size = map_size
+        self.build = state["fingerprint"]  # the build identity: same inputs, same identity
         self.partial = out / fmt.PARTIAL_DIR
         self.partial.mkdir(exist_ok=True)
         self.stats = Counter(state["stats"])
@@ -157,7 +207,7 @@ class _Run:
     def add(self, pos: int, result: Result) -> None:
         header, value = result
         if header[0] == "reject":
-            self.state["rejects"].append({"path": header[1], "reason": header[2]})
+            self.state["rejects"].append({"path": fmt.path_text(header[1]), "reason": header[2]})
             return
         _, row, fixes = header
         if (
@@ -170,11 +220,11 @@ class _Run:
             n = len(self.state["shards"])
             name = fmt.shard_name(n)
             self.writer = ShardWriter(
-                self.partial / name, self.out / name, self.kept, self.map_size
+                self.partial / name, self.out / name, self.kept, self.map_size, self.build
             )
         self.writer.put(self.kept, value)
         self.rows.append((row[0], len(self.state["shards"]), *row[1:]))
-        self.paths.append(self.tree.items[pos][0])
+        self.paths.append(fmt.path_value(self.tree.items[pos][0]))
         self.kept += 1
         for fix in fixes:
             self.stats["fix " + fix.split(":")[0]] += 1
@@ -212,13 +262,19 @@ class _Run:
     def finish(self) -> dict:
         if self.writer is not None:
             self._seal(cursor=len(self.tree.items))
+        with open(self.out / fmt.REJECTS, "w", encoding="utf-8") as f:
+            for rej in self.state["rejects"]:
+                f.write(fmt.json_line(rej) + "\n")
+        if not self.state["shards"]:  # nothing to store: a failed build, never a store
+            raise SourceError(
+                f"no valid image in {self.tree.root}: {len(self.state['rejects'])} file(s) "
+                f"rejected (reasons in {self.out / fmt.REJECTS}), {self.tree.num_ignored} "
+                "ignored; no store was written"
+            )
         index, paths = self._gather()
         np.save(self.out / fmt.INDEX, index)
         with open(self.out / fmt.PATHS, "wb") as f:
             f.write(msgpack.packb(paths, use_bin_type=True))
-        with open(self.out / fmt.REJECTS, "w", encoding="utf-8") as f:
-            for rej in self.state["rejects"]:
-                f.write(json.dumps(rej, ensure_ascii=False) + "\n")
         manifest = self._manifest(len(index))
         fmt.write_json_atomic(self.out / fmt.MANIFEST, manifest)  # last: the store is complete
         (self.out / fmt.BUILD_STATE).unlink()
@@ -235,6 +291,10 @@ class _Run:
         index = np.concatenate(parts) if parts else np.zeros(0, fmt.INDEX_DTYPE)
         return index, paths
 
+    def _file_entry(self, name: str) -> dict:
+        path = self.out / name
+        return {"file": name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+
     def _manifest(self, num_samples: int) -> dict:
         rejected, ignored = len(self.state["rejects"]), self.tree.num_ignored
         return {
@@ -248,9 +308,11 @@ class _Run:
             "num_ignored": ignored,
             "ignored_by_reason": dict(sorted(self.tree.ignored.items())),
             "shards": self.state["shards"],
-            "index": {"file": fmt.INDEX, "sha256": sha256_file(self.out / fmt.INDEX)},
-            "paths": {"file": fmt.PATHS, "sha256": sha256_file(self.out / fmt.PATHS)},
-            "rejects": {"file": fmt.REJECTS, "sha256": sha256_file(self.out / fmt.REJECTS)},
+            "index": self._file_entry(fmt.INDEX),
+            "paths": self._file_entry(fmt.PATHS),
+            "rejects": self._file_entry(fmt.REJECTS),
+            "build": self.build,
+            "skipped": [{"path": p, "reason": r} for p, r in self.tree.skipped],
             "record_bytes": sum(s["record_bytes"] for s in self.state["shards"]),
             "stats": dict(sorted(self.stats.items())),
             "options": self.options.output_affecting(),

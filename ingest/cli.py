@@ -66,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--overwrite", action="store_true", help="replace a complete store at OUT")
     b.add_argument("--strict", action="store_true", help="exit non-zero if any file is rejected")
     b.add_argument("--no-verify", action="store_true", help="do not decode images to check them")
+    b.add_argument("--max-pixels", type=_positive, default=fmt.DEFAULT_MAX_PIXELS, metavar="N",
+                   help="reject images of more pixels (decompression bombs); "
+                   "default 178956970, PIL's limit")  # fmt: skip
+    b.add_argument("--max-file-size", type=parse_size, default="1GiB", metavar="SIZE",
+                   help="reject larger source files unread; default 1GiB")  # fmt: skip
     i = sub.add_parser("info", help="summarise a store")
     i.add_argument("store")
     i.add_argument("--json", action="store_true", help="print one JSON object")
@@ -93,7 +98,8 @@ def _build(args: argparse.Namespace) -> int:
     from ingest.build import BuildOptions, build
 
     options = BuildOptions(args.shard_size, args.compression, args.max_size, args.quality,
-                           not args.no_verify)  # fmt: skip
+                           not args.no_verify, max_pixels=args.max_pixels,
+                           max_file_bytes=args.max_file_size)  # fmt: skip
     manifest = build(args.src, args.out, options, workers=args.workers, overwrite=args.overwrite)
     print(
         f"ingest: {args.out}: seen {manifest['num_seen']} = kept {manifest['num_samples']}"
@@ -145,9 +151,8 @@ def _info(args: argparse.Namespace) -> int:
 
 def _reject_reasons(store: str) -> Counter:
     """Rejected files by the first part of their reason (before any colon or bracket)."""
-    with open(os.path.join(store, fmt.REJECTS), encoding="utf-8") as f:
-        reasons = (json.loads(line)["reason"] for line in f if line.strip())
-        return Counter(re.split(r"[:(]", r, maxsplit=1)[0].strip() for r in reasons)
+    reasons = (r.get("reason", "?") for r in fmt.read_rejects(store, fmt.read_manifest(store)))
+    return Counter(re.split(r"[:(]", str(r), maxsplit=1)[0].strip() for r in reasons)
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -5,13 +5,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ingest.safeio import FileRefused, kind_of, read_regular
+
 FORMAT_NAME = "imfeed-lmdb"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # v1: no build identity, no file sizes (those checks are skipped)
 
 MANIFEST = "manifest.json"
 INDEX = "index.npy"
@@ -55,6 +59,52 @@ SUBSAMPLING_NAMES = {v: k for k, v in SUBSAMPLING_CODES.items()}
 FLAG_PROGRESSIVE = 1  # progressive JPEG (hardware JPEG decoders take baseline only)
 FLAG_REENCODED = 2  # the payload is not the source file's bytes
 FLAG_COMPRESSED = 4  # the payload is zstd-compressed inside the record
+
+# The one key of a shard that is not a record (records have 8-byte keys): the identity of
+# the build that wrote the shard, the manifest's "build" (ASCII hex).
+BUILD_KEY = b"imfeed:build"
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest of a million shards is smaller
+# Images over this many pixels are refused (``ingest build --max-pixels``; readers of a
+# version 1 store, which records no limit): PIL's own refusal threshold, twice its
+# MAX_IMAGE_PIXELS, 13,377 x 13,377. Nearly every photograph is far below it.
+DEFAULT_MAX_PIXELS = 2 * 89_478_485
+
+
+class StoreError(ValueError):
+    """A path that is not a complete, readable store of this format."""
+
+
+class RecordError(ValueError):
+    """One record of a store is damaged (a bad sample, not a bad store)."""
+
+
+def path_value(rel: str) -> str | bytes:
+    """A source path as a store keeps it: the str when it is valid Unicode, else the file
+    name's bytes (a name that is not UTF-8 arrives from os.walk with surrogate escapes)."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(rel)
+    return rel
+
+
+def path_text(value: str | bytes) -> str:
+    """A stored path as ``os.walk`` gives it (undecodable bytes as surrogate escapes)."""
+    return value if isinstance(value, str) else os.fsdecode(value)
+
+
+def shown(rel: str | bytes) -> str:
+    """A path for messages: undecodable bytes shown as ``\\xNN``."""
+    return os.fsencode(path_text(rel)).decode("utf-8", "backslashreplace")
+
+
+def json_line(obj: dict) -> str:
+    """One JSON line, readable UTF-8 where possible; lone surrogates (paths that are not
+    UTF-8) escaped as ``\\udcNN``, which json.loads turns back into the same str."""
+    try:
+        return json.dumps(obj, ensure_ascii=False).encode("utf-8").decode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj)
 
 
 def shard_name(shard: int) -> str:
@@ -105,15 +155,12 @@ def fsync_path(path: Path, *, data_only: bool = False) -> None:
         os.close(fd)
 
 
-class StoreError(ValueError):
-    """A path that is not a complete, readable store of this format."""
-
-
 def read_manifest(root: str | os.PathLike) -> dict:
     """Read and check the manifest of the store at ``root``.
 
     Raises:
-        StoreError: ``root`` is missing, incomplete (no manifest) or of another format version.
+        StoreError: ``root`` is missing, incomplete (no manifest), of another format
+            version, or its manifest is not valid JSON of the expected shape.
     """
     root = Path(root)
     if not root.is_dir():
@@ -121,25 +168,185 @@ def read_manifest(root: str | os.PathLike) -> dict:
             f"{root}: no such store directory; build one with `ingest build SRC {root}`"
         )
     path = root / MANIFEST
-    if not path.is_file():
+    if not os.path.lexists(path):
         hint = " (an interrupted build: run the same `ingest build` again to resume)"
         hint = hint if (root / BUILD_STATE).exists() else ""
         raise StoreError(f"{root}: not a complete store, {MANIFEST} is missing{hint}")
-    with open(path, encoding="utf-8") as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT_NAME:
-        raise StoreError(f"{path}: format is {manifest.get('format')!r}, not {FORMAT_NAME!r}")
-    if manifest.get("version") != FORMAT_VERSION:
+    try:
+        manifest = json.loads(read_regular(path, MAX_MANIFEST_BYTES))
+    except FileRefused as e:
+        raise StoreError(f"{path}: {e}; rebuild the store") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise StoreError(f"{path}: not valid JSON ({e}); rebuild the store") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise StoreError(f"{path}: format is {found!r}, not {FORMAT_NAME!r}")
+    if manifest.get("version") not in READABLE_VERSIONS:
         raise StoreError(
             f"{path}: format version {manifest.get('version')} is not supported by this "
             f"code (version {FORMAT_VERSION}); rebuild the store or upgrade imfeed"
         )
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise StoreError(f"{path}: {problem}; the store is damaged or was edited: rebuild it")
     return manifest
 
 
-def load_index(root: str | os.PathLike, mmap: bool = True) -> np.ndarray:
-    """Load the per-sample index (structured array of INDEX_DTYPE); never unpickles."""
-    arr = np.load(Path(root) / INDEX, mmap_mode="r" if mmap else None, allow_pickle=False)
-    if arr.dtype != INDEX_DTYPE:
-        raise StoreError(f"{root}/{INDEX}: dtype {arr.dtype} is not the index dtype of v1")
+_SHARD_KEYS = {"name": str, "first": int, "count": int, "record_bytes": int,
+               "file_bytes": int, "digest": str}  # fmt: skip
+
+
+def _manifest_problem(m: dict) -> str | None:
+    """What is wrong with the shape of a manifest (keys, types, shard names), or None."""
+    for key, typ in (("num_samples", int), ("num_classes", int), ("classes", list),
+                     ("shards", list), ("index", dict), ("paths", dict), ("rejects", dict),
+                     ("options", dict), ("num_seen", int), ("num_rejected", int),
+                     ("num_ignored", int), ("ignored_by_reason", dict), ("stats", dict),
+                     ("record_bytes", int)):  # fmt: skip
+        if not isinstance(m.get(key), typ):
+            return f"{key!r} is missing or not a {typ.__name__}"
+    if m["version"] >= 2 and not isinstance(m.get("build"), str):
+        return "'build' is missing or not a string"
+    if not isinstance(m["options"].get("max_pixels", 0), int):
+        return "'options.max_pixels' is not an integer"
+    if len(m["classes"]) != m["num_classes"] or not all(isinstance(c, str) for c in m["classes"]):
+        return f"'classes' does not list {m['num_classes']} class names"
+    for k, entry in enumerate(m["shards"]):
+        bad = [key for key, typ in _SHARD_KEYS.items() if not isinstance(entry.get(key), typ)]
+        if bad:
+            return f"shard {k} lacks a valid {bad[0]!r}"
+        if entry["name"] != shard_name(k):
+            return f"shard {k} is named {entry['name']!r}, where the format says {shard_name(k)!r}"
+    for key, name in (("index", INDEX), ("paths", PATHS), ("rejects", REJECTS)):
+        if m[key].get("file") != name or not isinstance(m[key].get("sha256"), str):
+            return f"{key!r} must name the file {name!r} with its sha256"
+    return None
+
+
+def store_file(root: str | os.PathLike, manifest: dict, what: str | int) -> Path:
+    """The path of one file of a store, checked before anyone opens or maps it.
+
+    The one resolver every reader and ``ingest verify`` use: the file must be the one the
+    format names, lie inside the store once links are resolved, be a regular file (not a
+    FIFO or a device, which would hang a reader) and have the size the manifest records
+    (a truncated ``data.mdb`` would kill a reader with SIGBUS when mapped).
+
+    Args:
+        what: "index", "paths" or "rejects", or a shard number (its ``data.mdb``).
+
+    Raises:
+        StoreError: naming the file and what is wrong with it.
+    """
+    root = Path(root)
+    if isinstance(what, str):
+        rel, size = manifest[what]["file"], manifest[what].get("bytes")
+    else:
+        entry = manifest["shards"][what]
+        rel, size = f"{entry['name']}/data.mdb", entry["file_bytes"]
+    path = root / rel
+    real, inside = os.path.realpath(path), os.path.realpath(root)
+    if os.path.commonpath([real, inside]) != inside:
+        raise StoreError(f"{path}: leads outside the store (to {real}); rebuild the store")
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise StoreError(
+            f"{path}: {e.strerror or e}; the store is incomplete: rebuild it"
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreError(f"{path}: {kind_of(st.st_mode)}, not a regular file; rebuild the store")
+    if size is not None and st.st_size != size:
+        raise StoreError(
+            f"{path}: {st.st_size} bytes where the manifest records {size} (truncated or "
+            "replaced); the store is damaged: rebuild it"
+        )
+    return path
+
+
+def load_index(root: str | os.PathLike, mmap: bool = True, manifest: dict | None = None):
+    """Load the per-sample index (structured array of INDEX_DTYPE), checked against the
+    manifest (``index_problem``); never unpickles.
+
+    Raises:
+        StoreError: the index is missing, not a valid .npy file or inconsistent.
+    """
+    manifest = read_manifest(root) if manifest is None else manifest
+    path = store_file(root, manifest, "index")
+    try:
+        arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except Exception as e:  # numpy's header parser raises many types (TokenError, ...)
+        raise StoreError(f"{path}: not a valid index ({type(e).__name__}: {e})") from None
+    if arr.dtype != INDEX_DTYPE or arr.ndim != 1:
+        raise StoreError(f"{path}: dtype {arr.dtype} is not the index dtype of this format")
+    problem = index_problem(arr, manifest)
+    if problem:
+        raise StoreError(f"{path}: {problem}; the store is damaged or was edited: rebuild it")
     return arr
+
+
+def index_problem(index: np.ndarray, manifest: dict) -> str | None:
+    """What makes ``index`` inconsistent with ``manifest`` (lengths, shard ranges, labels,
+    sizes, codes), or None. One pass over the index, vectorised."""
+    n, shards = manifest["num_samples"], manifest["shards"]
+    if len(index) != n:
+        return f"{len(index)} rows, but the manifest counts {n} samples"
+    counts = [s["count"] for s in shards]
+    firsts = np.cumsum([0, *counts])[:-1].tolist()
+    if min(counts, default=0) < 0 or sum(counts) != n or [s["first"] for s in shards] != firsts:
+        return "the manifest's shard ranges do not cover the samples in order"
+    expected = np.repeat(np.arange(len(shards), dtype=np.uint32), counts)
+    labels = index["label"]
+    checks = (
+        ("shard", np.flatnonzero(index["shard"] != expected)),
+        ("label", np.flatnonzero((labels < 0) | (labels >= manifest["num_classes"]))),
+        ("nbytes", np.flatnonzero(index["nbytes"] == 0)),
+        ("format", np.flatnonzero(~np.isin(index["format"], list(FORMAT_NAMES)))),
+        ("channels", np.flatnonzero(~np.isin(index["channels"], [1, 3]))),
+        ("size", np.flatnonzero((index["height"] == 0) | (index["width"] == 0))),
+    )  # fmt: skip
+    for field, bad in checks:
+        if len(bad):
+            i = int(bad[0])
+            value = _row_text(index[i], field)
+            return f"row {i} has an invalid {field} ({value}; {len(bad)} such rows)"
+    return None
+
+
+def _row_text(row, field: str) -> str:
+    if field == "size":
+        return f"{row['width']}x{row['height']}"
+    return f"{row[field]}"
+
+
+def read_rejects(root: str | os.PathLike, manifest: dict) -> list[dict]:
+    """The rejected files of a store (``rejects.jsonl``), read through ``store_file``.
+
+    Raises:
+        StoreError: the file is unsafe to read or not JSON lines.
+    """
+    path = store_file(root, manifest, "rejects")
+    try:
+        text = read_regular(path, MAX_MANIFEST_BYTES << 4).decode("utf-8")
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (FileRefused, ValueError) as e:
+        raise StoreError(f"{path}: unreadable ({e}); rebuild the store") from None
+    if not all(isinstance(r, dict) for r in rows):
+        raise StoreError(f"{path}: a line is not a JSON object; rebuild the store")
+    return rows
+
+
+def check_record(record: object) -> str | None:
+    """What makes an unpacked record unusable (not a map, a field of the wrong type), or
+    None. Readers check this before using a record: a store is untrusted input."""
+    if not isinstance(record, dict):
+        return f"not a map but {type(record).__name__}"
+    for key, types in _RECORD_TYPES.items():
+        if not isinstance(record.get(key), types):
+            return f"field {key!r} is {type(record.get(key)).__name__}, not {types[0].__name__}"
+    if record["format"] not in FORMAT_CODES:
+        return f"unknown image format {record['format']!r}"
+    return None
+
+
+_RECORD_TYPES = {"image": (bytes,), "label": (int,), "format": (str,), "height": (int,),
+                 "width": (int,), "compression": (str, type(None))}  # fmt: skip

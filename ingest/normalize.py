@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 
 import cv2
 import numpy as np
+import simplejpeg
 from PIL import Image, ImageOps
 
+from ingest.format import DEFAULT_MAX_PIXELS
 from ingest.probe import JpegHeaderError, JpegInfo, parse_jpeg, scan_problem, sniff
 
-# PIL refuses images over twice this many pixels (a decompression bomb: a small file that
-# would take gigabytes to decode); its default, 89 Mpx, would reject real panoramas.
-Image.MAX_IMAGE_PIXELS = 256 << 20
 cv2.setNumThreads(1)
 
 
@@ -48,6 +47,7 @@ class Options:
     verify: bool = True
     max_size: int | None = None  # cap on the longer side, in pixels
     quality: int = 95  # JPEG quality of re-encoded JPEG sources
+    max_pixels: int = DEFAULT_MAX_PIXELS  # width x height above which an image is refused
 
 
 def convert(data: bytes, opts: Options) -> Converted:
@@ -64,9 +64,12 @@ def convert(data: bytes, opts: Options) -> Converted:
             info = parse_jpeg(data)
         except JpegHeaderError as e:
             raise Reject(f"corrupt JPEG header: {e}") from None
+        _check_pixels(info.width, info.height, opts)
         problem = scan_problem(data, info) if opts.verify else None
         if problem:
             raise Reject(f"corrupt JPEG data: {problem}")
+        if opts.verify:
+            check_jpeg(data)
         if info.plain and not _too_big(info.height, info.width, opts):
             return _plain_jpeg(data, info, opts)
     return _via_pil(data, kind, opts)
@@ -76,19 +79,39 @@ def _too_big(height: int, width: int, opts: Options) -> bool:
     return opts.max_size is not None and max(height, width) > opts.max_size
 
 
-def _plain_jpeg(data: bytes, info: JpegInfo, opts: Options) -> Converted:
-    if opts.verify:
-        # Decoding at 1/8 scale still entropy-decodes every block of every scan (where
-        # corruption and truncation show) but skips most of the IDCT and colour work.
-        flags = (
-            cv2.IMREAD_REDUCED_GRAYSCALE_8 if info.components == 1 else cv2.IMREAD_REDUCED_COLOR_8
+def _check_pixels(width: int, height: int, opts: Options) -> None:
+    """Refuse a decompression bomb from its header, before anything decodes it."""
+    if width * height > opts.max_pixels:
+        raise Reject(
+            f"too many pixels: {width}x{height} is over the limit of {opts.max_pixels} "
+            "(--max-pixels; a decompression bomb?)"
         )
-        img = cv2.imdecode(np.frombuffer(data, np.uint8), flags | cv2.IMREAD_IGNORE_ORIENTATION)
-        if img is None or img.shape[:2] != (-(-info.height // 8), -(-info.width // 8)):
-            end = "" if _has_eoi(data) else " (truncated: no end-of-image marker)"
-            raise Reject(f"corrupt JPEG: the decoder could not read it{end}")
-        if not _has_eoi(data):
-            _pil_load(data, "jpeg")  # older libjpeg builds pad truncated files silently
+
+
+def check_jpeg(data: bytes) -> None:
+    """Check that ``data`` decodes without a warning.
+
+    Decodes ``data`` with libjpeg-turbo in stop-on-warning mode, at 1/8 scale.
+
+    libjpeg only warns about corrupt entropy-coded data or data that ends early ("Corrupt
+    JPEG data: premature end of data segment") and fills the rest with gray; a warning is
+    a failure here. Decoding at 1/8 scale still entropy-decodes every block of every scan
+    (where corruption and truncation show) but skips most of the IDCT and colour work.
+
+    Raises:
+        Reject: the decoder fails or warns (the reason quotes it).
+    """
+    try:
+        colorspace = simplejpeg.decode_jpeg_header(data)[2]
+        out = "CMYK" if colorspace in ("CMYK", "YCCK") else "GRAY"
+        simplejpeg.decode_jpeg(data, out, min_height=1, min_width=1, strict=True)
+    except ValueError as e:
+        end = "" if _has_eoi(data) else " (truncated: no end-of-image marker)"
+        warning = str(e).removeprefix("Corrupt JPEG data: ")
+        raise Reject(f"corrupt JPEG data: the decoder warns: {warning}{end}") from None
+
+
+def _plain_jpeg(data: bytes, info: JpegInfo, opts: Options) -> Converted:
     return Converted(
         data,
         "jpeg",
@@ -106,19 +129,33 @@ def _has_eoi(data: bytes) -> bool:
     return b"\xff\xd9" in data[-64:]
 
 
-def _pil_load(data: bytes, kind: str) -> Image.Image:
+def _pil_load(data: bytes, kind: str, opts: Options) -> Image.Image:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            img = Image.open(io.BytesIO(data))
+            img = _open_unlimited(data)
+            _check_pixels(*img.size, opts)  # ours, from the header, before anything decodes
             img.load()
+    except Reject:
+        raise
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError...)
         raise Reject(f"corrupt {kind}: {type(e).__name__}: {e}") from None
     return img
 
 
+def _open_unlimited(data: bytes) -> Image.Image:
+    """``Image.open`` without PIL's own pixel limit (Options.max_pixels replaces it, with
+    a reason that names the option); restored at once, for other users of PIL."""
+    limit = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        return Image.open(io.BytesIO(data))
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+
+
 def _via_pil(data: bytes, kind: str, opts: Options) -> Converted:
-    img = _pil_load(data, kind)
+    img = _pil_load(data, kind, opts)
     fixes: list[str] = []
     orientation = img.getexif().get(0x0112, 1)
     if orientation not in (1, None) and 1 <= int(orientation) <= 8:

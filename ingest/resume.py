@@ -42,14 +42,34 @@ def prepare_out(out: Path, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def check_out_outside(src: Path, out: Path) -> None:
+    """Refuse an OUT inside SRC: this build would read its own output, and every later
+    build of SRC would find a class named after the store."""
+    real_src, real_out = os.path.realpath(src), os.path.realpath(out)
+    if os.path.commonpath([real_src, real_out]) == real_src:
+        raise OutputError(
+            f"output {out} is inside the source folder {src}; put the store outside it "
+            "(e.g. next to it)"
+        )
+
+
 def fingerprint(tree: Scan, options: dict) -> str:
-    """Digest of what decides a build's content: inputs with their sizes and mtimes, options."""
+    """Digest of what decides a build's content: inputs with their sizes and mtimes, options.
+
+    It is also the build's identity (the manifest's "build"). A file that cannot be
+    stat'ed (a broken link, a link loop, a file deleted since the scan) enters with the
+    error's number: the worker that reads it rejects it with the reason.
+    """
     h = hashlib.sha256()
     h.update(json.dumps([fmt.FORMAT_VERSION, options, tree.classes]).encode())
     root = str(tree.root)
     for rel, label in tree.items:
-        st = os.stat(os.path.join(root, rel))
-        h.update(f"{rel}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        try:
+            st = os.stat(os.path.join(root, rel))
+            facts = f"{st.st_size}\0{st.st_mtime_ns}"
+        except OSError as e:
+            facts = f"error {e.errno}"
+        h.update(os.fsencode(rel) + f"\0{label}\0{facts}\n".encode())
     return h.hexdigest()
 
 

@@ -7,6 +7,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ingest.format import BUILD_STATE, MANIFEST, PARTIAL_DIR
+
 # torchvision's IMG_EXTENSIONS plus GIF and JFIF; matched case-insensitively, as it does.
 IMAGE_EXTENSIONS = (
     ".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif", ".jfif",
@@ -20,6 +22,7 @@ class Scan:
     classes: list[str]
     items: list[tuple[str, int]]  # (path relative to root, POSIX separators; label)
     ignored: Counter = field(default_factory=Counter)  # reason -> count
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # folders not walked, why
 
     @property
     def num_ignored(self) -> int:
@@ -38,6 +41,12 @@ def scan(root: str | os.PathLike) -> Scan:
     ordered as ImageFolder orders them, so index i here is index i there. Hidden and
     system files, and files without an image extension, are counted in ``ignored``.
 
+    Directory links are followed, but a folder is walked once: a link to a folder already
+    walked (an ancestor, a class folder, another link's target) is listed in ``skipped``,
+    where ImageFolder would walk it again, or forever. So are stores (``ingest build``
+    output) found inside ``root``. Names that are not UTF-8 come as ``os.walk`` gives them
+    (undecodable bytes as surrogate escapes; see ``ingest.format.path_value``).
+
     Raises:
         SourceError: ``root`` is missing, not a directory, or has no class directories.
     """
@@ -49,9 +58,12 @@ def scan(root: str | os.PathLike) -> Scan:
     result = Scan(root, [], [])
     with os.scandir(root) as entries:
         for entry in entries:
-            if entry.is_dir() and not entry.name.startswith("."):
+            is_dir = _is_dir(entry)
+            if is_dir and _is_store(entry.path):
+                result.skipped.append((entry.name, "a store (ingest build output), not a class"))
+            elif is_dir and not entry.name.startswith("."):
                 result.classes.append(entry.name)
-            elif entry.is_dir():
+            elif is_dir:
                 result.ignored["hidden folder"] += _count_files(entry.path)
             else:
                 result.ignored["file outside class folders"] += 1
@@ -61,13 +73,16 @@ def scan(root: str | os.PathLike) -> Scan:
             f"source {root} has no class folders; expected the ImageFolder layout "
             f"{root}/CLASS_NAME/IMAGE.jpg"
         )
+    # A class folder is walked as a class, never through a link from elsewhere.
+    walked = {_dir_id(root): "the source folder"} | {_dir_id(root / n): n for n in result.classes}
     for label, name in enumerate(result.classes):
-        _scan_class(root, name, label, result)
+        _scan_class(root, name, label, result, walked)
     return result
 
 
-def _scan_class(root: Path, name: str, label: int, result: Scan) -> None:
-    for dirpath, _, fnames in sorted(os.walk(root / name, followlinks=True)):
+def _scan_class(root: Path, name: str, label: int, result: Scan, walked: dict) -> None:
+    # Sorted by directory path as torchvision sorts os.walk's tuples, so the order matches.
+    for dirpath, fnames in sorted(_walk(root, root / name, result, walked)):
         rel_dir = Path(dirpath).relative_to(root)
         hidden_dir = any(part.startswith(".") for part in rel_dir.parts)
         for fname in sorted(fnames):
@@ -76,6 +91,62 @@ def _scan_class(root: Path, name: str, label: int, result: Scan) -> None:
                 result.ignored[reason] += 1
             else:
                 result.items.append(((rel_dir / fname).as_posix(), label))
+
+
+def _walk(root: Path, top: Path, result: Scan, walked: dict) -> list[tuple[str, list[str]]]:
+    """(directory, its non-directory entries) for ``top`` and every folder below it, links
+    followed, each real folder once; folders not walked go to ``result.skipped``."""
+    out, stack = [], [top]
+    while stack:
+        path = stack.pop()
+        files = []
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError as e:
+            result.skipped.append((_rel(root, path), f"unreadable folder: {e.strerror or e}"))
+            continue
+        for entry in entries:
+            if not _is_dir(entry):  # files, and anything else (FIFOs, broken links): read later
+                files.append(entry.name)
+                continue
+            rel = _rel(root, entry.path)
+            try:
+                key = _dir_id(entry.path)
+            except OSError:  # gone since the listing: its files are not seen
+                continue
+            if key in walked:
+                what = "a link to a folder" if entry.is_symlink() else "a folder"
+                result.skipped.append((rel, f"{what} walked already ({walked[key]})"))
+            elif _is_store(entry.path):
+                result.skipped.append((rel, "a store (ingest build output), not images"))
+            else:
+                walked[key] = rel
+                stack.append(Path(entry.path))
+        out.append((str(path), files))
+    return out
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    """A directory, links followed; a link loop or a vanished entry is not (it is read as a
+    file later, and rejected with the reason)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _dir_id(path: str | os.PathLike) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _rel(root: Path, path: str | os.PathLike) -> str:
+    return Path(path).relative_to(root).as_posix()
+
+
+def _is_store(path: str) -> bool:
+    """A store or an interrupted build: never a class folder or images to convert."""
+    return any(os.path.exists(os.path.join(path, n)) for n in (MANIFEST, BUILD_STATE, PARTIAL_DIR))
 
 
 def _ignore_reason(fname: str, hidden_dir: bool) -> str | None:

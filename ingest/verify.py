@@ -10,54 +10,93 @@ from pathlib import Path
 import cv2
 import lmdb
 import numpy as np
+import simplejpeg
 
 from ingest import format as fmt
 from ingest.codec import image_bytes, unpack_record
+from ingest.cstderr import captured
+from ingest.normalize import Reject, check_jpeg
+from ingest.safeio import FileRefused
 from ingest.writer import sha256_file
 
 
 def verify_store(root: str | os.PathLike, *, decode: bool = True) -> list[str]:
     """Return every problem found in the store at ``root`` (empty: the store is sound).
 
-    Checks the SHA-256 of the index, paths and rejects files; then reads every record of
-    every shard, checking its key, its CRC-32 and length (recorded in the index), its
-    fields and, with ``decode``, that its image decodes to the recorded size; and each
-    shard's content checksum (``ingest.format.records_digest``) against the manifest.
-    Problems name the shard, and the key where one record is at fault.
+    Checks every file through ``ingest.format.store_file`` (named as the format says,
+    inside the store, a regular file of the recorded size), the SHA-256 of the index,
+    paths and rejects files and the index against the manifest; then reads every record
+    of every shard, checking its key, its CRC-32 and length (recorded in the index), its
+    fields and, with ``decode``, that its image decodes without a warning to the recorded
+    size; and each shard's build identity and content checksum
+    (``ingest.format.records_digest``) against the manifest. Problems name the shard, and
+    the key where one record is at fault.
 
     Raises:
-        ingest.format.StoreError: ``root`` is not a complete store.
+        ingest.format.StoreError: ``root`` is not a complete store (no valid manifest).
     """
     root = Path(root)
     manifest = fmt.read_manifest(root)
     problems = [
-        f"{entry['file']}: checksum mismatch"
-        for entry in (manifest["index"], manifest["paths"], manifest["rejects"])
-        if sha256_file(root / entry["file"]) != entry["sha256"]
+        p for what in ("index", "paths", "rejects") if (p := _file_problem(root, manifest, what))
     ]
     if problems and problems[0].startswith(fmt.INDEX):
         return problems  # without a sound index the records cannot be checked
-    index = fmt.load_index(root, mmap=False)
-    if len(index) != manifest["num_samples"]:
-        return [*problems, f"{fmt.INDEX}: {len(index)} rows for {manifest['num_samples']} samples"]
-    for shard, entry in enumerate(manifest["shards"]):
-        problems.extend(_check_shard(root, shard, entry, index, decode))
+    try:
+        index = fmt.load_index(root, mmap=False, manifest=manifest)
+    except fmt.StoreError as e:
+        return [*problems, _relative(root, e)]
+    for shard in range(len(manifest["shards"])):
+        problems.extend(_check_shard(root, manifest, shard, index, decode))
     return problems
 
 
-def _check_shard(root: Path, shard: int, entry: dict, index: np.ndarray, decode: bool) -> list:
+def _relative(root: Path, e: Exception) -> str:
+    """A StoreError's message without the leading store path (the CLI prints it)."""
+    return str(e).removeprefix(f"{root}/")
+
+
+def _file_problem(root: Path, manifest: dict, what: str) -> str | None:
+    try:
+        path = fmt.store_file(root, manifest, what)
+        if sha256_file(path) != manifest[what]["sha256"]:
+            return f"{manifest[what]['file']}: checksum mismatch"
+    except (fmt.StoreError, FileRefused) as e:
+        return _relative(root, e)
+    return None
+
+
+def _check_shard(root: Path, manifest: dict, shard: int, index: np.ndarray, decode: bool) -> list:
+    entry = manifest["shards"][shard]
     name = entry["name"]
-    if not (root / name / "data.mdb").is_file():
-        return [f"{name}: data.mdb is missing"]
+    try:
+        path = fmt.store_file(root, manifest, shard).parent
+    except fmt.StoreError as e:
+        return [_relative(root, e)]
     crcs: list[int] = []
     sizes: list[int] = []
     try:
-        problems = list(_check_records(root / name, name, entry, index, decode, crcs, sizes))
+        problems = list(_check_records(path, name, entry, index, decode, crcs, sizes))
+        problems += _build_problem(path, name, manifest)
     except lmdb.Error as e:
         return [f"{name}: LMDB cannot read the shard: {e}"]
     if fmt.records_digest(entry["first"], np.array(crcs), np.array(sizes)) != entry["digest"]:
         problems.append(f"{name}: content checksum mismatch (records changed since the build)")
     return problems
+
+
+def _build_problem(path: Path, name: str, manifest: dict) -> list[str]:
+    if "build" not in manifest:  # a version 1 store
+        return []
+    env = lmdb.open(str(path), readonly=True, lock=False, readahead=False)
+    try:
+        with env.begin() as txn:
+            build = txn.get(fmt.BUILD_KEY)
+    finally:
+        env.close()
+    if build != manifest["build"].encode():
+        return [f"{name}: written by another build than the manifest's (a mixed store)"]
+    return []
 
 
 def _check_records(
@@ -68,6 +107,8 @@ def _check_records(
         with env.begin() as txn:
             expected = entry["first"]
             for key, value in txn.cursor():
+                if len(key) != 8:  # not a record (the build identity)
+                    continue
                 i = fmt.decode_key(key)
                 if i != expected:
                     yield f"{name}: key {i} found where key {expected} was expected"
@@ -93,14 +134,32 @@ def _check_record(i: int, value: bytes, crc: int, index: np.ndarray, decode: boo
         return "record bytes differ from those recorded at build time (CRC-32 mismatch)"
     try:
         rec = unpack_record(value)
+        problem = fmt.check_record(rec)
+        if problem:
+            return f"malformed record: {problem}"
         img = image_bytes(rec) if decode else b""
     except Exception as e:  # msgpack and zstd raise several types
         return f"record does not unpack: {type(e).__name__}: {e}"
     if rec["label"] != row["label"]:
         return f"label {rec['label']} differs from the index ({row['label']})"
-    if not decode:
-        return None
-    pixels = cv2.imdecode(np.frombuffer(img, np.uint8), cv2.IMREAD_UNCHANGED)
-    if pixels is None or pixels.shape[:2] != (rec["height"], rec["width"]):
-        return f"image does not decode to {rec['width']}x{rec['height']} ({rec['path']})"
+    return _decode_problem(img, rec) if decode else None
+
+
+def _decode_problem(img: bytes, rec: dict) -> str | None:
+    """Decode like a reader would, a warning included as a failure."""
+    where = fmt.shown(rec.get("path", "?"))
+    if rec["format"] == "jpeg":
+        try:
+            check_jpeg(img)
+            shape = simplejpeg.decode_jpeg_header(img)[:2]
+        except Reject as e:
+            return f"{e} ({where})"
+    else:
+        with captured() as warnings:
+            pixels = cv2.imdecode(np.frombuffer(img, np.uint8), cv2.IMREAD_UNCHANGED)
+        if warnings:
+            return f"the decoder warns: {warnings[0]} ({where})"
+        shape = None if pixels is None else pixels.shape[:2]
+    if shape != (rec["height"], rec["width"]):
+        return f"image does not decode to {rec['width']}x{rec['height']} ({where})"
     return None

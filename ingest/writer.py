@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import lmdb
 
-from ingest.format import encode_key, fsync_path
+from ingest.format import BUILD_KEY, encode_key, fsync_path
+from ingest.safeio import open_regular
 
 MiB = 1 << 20
 TXN_BYTES = 16 * MiB  # commit this often: bounds the dirty pages LMDB keeps in memory
@@ -23,11 +25,14 @@ class ShardWriter:
     that looks finished.
     """
 
-    def __init__(self, tmp_dir: Path, final_dir: Path, first: int, map_size: int) -> None:
+    def __init__(
+        self, tmp_dir: Path, final_dir: Path, first: int, map_size: int, build: str = ""
+    ) -> None:
         if tmp_dir.exists():
             shutil.rmtree(tmp_dir)
         tmp_dir.mkdir(parents=True)
         self.tmp_dir, self.final_dir, self.first = tmp_dir, final_dir, first
+        self.build = build  # the build identity, written into the shard when it is sealed
         self.count = 0
         self.nbytes = 0
         self.map_growths = 0
@@ -68,12 +73,14 @@ class ShardWriter:
         so that the sync at seal time waits for the last few only."""
         if self._flusher is not None and self._flusher.is_alive():
             return
-        sync = functools.partial(fsync_path, self.tmp_dir / "data.mdb", data_only=True)
+        sync = functools.partial(_quiet_fsync, self.tmp_dir / "data.mdb")
         self._flusher = threading.Thread(target=sync)
         self._flusher.start()
 
     def seal(self) -> dict:
         """Commit, sync, close, drop the lock file and rename into place; return its entry."""
+        if self.build:  # not a record: its key is not 8 bytes long (FORMAT.md)
+            self._pending.append((BUILD_KEY, self.build.encode("ascii")))
         self._commit()
         self._flusher.join()
         self._env.sync(True)
@@ -96,9 +103,16 @@ class ShardWriter:
         }
 
 
+def _quiet_fsync(path: Path) -> None:
+    # A failure here (a full disk) shows again, and is reported, at the sync in seal();
+    # raised in this thread it would only print a traceback.
+    with contextlib.suppress(OSError):
+        fsync_path(path, data_only=True)
+
+
 def sha256_file(path: Path, chunk: int = 8 * MiB) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:  # never a FIFO or a device
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()

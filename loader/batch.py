@@ -15,11 +15,9 @@ from dataclasses import dataclass, field
 
 import cv2
 import lmdb
-import msgpack
 import numpy as np
-import zstandard
 
-from ingest.codec import image_bytes, unpack_record
+from ingest.format import RecordError
 from loader.augment import Transform, plan_crops
 from loader.decode import DecodeError, get_decoder
 from loader.store import Store
@@ -148,17 +146,16 @@ class PixelBatches:
         )
 
     def read(self, i: int) -> tuple[bytes, str]:
-        """The encoded image of sample ``i`` and its format.
+        """The encoded image of sample ``i`` and its format, checked (``Store.record``:
+        CRC-32, fields, pixel limit) before anything decodes it.
 
         Raises:
-            DecodeError: the record is missing or damaged (names the shard and key).
+            DecodeError: the record is missing, damaged or too large (names the shard and
+                key): a bad sample, replaced and counted.
+            ingest.format.StoreError: the store itself is unusable (a shard truncated, or
+                written by another build): no replacement can help.
         """
         try:
-            record = unpack_record(self.store.raw(i))
-            return image_bytes(record), record["format"]
-        except KeyError as e:  # a missing record, or a record without a field
+            return self.store.image(i)
+        except (RecordError, KeyError, lmdb.Error) as e:  # KeyError: a missing record
             raise DecodeError(f"damaged record: {e}") from None
-        except (
-            msgpack.UnpackException, ValueError, TypeError, zstandard.ZstdError, lmdb.Error
-        ) as e:  # fmt: skip
-            raise DecodeError(f"damaged record: {type(e).__name__}: {e}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import cv2
 import numpy as np
 
+from ingest.cstderr import captured
 from loader.decode import DecodeError
 
 _BASE = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # stored images are upright
@@ -52,9 +53,12 @@ class CpuDecoder:
         """See ``loader.decode.Decoder.decode_into``."""
         f = reduction(kind, crop)
         try:
-            img = cv2.imdecode(np.frombuffer(data, np.uint8), _FLAGS[f])
+            with captured() as warnings:  # libjpeg prints warnings itself: not on the terminal
+                img = cv2.imdecode(np.frombuffer(data, np.uint8), _FLAGS[f])
         except cv2.error as e:  # some corrupt streams raise instead of returning None
             raise DecodeError(f"OpenCV could not decode the {kind}: {e}") from None
+        if warnings:  # libjpeg filled what it could not decode with gray: not the image
+            raise DecodeError(f"the {kind} decoder warns: {warnings[0]}")
         if img is None:
             raise DecodeError(f"OpenCV could not decode the {kind} ({len(data)} bytes)")
         expected = (-(-shape[0] // f), -(-shape[1] // f))  # libjpeg rounds scaled sizes up

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
+import zlib
 from functools import cached_property
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from ingest import format as fmt
 from ingest.codec import image_bytes, unpack_record
+from ingest.safeio import FileRefused, read_regular
 
 
 class Store:
@@ -22,13 +24,20 @@ class Store:
     are opened on first use in each process, read-only and without a lock file, so a
     store on a read-only filesystem reads fine. The index is memory-mapped.
 
+    A store is untrusted input: the manifest and the index are checked when the store is
+    opened, each shard file (its size, its build identity) before it is mapped, and each
+    record (CRC-32, fields, pixel count) as it is read; see ``record``.
+
     Raises:
-        ingest.format.StoreError: ``root`` is not a complete store.
+        ingest.format.StoreError: ``root`` is not a complete, consistent store.
     """
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
         self.manifest = fmt.read_manifest(self.root)
+        _ = self.index  # checked against the manifest now, not at the first batch
+        # Records over this many pixels are refused before they are decoded.
+        self.max_pixels = int(self.manifest["options"].get("max_pixels", fmt.DEFAULT_MAX_PIXELS))
         self.classes: list[str] = list(self.manifest["classes"])
         self._first = np.array([s["first"] for s in self.manifest["shards"]], dtype=np.int64)
         self._keys = [_env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
@@ -51,14 +60,15 @@ class Store:
 
     @cached_property
     def index(self) -> np.ndarray:
-        """Per-sample index rows (``ingest.format.INDEX_DTYPE``), memory-mapped."""
-        return fmt.load_index(self.root)
+        """Per-sample index rows (``ingest.format.INDEX_DTYPE``), memory-mapped, checked
+        against the manifest when loaded."""
+        return fmt.load_index(self.root, manifest=self.manifest)
 
     @cached_property
     def paths(self) -> list[str]:
-        """Source path of every sample, relative to the converted folder."""
-        with open(self.root / fmt.PATHS, "rb") as f:
-            return msgpack.unpackb(f.read(), raw=False)
+        """Source path of every sample, relative to the converted folder (names that are
+        not UTF-8 as ``os.walk`` gives them, with surrogate escapes)."""
+        return _read_paths(self.root, self.manifest)
 
     @property
     def labels(self) -> np.ndarray:
@@ -70,8 +80,34 @@ class Store:
     def _env(self, shard: int) -> lmdb.Environment:
         env = self._envs.get(shard)
         if env is None:
-            env = self._envs[shard] = _open_env(self._keys[shard])
+            env = self._envs[shard] = self._open_checked(shard)
         return env
+
+    def _open_checked(self, shard: int) -> lmdb.Environment:
+        """Shard ``shard``'s environment, once its file has the recorded size (mapping a
+        truncated file kills the process with SIGBUS) and it was written by the build that
+        wrote this manifest (a store rebuilt while open must not mix two builds).
+
+        Raises:
+            ingest.format.StoreError: naming the shard and what differs.
+        """
+        try:
+            fmt.store_file(self.root, self.manifest, shard)
+        except fmt.StoreError:
+            self._check_not_rebuilt(shard)  # the likelier cause says what to do
+            raise
+        env = _open_env(self._keys[shard])
+        check_build(env, self.manifest, self.root / fmt.shard_name(shard))
+        return env
+
+    def _check_not_rebuilt(self, shard: int) -> None:
+        """Raise the error of a store rebuilt since it was opened, if it was."""
+        try:
+            build = fmt.read_manifest(self.root).get("build")
+        except fmt.StoreError:
+            return  # not a (complete) store now: the caller's error says enough
+        if build != self.manifest.get("build"):
+            raise fmt.StoreError(_rebuilt(self.root / fmt.shard_name(shard)))
 
     def raw(self, i: int) -> bytes:
         """The stored value of sample ``i`` (a packed record), as bytes.
@@ -92,12 +128,53 @@ class Store:
         return value
 
     def record(self, i: int) -> dict:
-        return unpack_record(self.raw(i))
+        """The record of sample ``i``, checked: its size (pixels) within ``max_pixels``
+        (before anything reads it), its CRC-32 and length as the index records them, its
+        fields of the format's types.
+
+        Raises:
+            ingest.format.RecordError: the record is damaged or too large (names the shard
+                and key); a bad sample, not a bad store. Nothing is decoded before the
+                pixel count is checked.
+            IndexError, KeyError: as ``raw``.
+        """
+        value = self.raw(i)
+        i = int(i) % len(self)
+        row = self.index[i]
+        if int(row["height"]) * int(row["width"]) > self.max_pixels:
+            raise fmt.RecordError(
+                f"{self._where(i)}: {row['width']}x{row['height']} pixels is over the store's "
+                f"limit of {self.max_pixels} (a decompression bomb?); rebuild the store"
+            )
+        if len(value) != row["nbytes"] or zlib.crc32(value) != row["crc32"]:
+            raise fmt.RecordError(
+                f"{self._where(i)}: the record's bytes differ from the index (CRC-32 "
+                f"mismatch); check the store with `ingest verify {self.root}`"
+            )
+        try:
+            rec = unpack_record(value)
+        except Exception as e:  # msgpack raises several types
+            raise fmt.RecordError(f"{self._where(i)}: does not unpack: {e}") from None
+        problem = fmt.check_record(rec)
+        if problem:
+            raise fmt.RecordError(f"{self._where(i)}: malformed record: {problem}")
+        return rec
+
+    def _where(self, i: int) -> str:
+        return f"{self.root}/{fmt.shard_name(self.shard_of(i))}: key {i}"
 
     def image(self, i: int) -> tuple[bytes, str]:
-        """The encoded image of sample ``i`` (decompressed) and its format ("jpeg", "png")."""
+        """The encoded image of sample ``i`` (decompressed) and its format ("jpeg", "png").
+
+        Raises:
+            ingest.format.RecordError: see ``record``; also a payload that does not
+                decompress.
+        """
         rec = self.record(i)
-        return image_bytes(rec), rec["format"]
+        try:
+            return image_bytes(rec), rec["format"]
+        except Exception as e:  # zstandard raises its own error type
+            raise fmt.RecordError(f"{self._where(i)}: payload does not decompress: {e}") from None
 
     def close(self) -> None:
         """Let go of this store's shard environments; LMDB closes each one as soon as no
@@ -127,6 +204,38 @@ def _open_env(key: str) -> lmdb.Environment:
         )  # fmt: skip
         _ENVS[key] = env
     return env
+
+
+def check_build(env: lmdb.Environment, manifest: dict, where: Path) -> None:
+    """Raise StoreError unless the shard ``env`` was written by the manifest's build.
+
+    A version 1 store records no build identity: nothing to check.
+    """
+    if "build" not in manifest:
+        return
+    with env.begin() as txn:
+        build = txn.get(fmt.BUILD_KEY)
+    if build != manifest["build"].encode():
+        raise fmt.StoreError(_rebuilt(where))
+
+
+def _rebuilt(where: Path) -> str:
+    return (
+        f"{where}: written by another build than the store's manifest (the store was "
+        "rebuilt or changed since it was opened); open the store again"
+    )
+
+
+def _read_paths(root: Path, manifest: dict) -> list[str]:
+    path = fmt.store_file(root, manifest, "paths")
+    try:
+        data = read_regular(path, 1 << 40, size=manifest["paths"].get("bytes"))
+        paths = msgpack.unpackb(data, raw=False)
+    except (FileRefused, ValueError, msgpack.UnpackException) as e:
+        raise fmt.StoreError(f"{path}: unreadable ({e}); rebuild the store") from None
+    if not isinstance(paths, list) or len(paths) != manifest["num_samples"]:
+        raise fmt.StoreError(f"{path}: does not list {manifest['num_samples']} paths")
+    return [fmt.path_text(p) for p in paths]
 
 
 def _forget_parent_envs() -> None:

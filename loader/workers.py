@@ -10,6 +10,7 @@ is killed surfaces at once as an error naming it, never as a hang.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -214,6 +215,9 @@ class WorkerPool:
                 proc.join(_JOIN_TIMEOUT_S)
             if proc.is_alive():
                 proc.terminate()
+                # A stopped worker (SIGSTOP, a debugger) acts on SIGTERM only once continued.
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, signal.SIGCONT)
                 proc.join(_JOIN_TIMEOUT_S)
             if proc.is_alive():
                 proc.kill()

@@ -269,12 +269,13 @@ def mean_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def read_shards(store: Path) -> list[tuple[str, bytes, bytes]]:
-    """Every (shard name, key, value) of ``store``, straight from LMDB, in shard and key order."""
+    """Every (shard name, key, value) record of ``store``, straight from LMDB, in shard and key
+    order (the build identity, the one key that is not 8 bytes long, left out)."""
     out = []
     for entry in fmt.read_manifest(store)["shards"]:
         env = lmdb.open(str(store / entry["name"]), readonly=True, lock=False, subdir=True)
         with env.begin() as txn:
-            out.extend((entry["name"], bytes(k), bytes(v)) for k, v in txn.cursor())
+            out.extend((entry["name"], bytes(k), bytes(v)) for k, v in txn.cursor() if len(k) == 8)
         env.close()
     return out
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import lmdb
 import numpy as np
 import pytest
 import torch
@@ -20,7 +19,6 @@ from loader_data import NUM_SAMPLES, make_store
 
 import loader
 from ingest import format as fmt
-from ingest.codec import pack_record, unpack_record
 from loader.batch import PixelBatches
 from loader.store import Store
 
@@ -367,17 +365,17 @@ def test_timeout(store):
 
 
 def corrupt(store, tmp_path, index: int) -> tuple[str, object]:
-    """Copy the store, replace record ``index``'s image by junk; return (its path, the copy)."""
+    """Copy the store, overwrite the middle of record ``index``'s image with junk, in place in
+    its shard file (same size); return (its path, the copy)."""
     copy = tmp_path / "damaged"
     shutil.copytree(store, copy)
-    shard = Store(copy).shard_of(index)
-    with (
-        lmdb.open(str(copy / fmt.shard_name(shard)), subdir=True) as env,
-        env.begin(write=True) as txn,
-    ):
-        record = unpack_record(txn.get(fmt.encode_key(index)))
-        record["image"] = b"\xff\xd8\xff\xe0 this is not a JPEG " * 20
-        txn.put(fmt.encode_key(index), pack_record(record))
+    record = Store(copy).record(index)
+    shard = copy / fmt.shard_name(Store(copy).shard_of(index)) / "data.mdb"
+    data = bytearray(shard.read_bytes())
+    at = data.find(record["image"])
+    assert at > 0 and data.find(record["image"], at + 1) < 0
+    data[at + 100 : at + 356] = b" this is not a JPEG " * 12 + bytes(16)
+    shard.write_bytes(bytes(data))
     return record["path"], copy
 
 

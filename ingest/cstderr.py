@@ -1,0 +1,58 @@
+"""Capture what C libraries write to the process's stderr (fd 2) around a call.
+
+libjpeg (inside OpenCV), libtiff and others print warnings straight to fd 2, through any
+progress bar and once per epoch in training, where Python cannot catch them. Decoding
+code runs inside ``captured()``: fd 2 points at a per-process scratch file for the call,
+and what was written comes back as text, for the caller to turn into an outcome (a
+reject, a replaced sample) instead of noise on the user's terminal.
+
+Another thread of the same process that writes to stderr during the call is captured
+too: decoders run in worker processes, where nothing else writes to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+
+_SCRATCH: dict[int, int] = {}  # pid -> descriptor of that process's scratch file
+_MAX_TEXT = 4096  # keep the first bytes of a flood of warnings
+
+
+def _scratch() -> int:
+    fd = _SCRATCH.get(os.getpid())
+    if fd is None:
+        if hasattr(os, "memfd_create"):
+            fd = os.memfd_create("imfeed-stderr", os.MFD_CLOEXEC)
+        else:
+            fd, name = tempfile.mkstemp(prefix="imfeed-stderr-")
+            os.unlink(name)
+        _SCRATCH[os.getpid()] = fd
+    return fd
+
+
+@contextlib.contextmanager
+def captured() -> Iterator[list[str]]:
+    """Run the body with fd 2 redirected; the yielded list then holds what was written
+    (one string, stripped; empty list when nothing was)."""
+    out: list[str] = []
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    scratch = _scratch()
+    saved = os.dup(2)
+    os.dup2(scratch, 2)
+    try:
+        yield out
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        size = os.lseek(scratch, 0, os.SEEK_CUR)
+        if size:
+            text = os.pread(scratch, min(size, _MAX_TEXT), 0).decode("utf-8", "replace")
+            os.ftruncate(scratch, 0)
+            os.lseek(scratch, 0, os.SEEK_SET)
+            if text.strip():
+                out.append(" ".join(text.split()))

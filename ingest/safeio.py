@@ -1,0 +1,102 @@
+"""Read a file that may be hostile: regular files only, bounded size, never blocking.
+
+Every file this project reads from an untrusted place (a source image, a store's
+manifest, paths or rejects file) is read through ``read_regular``: a FIFO, socket or
+device named like an image (or a link to one, e.g. to ``/dev/zero``) is refused instead
+of blocking in ``open()`` or filling memory.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+
+class FileRefused(ValueError):
+    """The file cannot be read safely; ``str(self)`` says why, without the path."""
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def kind_of(mode: int) -> str:
+    """What a non-regular file is, in words ("a FIFO (named pipe)", ...)."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def read_regular(path: str | os.PathLike, max_bytes: int, *, size: int | None = None) -> bytes:
+    """The bytes of ``path`` (links followed), if it is a regular file of at most ``max_bytes``.
+
+    Args:
+        max_bytes: refuse a larger file (checked before reading; a file that changes size
+            while it is read is refused too).
+        size: when given, the file must have exactly this size.
+
+    Raises:
+        FileRefused: not a regular file, too large, of another size, or unreadable (the
+            reason names the cause: a broken link, a link loop, a vanished file...).
+    """
+    fd = open_regular(path)
+    try:
+        st = os.fstat(fd)
+        _check_size(st.st_size, max_bytes, size)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(st.st_size + 1)  # one more byte tells a file that grows
+    except OSError as e:
+        raise FileRefused(f"unreadable: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) != st.st_size:
+        raise FileRefused(f"changed while being read ({st.st_size} bytes, then {len(data)})")
+    return data
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """An O_RDONLY descriptor of ``path`` if, links followed, it is a regular file.
+
+    O_NONBLOCK keeps ``open()`` of a FIFO from waiting for a writer; it is cleared again
+    (it means nothing for a regular file, but readers should not see it).
+
+    Raises:
+        FileRefused: not a regular file, or it cannot be opened (with the cause).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise FileRefused(open_failure(path, e)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise FileRefused(f"not a regular file: {kind_of(st.st_mode)}")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_failure(path: str | os.PathLike, e: OSError) -> str:
+    """Why ``path`` could not be opened, in words a user acts on."""
+    if e.errno == errno.ELOOP:
+        return "unreadable: a symbolic link loop"
+    if e.errno == errno.ENOENT:
+        if os.path.islink(path):
+            return "unreadable: a broken symbolic link (its target does not exist)"
+        return "unreadable: the file vanished during the build"
+    if e.errno == errno.ENXIO:  # a socket (open() cannot open one)
+        try:
+            return f"not a regular file: {kind_of(os.stat(path).st_mode)}"
+        except OSError:
+            return "not a regular file"
+    return f"unreadable: {e.strerror or e}"
+
+
+def _check_size(actual: int, max_bytes: int, size: int | None) -> None:
+    if actual > max_bytes:
+        raise FileRefused(f"too large: {actual} bytes, over the limit of {max_bytes} bytes")
+    if size is not None and actual != size:
+        raise FileRefused(f"{actual} bytes where {size} were recorded (truncated or replaced)")

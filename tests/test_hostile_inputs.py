@@ -1,0 +1,641 @@
+"""Hostile inputs and tampered stores: nothing hangs, nothing crashes, nothing lies.
+
+One test per case of issue 7: source trees with one hostile entry each (FIFOs, sockets,
+devices, broken and looping links, undecodable names, links back into the tree, corrupt
+JPEGs, decompression bombs, a full disk) and stores tampered with on disk (truncated
+shards, edited manifests and indexes, flipped bytes, malformed records, a rebuild under
+an open loader). Every test runs under an alarm: a hang fails it instead of the suite.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import cv2
+import lmdb
+import numpy as np
+import pytest
+from fixtures import REPO, assert_same_store, run_ingest
+
+import ingest.build as ingest_build
+import ingest.writer as ingest_writer
+import loader
+from ingest import format as fmt
+from ingest.build import BuildOptions, build
+from ingest.codec import pack_record, unpack_record
+from ingest.probe import parse_jpeg
+from ingest.resume import OutputError
+from ingest.synth import make_image_folder
+from ingest.verify import verify_store
+from loader import LMDBDataset
+from loader.store import Store
+
+HANG_S = 90  # no test here takes a tenth of this; a hang fails the test, not the suite
+KiB = 1 << 10
+
+
+@pytest.fixture(autouse=True)
+def no_hang():
+    def hung(*_):
+        raise TimeoutError(f"the test hung: still running after {HANG_S} s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(HANG_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def tree(root: Path, classes: int = 2, per_class: int = 3) -> Path:
+    """A small ImageFolder tree of real-photo JPEGs: ``classes x per_class`` images."""
+    make_image_folder(root, classes, per_class, short_side=(48, 72))
+    return root
+
+
+def rejects(out: Path) -> dict[str, str]:
+    lines = (out / fmt.REJECTS).read_text(encoding="utf-8").splitlines()
+    return {r["path"]: r["reason"] for r in map(json.loads, lines)}
+
+
+def counts(manifest: dict) -> tuple[int, int, int, int]:
+    return (manifest["num_seen"], manifest["num_samples"], manifest["num_rejected"],
+            manifest["num_ignored"])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """12 images in 3 classes, 4 shards; read it, never change it (copy it first)."""
+    root = tmp_path_factory.mktemp("hostile")
+    build(tree(root / "src", 3, 4), root / "store", BuildOptions(shard_size=10 * KiB),
+          workers=1, progress=False)  # fmt: skip
+    assert len(fmt.read_manifest(root / "store")["shards"]) == 4
+    return root / "store"
+
+
+@pytest.fixture
+def copy(store: Path, tmp_path: Path) -> Path:
+    shutil.copytree(store, tmp_path / "copy")
+    return tmp_path / "copy"
+
+
+# -- the build finishes, with every entry accounted for ----------------------------------
+
+
+def test_fifo_socket_and_device_are_rejected_not_read(tmp_path: Path):
+    src = tree(tmp_path / "src")
+    os.mkfifo(src / "class_00" / "fifo.jpg")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(src / "class_00" / "sock.jpg"))
+    os.symlink("/dev/zero", src / "class_01" / "zero.jpg")
+    manifest = build(src, tmp_path / "out", workers=2, progress=False)
+    sock.close()
+    assert counts(manifest) == (9, 6, 3, 0)
+    assert rejects(tmp_path / "out") == {
+        "class_00/fifo.jpg": "not a regular file: a FIFO (named pipe)",
+        "class_00/sock.jpg": "not a regular file: a socket",
+        "class_01/zero.jpg": "not a regular file: a character device",
+    }
+
+
+def test_a_file_over_the_size_limit_is_rejected_unread(tmp_path: Path):
+    src = tree(tmp_path / "src")
+    (src / "class_01" / "huge.jpg").write_bytes(b"\xff\xd8\xff" + bytes(100 * KiB))
+    options = BuildOptions(max_file_bytes=64 * KiB)
+    manifest = build(src, tmp_path / "out", options, workers=1, progress=False)
+    assert counts(manifest) == (7, 6, 1, 0)
+    assert rejects(tmp_path / "out") == {
+        "class_01/huge.jpg": "too large: 102403 bytes, over the limit of 65536 bytes "
+        "(--max-file-size)"
+    }
+
+
+def test_broken_links_loops_and_vanished_files_are_rejects(tmp_path, monkeypatch):
+    src = tree(tmp_path / "src")
+    os.symlink("missing.jpg", src / "class_00" / "dangling.jpg")
+    os.symlink("loop_b.jpg", src / "class_00" / "loop_a.jpg")
+    os.symlink("loop_a.jpg", src / "class_00" / "loop_b.jpg")
+    real_scan = ingest_build.scan
+
+    def scan_then_delete(root):  # the file goes between the scan and the fingerprint
+        result = real_scan(root)
+        (src / "class_01" / "img_00001.JPEG").unlink()
+        return result
+
+    monkeypatch.setattr(ingest_build, "scan", scan_then_delete)
+    manifest = build(src, tmp_path / "out", workers=1, progress=False)
+    assert counts(manifest) == (9, 5, 4, 0)
+    assert rejects(tmp_path / "out") == {
+        "class_00/dangling.jpg": "unreadable: a broken symbolic link (its target does not exist)",
+        "class_00/loop_a.jpg": "unreadable: a symbolic link loop",
+        "class_00/loop_b.jpg": "unreadable: a symbolic link loop",
+        "class_01/img_00001.JPEG": "unreadable: the file vanished during the build",
+    }
+
+
+def test_names_that_are_not_utf8_are_kept_losslessly(tmp_path: Path):
+    src = tree(tmp_path / "src")
+    raw = os.fsencode(src)
+    jpeg = (src / "class_01" / "img_00000.JPEG").read_bytes()
+    os.mkdir(raw + b"/cl\xffass")
+    for name in (b"/class_01/caf\xe9.jpg", b"/cl\xffass/x.jpg"):
+        with open(raw + name, "wb") as f:
+            f.write(jpeg)
+    manifest = build(src, tmp_path / "out", workers=2, progress=False)
+    assert counts(manifest) == (8, 8, 0, 0)
+    assert manifest["classes"] == ["class_00", "class_01", os.fsdecode(b"cl\xffass")]
+    assert verify_store(tmp_path / "out") == []  # before a reader opens it in this process
+    ds = LMDBDataset(tmp_path / "out")
+    assert ds.samples[3] == (os.fsdecode(b"class_01/caf\xe9.jpg"), 1)
+    assert ds.samples[7] == (os.fsdecode(b"cl\xffass/x.jpg"), 2)
+    assert ds.store.record(3)["path"] == b"class_01/caf\xe9.jpg"  # the name's own bytes
+    assert os.path.exists(src / ds.samples[3][0])  # the path finds the file again
+    assert fmt.shown(ds.samples[3][0]) == "class_01/caf\\xe9.jpg"
+
+
+def test_a_link_back_into_the_tree_is_walked_once(tmp_path: Path, caplog):
+    src = tree(tmp_path / "src")
+    os.symlink("..", src / "class_00" / "up")
+    os.symlink("../class_00", src / "class_01" / "sibling")
+    manifest = build(src, tmp_path / "out", workers=1, progress=False)
+    assert counts(manifest) == (6, 6, 0, 0)
+    assert manifest["skipped"] == [
+        {"path": "class_00/up", "reason": "a link to a folder walked already (the source folder)"},
+        {"path": "class_01/sibling", "reason": "a link to a folder walked already (class_00)"},
+    ]
+    assert "ingest: skipped class_00/up: a link to a folder walked already" in caplog.text
+
+
+def test_out_inside_src_is_refused_and_a_store_in_src_is_no_class(tmp_path: Path):
+    src = tree(tmp_path / "src")
+    result = run_ingest("build", src, src / "train.lmdb", "--workers", "1")
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"ingest build: error: output {src / 'train.lmdb'} is inside the source folder "
+        f"{src}; put the store outside it (e.g. next to it)\n"
+    )
+    assert not (src / "train.lmdb").exists()
+    build(src, tmp_path / "first", workers=1, progress=False)
+    shutil.copytree(tmp_path / "first", src / "old.lmdb")  # a store someone left in SRC
+    manifest = build(src, tmp_path / "second", workers=1, progress=False)
+    assert manifest["classes"] == ["class_00", "class_01"]
+    assert manifest["skipped"] == [
+        {"path": "old.lmdb", "reason": "a store (ingest build output), not a class"}
+    ]
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    return subprocess.run(mount, capture_output=True, check=False).returncode == 0
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_resumes_to_the_same_store(tmp_path: Path):
+    src = tmp_path / "src"
+    make_image_folder(src, 2, 12, short_side=(160, 200))
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "400k"):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        args = ("--workers", "1", "--shard-size", "64KiB")
+        full = run_ingest("build", src, disk / "out", *args)
+        assert full.returncode == 2
+        assert full.stderr.startswith(
+            f"ingest build: error: output {disk / 'out'}: its filesystem is full"
+        )
+        assert full.stderr.endswith(
+            "free some space and run the same command again: it resumes from the last "
+            "completed shard\n"
+        )
+        assert full.stderr.count("\n") == 1  # one line, no traceback
+        assert not (disk / "out" / fmt.MANIFEST).exists()
+        sealed = json.loads((disk / "out" / fmt.BUILD_STATE).read_text())["shards"]
+        assert sealed  # some shards were done before the disk filled up
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        resumed = run_ingest("build", src, disk / "out", *args)
+        assert resumed.returncode == 0, resumed.stderr
+        clean = run_ingest("build", src, tmp_path / "clean", *args)
+        assert clean.returncode == 0, clean.stderr
+        assert_same_store(disk / "out", tmp_path / "clean")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_failing_commit_is_one_error_and_the_rerun_gives_the_clean_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The same path without a small filesystem: the writer's commit fails as LMDB fails on
+    a full disk (an I/O error) once two shards are sealed; the disk itself has room."""
+    src = tmp_path / "src"
+    make_image_folder(src, 2, 6, short_side=(160, 200))
+    options = BuildOptions(shard_size=64 * KiB)
+    commit, calls = ingest_writer.ShardWriter._commit, []
+
+    def failing(self):
+        calls.append(self.tmp_dir.name)
+        if len(set(calls)) == 3:
+            raise lmdb.Error("mdb_txn_commit: Input/output error")
+        commit(self)
+
+    monkeypatch.setattr(ingest_writer.ShardWriter, "_commit", failing)
+    message = (
+        f"output {tmp_path / 'out'}: writing failed (mdb_txn_commit: Input/output error); "
+        "check the disk, then run the same command again: it resumes from the last "
+        "completed shard"
+    )
+    with pytest.raises(OutputError, match=f"^{re.escape(message)}$"):
+        build(src, tmp_path / "out", options, workers=1, progress=False)
+    gc.collect()  # the failed build's LMDB environment closes with its last reference
+    assert not (tmp_path / "out" / fmt.MANIFEST).exists()
+    assert len(json.loads((tmp_path / "out" / fmt.BUILD_STATE).read_text())["shards"]) == 2
+    monkeypatch.undo()
+    build(src, tmp_path / "out", options, workers=1, progress=False)
+    build(src, tmp_path / "clean", options, workers=1, progress=False)
+    assert_same_store(tmp_path / "out", tmp_path / "clean")
+
+
+def test_no_valid_image_leaves_no_store_and_the_rerun_is_not_refused(tmp_path: Path):
+    src = tmp_path / "src"
+    for name in ("class_00", "class_01"):
+        (src / name).mkdir(parents=True)
+        (src / name / "bad.jpg").write_bytes(b"<html>404</html>")
+    message = (
+        f"ingest build: error: no valid image in {src}: 2 file(s) rejected (reasons in "
+        f"{tmp_path / 'out' / fmt.REJECTS}), 0 ignored; no store was written\n"
+    )
+    for _ in range(2):  # the second run is not refused as "already a complete store"
+        result = run_ingest("build", src, tmp_path / "out", "--workers", "1")
+        assert (result.returncode, result.stderr) == (2, message)
+        assert not (tmp_path / "out" / fmt.MANIFEST).exists()
+    assert set(rejects(tmp_path / "out")) == {"class_00/bad.jpg", "class_01/bad.jpg"}
+
+
+# -- verification catches what training would choke on -----------------------------------
+
+
+def _small_jpeg() -> bytes:
+    photo = cv2.imread(str(REPO / "ingest" / "samples" / "Elephants.jpg"))
+    return cv2.imencode(".jpg", cv2.resize(photo, (64, 48)))[1].tobytes()
+
+
+def _claiming(jpeg: bytes, width: int, height: int) -> bytes:
+    """``jpeg`` with a frame header that claims ``width`` x ``height`` pixels."""
+    sof = jpeg.find(b"\xff\xc0")
+    return jpeg[: sof + 5] + struct.pack(">HH", height, width) + jpeg[sof + 9 :]
+
+
+def _zeroed_data(jpeg: bytes) -> bytes:
+    """``jpeg`` with 350 bytes of its entropy-coded data zeroed (no marker in them)."""
+    scan = parse_jpeg(jpeg).scan
+    start = scan + 2 + int.from_bytes(jpeg[scan + 2 : scan + 4], "big")
+    return jpeg[: start + 50] + bytes(350) + jpeg[start + 400 :]
+
+
+def test_jpegs_that_only_make_libjpeg_warn_are_rejected_silently(tmp_path: Path):
+    src = tree(tmp_path / "src")
+    jpeg = _small_jpeg()
+    (src / "class_00" / "claims.jpg").write_bytes(_claiming(jpeg, 2000, 2000))
+    (src / "class_01" / "zeroed.jpg").write_bytes(_zeroed_data(jpeg))
+    result = run_ingest("build", src, tmp_path / "out", "--workers", "2")
+    assert result.returncode == 0
+    assert "Corrupt JPEG" not in result.stderr  # nothing from libjpeg on the terminal
+    assert rejects(tmp_path / "out") == {
+        "class_00/claims.jpg": "corrupt JPEG data: the decoder warns: premature end of data "
+        "segment",
+        "class_01/zeroed.jpg": "corrupt JPEG data: the decoder warns: 889 extraneous bytes "
+        "before marker 0xd9",
+    }
+
+
+def test_a_stored_jpeg_that_warns_fails_verify_and_is_replaced_in_training(tmp_path: Path):
+    src = tree(tmp_path / "src")
+    (src / "class_01" / "claims.jpg").write_bytes(_claiming(_small_jpeg(), 800, 600))
+    out = tmp_path / "out"
+    build(src, out, BuildOptions(verify=False), workers=1, progress=False)  # kept unchecked
+    bad = LMDBDataset(out).samples.index(("class_01/claims.jpg", 1))
+    verify = run_ingest("verify", out)
+    assert verify.returncode == 1
+    assert (
+        f"shard-00000: key {bad}: corrupt JPEG data: the decoder warns: premature end of data "
+        "segment (class_01/claims.jpg)"
+    ) in verify.stderr
+    script = (
+        "import loader\n"
+        f"dl = loader.DataLoader({str(out)!r}, batch_size=7, transform='eval', device='cpu')\n"
+        "for epoch in range(2):\n"
+        "    n = sum(len(labels) for _, labels in dl)\n"
+        "print(n, dl.num_replaced, sorted(dl.bad_samples))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=False, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"7 2 [{bad}]\n"  # replaced each epoch, counted twice
+    lines = run.stderr.splitlines()  # once, by the loader; nothing straight from libjpeg
+    assert len(lines) == 1 and lines[0].startswith(f"DataLoader: sample {bad} (class_01/claims")
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    idat = zlib.compress(b"\0" * 4096)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def test_decompression_bombs_are_rejected_from_their_header(tmp_path: Path):
+    src = tree(tmp_path / "src")
+    (src / "class_00" / "bomb20k.png").write_bytes(_png_claiming(20000, 20000))
+    (src / "class_01" / "bomb900m.png").write_bytes(_png_claiming(30000, 30000))
+    (src / "class_01" / "bomb.jpg").write_bytes(_claiming(_small_jpeg(), 20000, 20000))
+    manifest = build(src, tmp_path / "out", workers=1, progress=False)
+    assert counts(manifest) == (9, 6, 3, 0)
+    limit = "is over the limit of 178956970 (--max-pixels; a decompression bomb?)"
+    assert rejects(tmp_path / "out") == {
+        "class_00/bomb20k.png": f"too many pixels: 20000x20000 {limit}",
+        "class_01/bomb.jpg": f"too many pixels: 20000x20000 {limit}",
+        "class_01/bomb900m.png": f"too many pixels: 30000x30000 {limit}",
+    }
+    assert manifest["options"]["max_pixels"] == 178956970
+
+
+def test_a_record_over_the_pixel_limit_is_refused_before_decoding(copy: Path):
+    index = fmt.load_index(copy)
+    pixels = index["height"].astype(int) * index["width"].astype(int)
+    big = int(np.argmax(pixels))
+    assert (pixels == pixels[big]).sum() == 1
+    manifest = json.loads((copy / fmt.MANIFEST).read_text())
+    manifest["options"]["max_pixels"] = int(pixels[big]) - 1
+    (copy / fmt.MANIFEST).write_text(json.dumps(manifest))  # as if built with a lower limit
+    message = (
+        f"{index[big]['width']}x{index[big]['height']} pixels is over the store's limit of "
+        f"{pixels[big] - 1} (a decompression bomb?); rebuild the store"
+    )
+    with pytest.raises(fmt.RecordError, match=re.escape(message)):
+        LMDBDataset(copy)[big]
+    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu")
+    assert sum(len(labels) for _, labels in dl) == 12
+    assert list(dl.bad_samples) == [big] and dl.num_replaced == 1
+    assert dl.bad_samples[big].endswith(message)
+
+
+# -- a store read from disk is untrusted input ---------------------------------------------
+
+
+def test_a_truncated_shard_is_a_store_error_not_sigbus(copy: Path):
+    shard = copy / "shard-00001" / "data.mdb"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    message = (
+        f"{shard}: {size // 2} bytes where the manifest records {size} (truncated or "
+        "replaced); the store is damaged: rebuild it"
+    )
+    first = fmt.read_manifest(copy)["shards"][1]["first"]
+    with pytest.raises(fmt.StoreError, match=rf"^{re.escape(message)}$"):
+        LMDBDataset(copy)[first]
+    with pytest.raises(fmt.StoreError, match=r"shard-00001/data.mdb: \d+ bytes where"):
+        list(loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu"))
+    result = run_ingest("verify", copy)
+    assert result.returncode == 1  # not -SIGBUS
+    assert f"ingest verify: {copy}/shard-00001/data.mdb: {size // 2} bytes where" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        (
+            "../../../../etc",
+            r"shard 1 is named '../../../../etc', where the format says 'shard-00001'",
+        ),
+        ("/etc", r"shard 1 is named '/etc', where the format says 'shard-00001'"),
+        ("shard-00003", r"shard 1 is named 'shard-00003', where the format says 'shard-00001'"),
+    ],
+)
+def test_shard_names_in_the_manifest_cannot_point_elsewhere(copy: Path, name: str, match: str):
+    manifest = json.loads((copy / fmt.MANIFEST).read_text())
+    manifest["shards"][1]["name"] = name
+    (copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    for reader in (verify_store, Store, LMDBDataset):
+        with pytest.raises(fmt.StoreError, match=match):
+            reader(copy)
+    result = run_ingest("verify", copy)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+
+
+def test_a_shard_directory_linked_outside_the_store_is_refused(copy: Path, tmp_path: Path):
+    shutil.move(copy / "shard-00002", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", copy / "shard-00002")
+    target = tmp_path / "elsewhere" / "data.mdb"
+    assert verify_store(copy) == [
+        f"shard-00002/data.mdb: leads outside the store (to {target}); rebuild the store"
+    ]
+
+
+@pytest.mark.parametrize("what", [fmt.INDEX, fmt.PATHS])
+def test_index_or_paths_replaced_by_a_fifo_or_a_device_never_hangs(copy: Path, what: str):
+    (copy / what).unlink()
+    os.mkfifo(copy / what)
+    problem = f"{what}: a FIFO (named pipe), not a regular file; rebuild the store"
+    assert verify_store(copy)[0] == problem
+    with pytest.raises(fmt.StoreError, match=rf"{what}: a FIFO \(named pipe\), not a regular"):
+        LMDBDataset(copy).samples  # noqa: B018 (the index is read on open, the paths here)
+    (copy / what).unlink()
+    os.symlink("/dev/zero", copy / what)
+    with pytest.raises(fmt.StoreError, match=rf"{what}: leads outside the store \(to /dev/zero\)"):
+        LMDBDataset(copy).samples  # noqa: B018
+
+
+def test_info_and_verify_do_not_hang_on_a_fifo_for_rejects(copy: Path):
+    (copy / fmt.REJECTS).unlink()
+    os.mkfifo(copy / fmt.REJECTS)
+    info = run_ingest("info", copy, timeout=30)
+    assert (info.returncode, info.stderr) == (
+        2,
+        f"ingest info: error: {copy / fmt.REJECTS}: a FIFO (named pipe), not a regular file; "
+        "rebuild the store\n",
+    )
+    assert verify_store(copy) == [
+        f"{fmt.REJECTS}: a FIFO (named pipe), not a regular file; rebuild the store"
+    ]
+
+
+def test_a_version_1_store_still_reads(copy: Path):
+    """Version 1 recorded no build identity, file sizes or pixel limit: those checks are
+    skipped, the others apply."""
+    manifest = json.loads((copy / fmt.MANIFEST).read_text())
+    manifest["version"] = 1
+    del manifest["build"], manifest["options"]["max_pixels"]
+    for key in ("index", "paths", "rejects"):
+        del manifest[key]["bytes"]
+    (copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    assert verify_store(copy) == []  # before a reader opens the shards in this process
+    ds = LMDBDataset(copy)
+    assert [ds[i][1] for i in range(len(ds))] == fmt.load_index(copy)["label"].tolist()
+    assert ds.store.max_pixels == fmt.DEFAULT_MAX_PIXELS
+
+
+def test_a_manifest_that_is_not_json_is_one_line_from_info_and_verify(copy: Path):
+    (copy / fmt.MANIFEST).write_text('{"format": "imfeed-lmdb", "version": 2, ')
+    for command in ("info", "verify"):
+        result = run_ingest(command, copy)
+        assert result.returncode == 2
+        assert result.stderr.startswith(
+            f"ingest {command}: error: {copy / fmt.MANIFEST}: not valid JSON ("
+        )
+        assert result.stderr.count("\n") == 1
+
+
+def _rewrite_index(store: Path, edit) -> None:
+    index = np.array(fmt.load_index(store, mmap=False))
+    edit(index)
+    np.save(store / fmt.INDEX, index)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda ix: ix["label"].__setitem__(3, -5),
+            r"row 3 has an invalid label \(-5; 1 such rows\)",
+        ),
+        (
+            lambda ix: ix["label"].__setitem__(4, 2**31 - 1),
+            r"row 4 has an invalid label \(2147483647; 1 such rows\)",
+        ),
+        (
+            lambda ix: ix["shard"].__setitem__(0, 3),
+            r"row 0 has an invalid shard \(3; 1 such rows\)",
+        ),
+    ],
+)
+def test_an_index_inconsistent_with_the_manifest_is_refused_on_open(copy: Path, edit, match):
+    _rewrite_index(copy, edit)
+    for reader in (Store, LMDBDataset):
+        with pytest.raises(fmt.StoreError, match=match):
+            reader(copy)
+
+
+def test_a_garbled_index_is_refused(copy: Path):
+    data = bytearray((copy / fmt.INDEX).read_bytes())
+    data[20:40] = b"}garbled{" + bytes(11)
+    (copy / fmt.INDEX).write_bytes(bytes(data))
+    with pytest.raises(fmt.StoreError, match=r"index.npy: not a valid index \("):
+        Store(copy)
+
+
+def test_a_lowered_sample_count_is_refused(copy: Path):
+    manifest = json.loads((copy / fmt.MANIFEST).read_text())
+    manifest["num_samples"] = 10
+    (copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(fmt.StoreError, match=r"index.npy: 12 rows, but the manifest counts 10"):
+        LMDBDataset(copy)
+
+
+def _flip(store: Path, i: int) -> None:
+    """Flip 16 bytes inside record ``i``'s JPEG data, in place in its shard file."""
+    shard = store / fmt.shard_name(Store(store).shard_of(i)) / "data.mdb"
+    image = Store(store).record(i)["image"]
+    data = bytearray(shard.read_bytes())
+    at = data.find(image) + len(image) // 2
+    for k in range(16):
+        data[at + 7 * k] ^= 0x5A
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_flipped_bytes_fail_the_crc_and_are_replaced_counted(copy: Path, num_workers: int):
+    _flip(copy, 9)
+    shard = fmt.shard_name(Store(copy).shard_of(9))
+    with pytest.raises(fmt.RecordError, match=rf"{shard}: key 9: the record's bytes differ"):
+        LMDBDataset(copy)[9]
+    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu",
+                           num_workers=num_workers, with_indices=True)  # fmt: skip
+    got = [int(i) for _, _, indices in dl for i in indices]
+    assert len(got) == 12 and 9 not in got
+    assert list(dl.bad_samples) == [9] and dl.num_replaced == 1
+    assert "CRC-32 mismatch" in dl.bad_samples[9]
+
+
+def test_a_malformed_record_is_a_bad_sample(copy: Path):
+    """A record rewritten consistently (index CRC and shard size updated) but whose image
+    is not bytes: only the schema check catches it."""
+    shard = Store(copy).shard_of(2)
+    env = lmdb.open(str(copy / fmt.shard_name(shard)), subdir=True, lock=False)
+    with env, env.begin(write=True) as txn:
+        record = unpack_record(txn.get(fmt.encode_key(2)))
+        record["image"] = 12345
+        value = pack_record(record)
+        txn.put(fmt.encode_key(2), value)
+    _rewrite_index(
+        copy, lambda ix: ix[["crc32", "nbytes"]].__setitem__(2, (zlib.crc32(value), len(value)))
+    )
+    manifest = json.loads((copy / fmt.MANIFEST).read_text())
+    manifest["shards"][shard]["file_bytes"] = (
+        (copy / fmt.shard_name(shard) / "data.mdb").stat().st_size
+    )
+    (copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(fmt.RecordError, match=r"malformed record: field 'image' is int, not bytes"):
+        LMDBDataset(copy)[2]
+    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu")
+    assert sum(len(labels) for _, labels in dl) == 12
+    assert list(dl.bad_samples) == [2] and dl.num_replaced == 1
+
+
+def test_a_store_rebuilt_while_open_is_an_error_not_a_mix(tmp_path: Path):
+    first, second = tree(tmp_path / "a", 2, 4), tmp_path / "b"
+    make_image_folder(second, 2, 4, seed=9, short_side=(48, 72))
+    out = tmp_path / "store"
+    assert run_ingest("build", first, out, "--shard-size", "8KiB").returncode == 0
+    ds = LMDBDataset(out)
+    dl = loader.DataLoader(out, batch_size=4, transform="eval", device="cpu")
+    rebuilt = run_ingest("build", second, out, "--shard-size", "8KiB", "--overwrite")
+    assert rebuilt.returncode == 0
+    assert len(LMDBDataset(out)) == len(ds) == 8  # the same number of samples
+    match = r"written by another build than the store's manifest \(the store was rebuilt"
+    with pytest.raises(fmt.StoreError, match=match):
+        ds[0]
+    with pytest.raises(fmt.StoreError, match=match):
+        list(dl)
+
+
+def test_a_rebuild_of_equal_size_is_caught_by_the_build_identity(tmp_path: Path):
+    src, out = tree(tmp_path / "src"), tmp_path / "store"
+    build(src, out, workers=1, progress=False)
+    ds = LMDBDataset(out)
+    os.utime(src / "class_00" / "img_00000.JPEG", ns=(1, 1))  # new inputs, the same bytes
+    assert run_ingest("build", src, out, "--overwrite", "--workers", "1").returncode == 0
+    entry = fmt.read_manifest(out)["shards"][0]
+    assert entry["file_bytes"] == ds.store.manifest["shards"][0]["file_bytes"]  # sizes agree
+    assert fmt.read_manifest(out)["build"] != ds.store.manifest["build"]
+    with pytest.raises(fmt.StoreError, match=r"shard-00000: written by another build than"):
+        ds[0]
+
+
+# -- also ---------------------------------------------------------------------------------
+
+
+def _stop_self(worker_id: int) -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_timeout_is_honoured_with_a_stopped_worker(store: Path):
+    dl = loader.DataLoader(store, batch_size=4, transform="eval", device="cpu", num_workers=1,
+                           worker_init_fn=_stop_self, timeout=1.0)  # fmt: skip
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"timed out after 1.0 seconds"):
+        next(iter(dl))
+    assert time.monotonic() - start < 3.0  # 1 s, plus stopping the worker: not 5 s more
