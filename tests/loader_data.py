@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import cv2
 import numpy as np
 
+from ingest import format as fmt
 from ingest.build import build
 from ingest.synth import make_image_folder, random_view, sample_photos
+from loader.store import Store
 
 CLASSES, PER_CLASS = 3, 20
 EXTRA = 3  # a grayscale JPEG, a large JPEG (DCT-domain reduction) and a PNG
@@ -29,3 +32,18 @@ def make_store(root: Path) -> Path:
     store = root / "store"
     build(src, store, workers=2, progress=False)
     return store
+
+
+def corrupt(store, tmp_path, index: int) -> tuple[str, object]:
+    """Copy the store, overwrite the middle of record ``index``'s image with junk, in place in
+    its shard file (same size); return (its path, the copy)."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(store, copy)
+    record = Store(copy).record(index)
+    shard = copy / fmt.shard_name(Store(copy).shard_of(index)) / "data.mdb"
+    data = bytearray(shard.read_bytes())
+    at = data.find(record["image"])
+    assert at > 0 and data.find(record["image"], at + 1) < 0
+    data[at + 100 : at + 356] = b" this is not a JPEG " * 12 + bytes(16)
+    shard.write_bytes(bytes(data))
+    return record["path"], copy

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.utils.data
 import torchvision.transforms as T
-from loader_data import NUM_SAMPLES, make_store
+from loader_data import NUM_SAMPLES, corrupt, make_store
 
 import loader
 from ingest import format as fmt
@@ -362,21 +362,6 @@ def test_timeout(store):
     with pytest.raises(RuntimeError, match=r"timed out after 0.5 seconds"):
         next(iter(dl))
     assert time.monotonic() - start < 5
-
-
-def corrupt(store, tmp_path, index: int) -> tuple[str, object]:
-    """Copy the store, overwrite the middle of record ``index``'s image with junk, in place in
-    its shard file (same size); return (its path, the copy)."""
-    copy = tmp_path / "damaged"
-    shutil.copytree(store, copy)
-    record = Store(copy).record(index)
-    shard = copy / fmt.shard_name(Store(copy).shard_of(index)) / "data.mdb"
-    data = bytearray(shard.read_bytes())
-    at = data.find(record["image"])
-    assert at > 0 and data.find(record["image"], at + 1) < 0
-    data[at + 100 : at + 356] = b" this is not a JPEG " * 12 + bytes(16)
-    shard.write_bytes(bytes(data))
-    return record["path"], copy
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

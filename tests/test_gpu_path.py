@@ -24,12 +24,10 @@ from __future__ import annotations
 import gc
 import io
 import os
-import shutil
 import threading
 import time
 
 import cv2
-import lmdb
 import numpy as np
 import pytest
 import torch
@@ -43,6 +41,7 @@ from gpu_path_data import (
     make_small_store,
     pil_resized_crop,
 )
+from loader_data import corrupt
 from PIL import Image
 
 if not CUDA:  # before Triton is first imported: run the kernels in its CPU interpreter
@@ -52,7 +51,6 @@ pytest.importorskip("triton")
 import loader
 import loader.decode as decode_registry
 from ingest import format as fmt
-from ingest.codec import pack_record, unpack_record
 from ingest.synth import random_view, sample_photos
 from loader.augment import Transform, plan_crops
 from loader.augment_gpu import GpuAugment
@@ -320,23 +318,8 @@ def cpu_rows(store, indices) -> set[int]:
     return set(np.flatnonzero(~jpeg).tolist())
 
 
-def corrupt(store, tmp_path, index: int):
-    """A copy of the store whose record ``index`` holds junk instead of a JPEG."""
-    copy = tmp_path / "damaged"
-    shutil.copytree(store, copy)
-    shard = Store(copy).shard_of(index)
-    with (
-        lmdb.open(str(copy / fmt.shard_name(shard)), subdir=True) as env,
-        env.begin(write=True) as txn,
-    ):
-        record = unpack_record(txn.get(fmt.encode_key(index)))
-        record["image"] = b"\xff\xd8\xff\xe0 this is not a JPEG " * 4
-        txn.put(fmt.encode_key(index), pack_record(record))
-    return copy
-
-
 def test_a_corrupt_record_is_replaced_and_counted(store, tmp_path):
-    damaged = corrupt(store, tmp_path, 3)
+    _, damaged = corrupt(store, tmp_path, 3)
     dl = make(damaged, shuffle=False)
     batches = epoch(dl)
     again = epoch(dl)
