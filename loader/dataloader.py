@@ -58,6 +58,8 @@ class DataLoader:
         rank, world_size: this process's share (default: from torch.distributed, else 0/1).
         with_indices: batches are ``(images, labels, indices)``; indices stay on the CPU.
         decoder: decoder backend (``loader.decode.decoders()``), default "cpu".
+        cache, cache_limit, cache_root: a node-wide RAM copy of the shards, shared by all
+            processes and workers (``cache="shm"`` or ``"shm:keep"``): as on ``LMDBDataset``.
 
     Attributes:
         bad_samples: {sample index: "path: reason"} of records that failed to decode; each
@@ -115,6 +117,9 @@ class DataLoader:
         world_size: int | None = None,
         with_indices: bool = False,
         decoder: str = "cpu",
+        cache: str | None = None,
+        cache_limit: int | str | None = None,
+        cache_root: str | os.PathLike | None = None,
     ) -> None:
         opt.check_not_for_store(sampler, batch_sampler, collate_fn)
         self.batch_size = opt.check_batch_size(batch_size)
@@ -128,7 +133,9 @@ class DataLoader:
             self.transform, resolve_dtype(dtype), bool(channels_last), self.device, pin_memory
         )
         self.seed = opt.resolve_seed(seed, generator)
-        self.store, self.dataset = opt.open_store(dataset)
+        self.store, self.dataset = opt.open_store(
+            dataset, cache=cache, cache_limit=cache_limit, cache_root=cache_root
+        )
         self.drop_last, self.with_indices = bool(drop_last), bool(with_indices)
         self.pin_memory = self._output.pin
         self.persistent_workers = bool(persistent_workers)
@@ -204,6 +211,11 @@ class DataLoader:
         self._end_active("load_state_dict()")
         self._plan.load_state_dict(state)
         self._resume = True
+
+    def cache_stats(self) -> dict[str, int] | None:
+        """Shard cache counts of this process and its workers (hits, misses, bytes_copied,
+        from_original, replaced); None without ``cache=``."""
+        return self.dataset.cache_stats()
 
     @property
     def worker_pids(self) -> list[int]:

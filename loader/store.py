@@ -22,12 +22,19 @@ class Store:
     are opened on first use in each process, read-only and without a lock file, so a
     store on a read-only filesystem reads fine. The index is memory-mapped.
 
+    Args:
+        root: the store directory.
+        cache: where to open each shard from, e.g. an ``ingest.shmcache.ShmCache``: its
+            ``shard_path(shard)`` gives the shard directory to open (a RAM copy or the
+            original), asked once per shard and process.
+
     Raises:
         ingest.format.StoreError: ``root`` is not a complete store.
     """
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, cache=None) -> None:
         self.root = Path(root)
+        self.cache = cache
         self.manifest = fmt.read_manifest(self.root)
         self.classes: list[str] = list(self.manifest["classes"])
         self._first = np.array([s["first"] for s in self.manifest["shards"]], dtype=np.int64)
@@ -70,7 +77,8 @@ class Store:
     def _env(self, shard: int) -> lmdb.Environment:
         env = self._envs.get(shard)
         if env is None:
-            env = self._envs[shard] = _open_env(self._keys[shard])
+            key = self._keys[shard] if self.cache is None else self.cache.shard_path(shard)
+            env = self._envs[shard] = _open_env(_env_key(Path(key)))
         return env
 
     def raw(self, i: int) -> bytes:
