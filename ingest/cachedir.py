@@ -176,9 +176,32 @@ def prune(cache: Path) -> list[str]:
         else:
             entry.unlink(missing_ok=True)
     for entry in _list(cache):
-        if entry.name.startswith(TMP_PREFIX) and not alive(tmp_owner(entry.name)):
-            remove(entry)
+        if not entry.name.startswith(TMP_PREFIX) or alive(tmp_owner(entry.name)):
+            continue
+        if not entry.name.startswith(TMP_PREFIX + "shard-"):
+            remove(entry)  # a small file written under the lock we hold
+            continue
+        shard = entry.name[len(TMP_PREFIX) :].rsplit(".", 1)[0]
+        with _try_locked(cache / LOCKS / f"{shard}.lock") as mine:
+            if mine:  # nobody copies that shard: the copy is abandoned for sure
+                remove(entry)
     return live
+
+
+@contextlib.contextmanager
+def _try_locked(path: Path) -> Iterator[bool]:
+    """Hold the flock on ``path`` if it is free now; yields whether it is held."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        os.close(fd)
 
 
 def remove(path: Path) -> None:

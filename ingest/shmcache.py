@@ -82,7 +82,7 @@ class _Counters:
 
     def __init__(self) -> None:
         self.values = mp.RawArray("q", len(STATS) + 1)
-        self.lock = mp.Lock()
+        self.lock = mp.get_context("spawn").Lock()  # one that fork and spawn children take
 
     def __getstate__(self) -> dict:
         if mp.context.get_spawning_popen() is None:
