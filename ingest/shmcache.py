@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import multiprocessing as mp
+import multiprocessing.util
 import os
 import weakref
 import zlib
@@ -335,17 +336,20 @@ def _join(cache: Path, info: dict, keep: bool) -> str:
     held = _JOINED.get(str(cache))
     if held is None or held[2] != os.getpid():
         held = _JOINED[str(cache)] = [0, cd.join(cache, info, keep), os.getpid()]
+        # A process started by multiprocessing (torch.multiprocessing.spawn'ed ranks) ends
+        # in os._exit, which skips atexit and weakref finalizers, not these.
+        mp.util.Finalize(None, _leave, (str(cache), os.getpid(), True), exitpriority=0)
     elif keep:
         (cache / cd.KEEP).touch()
     held[0] += 1
     return held[1]
 
 
-def _leave(cache: str, pid: int) -> None:
+def _leave(cache: str, pid: int, exiting: bool = False) -> None:
     held = _JOINED.get(cache)
     if pid != os.getpid() or held is None or held[2] != pid:
-        return  # a forked child: the parent is the user
-    held[0] -= 1
+        return  # a forked child: the parent is the user; or this process left already
+    held[0] = 0 if exiting else held[0] - 1
     if held[0] == 0:
         del _JOINED[cache]
         try:

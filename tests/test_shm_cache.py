@@ -305,6 +305,20 @@ def test_removed_when_the_last_user_exits(clean_store: Path, tmp_path: Path) -> 
     assert os.listdir(cd.base_dir(tmp_path)) == []
 
 
+def _use_cache(store: Path, root: Path) -> None:
+    assert len(records(LMDBDataset(store, cache="shm", cache_root=root).store)) == 24
+
+
+def test_a_multiprocessing_child_leaves_on_exit(clean_store: Path, tmp_path: Path) -> None:
+    # such a process ends in os._exit (as torch.multiprocessing.spawn'ed ranks do)
+    proc = torch.multiprocessing.get_context("fork").Process(
+        target=_use_cache, args=(clean_store, tmp_path)
+    )
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0 and os.listdir(cd.base_dir(tmp_path)) == []
+
+
 def test_spawned_workers_share_the_stats(clean_store: Path, tmp_path: Path) -> None:
     dl = eval_loader(clean_store, num_workers=1, multiprocessing_context="spawn",
                      cache="shm", cache_root=tmp_path)  # fmt: skip
