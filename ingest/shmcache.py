@@ -12,32 +12,27 @@ Nothing here fails a run: when the cache cannot serve a shard, the original does
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
-import multiprocessing as mp
 import multiprocessing.util
 import os
 import weakref
-import zlib
 from pathlib import Path
 
 import lmdb
-import numpy as np
 
 from ingest import cachedir as cd
 from ingest import format as fmt
+from ingest.cachestats import Counters
+from ingest.shardcopy import copy_bytes, file_sha256, records_digest
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEFAULT_SHARE = 0.5  # of what the cache root has free (plus what this cache already holds)
 RESERVE = 256 * MiB  # always left free under the cache root (at most a tenth of its size)
-CHUNK = 8 * MiB
 COPY_INFO, VERIFIED, DATA = "copy.json", "verified", "data.mdb"
-STATS = ("hits", "misses", "bytes_copied", "from_original", "replaced")
-_SAID = len(STATS)  # counter slot of the "said once" flags
-_SAID_BUDGET, _SAID_ERROR = 1, 2
+_SAID_BUDGET, _SAID_ERROR = 1, 2  # "said once" flags
 
 
 def parse_cache(cache, cache_limit, cache_root) -> tuple[bool, bool, int | None, str]:
@@ -76,41 +71,6 @@ def _parse_size(text: str) -> int:
     return parse_size(text)
 
 
-class _Counters:
-    """Stats shared by a process and its workers (fork or spawn): a few int64 slots in
-    shared memory. Pickled outside a process start (where shared memory cannot travel),
-    the receiver counts on its own."""
-
-    def __init__(self) -> None:
-        self.values = mp.RawArray("q", len(STATS) + 1)
-        self.lock = mp.get_context("spawn").Lock()  # one that fork and spawn children take
-
-    def __getstate__(self) -> dict:
-        if mp.context.get_spawning_popen() is None:
-            return {}
-        return self.__dict__
-
-    def __setstate__(self, state: dict) -> None:
-        if state:
-            self.__dict__.update(state)
-        else:
-            self.__init__()
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self.lock:
-            self.values[STATS.index(name)] += n
-
-    def first(self, flag: int) -> bool:
-        """True the first time ``flag`` is asked in this process tree."""
-        with self.lock:
-            said = self.values[_SAID] & flag
-            self.values[_SAID] |= flag
-        return not said
-
-    def as_dict(self) -> dict[str, int]:
-        return {name: int(self.values[i]) for i, name in enumerate(STATS)}
-
-
 class ShmCache:
     """The node-wide RAM cache of one store's shards, as used by this process.
 
@@ -135,7 +95,7 @@ class ShmCache:
         self.shards: list[dict] = json.loads(raw)["shards"]
         self.dir = cd.base_dir(cache_root) / cd.store_id(raw)
         self.keep = keep
-        self._counters = _Counters()
+        self._counters = Counters()
         info = {"store": os.path.realpath(self.store_root), "shards": len(self.shards)}
         self.session = _join(self.dir, info, keep)
         self.limit = self._budget(limit)
@@ -205,7 +165,7 @@ class ShmCache:
         """
         try:
             made = json.loads((final / COPY_INFO).read_text(encoding="utf-8"))
-            ok = made["digest"] == entry["digest"] and made["sha256"] == _sha256(final / DATA)
+            ok = made["digest"] == entry["digest"] and made["sha256"] == file_sha256(final / DATA)
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
         if ok:
@@ -221,10 +181,10 @@ class ShmCache:
             if fd is None:
                 return None
             try:
-                sha = _copy_bytes(src, fd, size)
+                sha = copy_bytes(src, fd, size)
             finally:
                 os.close(fd)
-            if _records_digest(tmp, entry) != entry["digest"]:
+            if records_digest(tmp, entry) != entry["digest"]:
                 log.warning(
                     "shm cache: %s differs from the checksum in its manifest; it is read "
                     "from the store, not cached; check the store with `ingest verify %s`",
@@ -258,7 +218,8 @@ class ShmCache:
             tmp.mkdir()
             fd = os.open(tmp / DATA, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.posix_fallocate(fd, 0, size)  # the pages exist now: no SIGBUS later
+                if size:
+                    os.posix_fallocate(fd, 0, size)  # the pages exist now: no SIGBUS later
             except OSError:
                 os.close(fd)
                 raise
@@ -284,50 +245,6 @@ def _free(path: Path) -> tuple[int, int]:
     return st.f_bavail * st.f_frsize, min(RESERVE, st.f_blocks * st.f_frsize // 10)
 
 
-def _copy_bytes(src: Path, fd: int, size: int) -> str:
-    """Copy ``size`` bytes of ``src`` into ``fd``; return their SHA-256."""
-    sha = hashlib.sha256()
-    with open(src, "rb", buffering=0) as f:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        done = 0
-        while done < size:
-            chunk = f.read(min(CHUNK, size - done))
-            if not chunk:
-                raise OSError(f"{src} shrank while it was copied")
-            sha.update(chunk)
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(fd, view) :]
-            done += len(chunk)
-    return sha.hexdigest()
-
-
-def _records_digest(shard_dir: Path, entry: dict) -> str | None:
-    """The content checksum (FORMAT.md) of the records in ``shard_dir``; None when its keys
-    are not exactly those the manifest gives the shard."""
-    crcs, sizes, keys = [], [], []
-    env = lmdb.open(str(shard_dir), readonly=True, lock=False, readahead=False, max_readers=1)
-    try:
-        with env.begin(buffers=True) as txn:
-            for key, value in txn.cursor():
-                keys.append(fmt.decode_key(bytes(key)))
-                crcs.append(zlib.crc32(value))
-                sizes.append(len(value))
-    finally:
-        env.close()
-    if keys != list(range(entry["first"], entry["first"] + entry["count"])):
-        return None
-    return fmt.records_digest(entry["first"], np.array(crcs), np.array(sizes))
-
-
-def _sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(CHUNK):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
 # A process joins each cache directory once, however many ShmCache objects it makes.
 _JOINED: dict[str, list] = {}  # cache dir -> [number of ShmCache objects, session token]
 
@@ -338,7 +255,7 @@ def _join(cache: Path, info: dict, keep: bool) -> str:
         held = _JOINED[str(cache)] = [0, cd.join(cache, info, keep), os.getpid()]
         # A process started by multiprocessing (torch.multiprocessing.spawn'ed ranks) ends
         # in os._exit, which skips atexit and weakref finalizers, not these.
-        mp.util.Finalize(None, _leave, (str(cache), os.getpid(), True), exitpriority=0)
+        multiprocessing.util.Finalize(None, _leave, (str(cache), os.getpid(), True), exitpriority=0)
     elif keep:
         (cache / cd.KEEP).touch()
     held[0] += 1

@@ -59,7 +59,7 @@ def stall(store: str, root: str, go: str) -> None:
         open(go, "w").close()
         time.sleep(600)
 
-    shmcache._copy_bytes = half_then_stall
+    shmcache.copy_bytes = half_then_stall
     LMDBDataset(store, cache="shm", cache_root=root).store.raw(0)
 
 
