@@ -232,6 +232,7 @@ def main() -> None:
         f"{size / MiB:.0f} MiB; batch {args.batch_size}, {args.workers} workers",
         flush=True,
     )
+    load_before = os.getloadavg()
     runs = rounds(store, args)
     result = summary(runs)
     print(json.dumps(result, indent=1))
@@ -245,6 +246,7 @@ def main() -> None:
             "bytes": size,
         },
         "note": args.note,
+        "load_average": {"before": load_before, "after": os.getloadavg()},
         "runs": runs,
         "summary": result,
     }

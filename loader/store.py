@@ -77,8 +77,10 @@ class Store:
     def _env(self, shard: int) -> lmdb.Environment:
         env = self._envs.get(shard)
         if env is None:
-            key = self._keys[shard] if self.cache is None else self.cache.shard_path(shard)
-            env = self._envs[shard] = _open_env(_env_key(Path(key)))
+            key = self._keys[shard]
+            if self.cache is not None:  # a RAM copy, or the original when it has none
+                key = _env_key(Path(self.cache.shard_path(shard)))
+            env = self._envs[shard] = _open_env(key)
         return env
 
     def raw(self, i: int) -> bytes:
