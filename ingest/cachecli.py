@@ -25,7 +25,8 @@ def cache_ls(args: argparse.Namespace) -> int:
     for c in caches:
         shards = f"{c['shards']}/{c['store_shards'] or '?'} shards"
         keep = ", kept for the next run" if c["keep"] else ""
-        print(f"{c['id']}  {c['store']}  {shards}, {c['bytes'] / MiB:.1f} MiB{keep}")
+        stale = " (stale: that store is gone or was rebuilt since)" if c["stale"] else ""
+        print(f"{c['id']}  {c['store']}  {shards}, {c['bytes'] / MiB:.1f} MiB{keep}{stale}")
         for name, up in c["users"].items():
             print(f"  user {name}: {'alive' if up else 'dead'}")
         for name, up in c["copying"].items():

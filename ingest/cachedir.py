@@ -236,9 +236,18 @@ def describe(cache: Path) -> dict:
         "store_shards": info.get("shards"),
         "bytes": sum(_size(p / "data.mdb") for p in shards),
         "keep": (cache / KEEP).exists(),
+        "stale": _stale(info.get("store"), cache.name),
         "users": {p.name: alive(p.name) for p in _list(cache / USERS)},
         "copying": {p.name: alive(tmp_owner(p.name)) for p in tmps},
     }
+
+
+def _stale(store: str | None, ident: str) -> bool:
+    """Whether the store a cache was made from is gone or was rebuilt since."""
+    try:
+        return store_id((Path(store) / "manifest.json").read_bytes()) != ident
+    except (OSError, TypeError):
+        return True
 
 
 def list_caches(cache_root: str | os.PathLike = DEFAULT_ROOT) -> list[dict]:

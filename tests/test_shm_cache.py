@@ -282,10 +282,17 @@ def test_store_identity_is_its_content(clean_store: Path, tmp_path: Path) -> Non
     copy = tmp_path / "copy"
     shutil.copytree(clean_store, copy)
     assert cache_of(copy, tmp_path) == cache_of(clean_store, tmp_path)  # same store, moved
+    release(LMDBDataset(copy, cache="shm:keep", cache_root=tmp_path))
+    kept = cache_of(copy, tmp_path)
     manifest = json.loads((copy / fmt.MANIFEST).read_bytes())
     manifest["shards"][3]["digest"] = "0" * 64  # a rebuild with other records
     fmt.write_json_atomic(copy / fmt.MANIFEST, manifest)
     assert cache_of(copy, tmp_path) != cache_of(clean_store, tmp_path)
+    ls = run_ingest("cache", "ls", "--root", tmp_path)
+    assert ls.stdout == (
+        f"{kept.name}  {copy}  0/4 shards, 0.0 MiB, kept for the next run (stale: that store "
+        "is gone or was rebuilt since)\n"
+    )
 
 
 def test_removed_when_the_last_user_exits(clean_store: Path, tmp_path: Path) -> None:
