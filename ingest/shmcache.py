@@ -95,7 +95,7 @@ class ShmCache:
         self.shards: list[dict] = json.loads(raw)["shards"]
         self.dir = cd.base_dir(cache_root) / cd.store_id(raw)
         self.keep = keep
-        self._counters = Counters()
+        self._counters = Counters(self.dir / cd.LOCKS / "stats.lock")
         info = {"store": os.path.realpath(self.store_root), "shards": len(self.shards)}
         self.session = _join(self.dir, info, keep)
         self.limit = self._budget(limit)
