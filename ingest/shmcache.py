@@ -100,6 +100,7 @@ class ShmCache:
         self.session = _join(self.dir, info, keep)
         self.limit = self._budget(limit)
         self._leave = weakref.finalize(self, _leave, str(self.dir), os.getpid())
+        self._leave.atexit = False  # at exit _join's handler leaves, after the workers stop
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_leave"}  # a child never leaves
@@ -254,8 +255,11 @@ def _join(cache: Path, info: dict, keep: bool) -> str:
     if held is None or held[2] != os.getpid():
         held = _JOINED[str(cache)] = [0, cd.join(cache, info, keep), os.getpid()]
         # A process started by multiprocessing (torch.multiprocessing.spawn'ed ranks) ends
-        # in os._exit, which skips atexit and weakref finalizers, not these.
-        multiprocessing.util.Finalize(None, _leave, (str(cache), os.getpid(), True), exitpriority=0)
+        # in os._exit, which skips atexit and weakref finalizers, not these; a negative
+        # priority runs it after multiprocessing stopped this process's daemon workers.
+        multiprocessing.util.Finalize(
+            None, _leave, (str(cache), os.getpid(), True), exitpriority=-10
+        )
     elif keep:
         (cache / cd.KEEP).touch()
     held[0] += 1
