@@ -247,7 +247,7 @@ def _free(path: Path) -> tuple[int, int]:
 
 
 # A process joins each cache directory once, however many ShmCache objects it makes.
-_JOINED: dict[str, list] = {}  # cache dir -> [number of ShmCache objects, session token]
+_JOINED: dict[str, list] = {}  # cache dir -> [ShmCache objects, session token, pid]
 
 
 def _join(cache: Path, info: dict, keep: bool) -> str:
