@@ -76,17 +76,28 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print one JSON object")
     v = sub.add_parser("verify", help="check checksums and decode every record")
     v.add_argument("store")
+    c = sub.add_parser("cache", help="list or clear the node's RAM cache of stores (/dev/shm)")
+    csub = c.add_subparsers(dest="action", required=True)
+    ls = csub.add_parser("ls", help="list cached stores: shards, bytes, users alive or not")
+    ls.add_argument("--json", action="store_true", help="print one JSON array")
+    clear = csub.add_parser("clear", help="remove cached stores (all, or that of OUT)")
+    clear.add_argument("out", nargs="?", help="a store directory, or a cache id from `ls`")
+    clear.add_argument("--force", action="store_true", help="also caches that processes use")
+    for cmd in (ls, clear):
+        cmd.add_argument("--root", default="/dev/shm", help="cache root (default /dev/shm)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from ingest.cachedir import CacheError
     from ingest.resume import OutputError
     from ingest.scan import SourceError
 
     try:
-        return {"build": _build, "info": _info, "verify": _verify}[args.command](args)
-    except (SourceError, OutputError, fmt.StoreError) as e:
+        commands = {"build": _build, "info": _info, "verify": _verify, "cache": _cache}
+        return commands[args.command](args)
+    except (SourceError, OutputError, fmt.StoreError, CacheError) as e:
         print(f"ingest {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -167,6 +178,12 @@ def _verify(args: argparse.Namespace) -> int:
     n = fmt.read_manifest(args.store)["num_samples"]
     print(f"ingest verify: {args.store}: OK, {n} records checked")
     return 0
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from ingest.cachecli import cache_clear, cache_ls
+
+    return cache_ls(args) if args.action == "ls" else cache_clear(args)
 
 
 if __name__ == "__main__":

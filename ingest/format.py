@@ -121,6 +121,14 @@ def decode_key(key: bytes) -> int:
     return int.from_bytes(key, "big")
 
 
+def shard_records(txn):
+    """Yield (sample index, value) of every record in an LMDB read transaction of a shard,
+    in key order, passing over the keys that are not records (the build identity)."""
+    for key, value in txn.cursor():
+        if len(key) == 8:
+            yield decode_key(bytes(key)), value
+
+
 def records_digest(first: int, crc32: np.ndarray, nbytes: np.ndarray) -> str:
     """A shard's content checksum: SHA-256 over, for each record in key order, its 8-byte
     big-endian key, then the CRC-32 and the length of its value, 4 bytes little-endian each.

@@ -106,10 +106,7 @@ def _check_records(
     try:
         with env.begin() as txn:
             expected = entry["first"]
-            for key, value in txn.cursor():
-                if len(key) != 8:  # not a record (the build identity)
-                    continue
-                i = fmt.decode_key(key)
+            for i, value in fmt.shard_records(txn):
                 if i != expected:
                     yield f"{name}: key {i} found where key {expected} was expected"
                     expected = i

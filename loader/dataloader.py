@@ -68,6 +68,9 @@ class DataLoader:
             only gathering encoded bytes (and decoding ``cpu_share`` of them).
         cpu_share: GPU path: fraction of the JPEGs the workers decode on the CPU beside the
             GPU decoder; "auto" (default) sizes it from measured rates as it runs.
+        decoder: decoder backend (``loader.decode.decoders()``), default "cpu".
+        cache, cache_limit, cache_root: a node-wide RAM copy of the shards, shared by all
+            processes and workers (``cache="shm"`` or ``"shm:keep"``): as on ``LMDBDataset``.
 
     Attributes:
         bad_samples: {sample index: "path: reason"} of records that failed to decode; each
@@ -126,6 +129,9 @@ class DataLoader:
         with_indices: bool = False,
         decoder: str = "auto",
         cpu_share: float | str = "auto",
+        cache: str | None = None,
+        cache_limit: int | str | None = None,
+        cache_root: str | os.PathLike | None = None,
     ) -> None:
         opt.check_not_for_store(sampler, batch_sampler, collate_fn)
         self.batch_size = opt.check_batch_size(batch_size)
@@ -140,7 +146,9 @@ class DataLoader:
             self.transform, resolve_dtype(dtype), bool(channels_last), self.device, pin_memory
         )
         self.seed = opt.resolve_seed(seed, generator)
-        self.store, self.dataset = opt.open_store(dataset)
+        self.store, self.dataset = opt.open_store(
+            dataset, cache=cache, cache_limit=cache_limit, cache_root=cache_root
+        )
         self.drop_last, self.with_indices = bool(drop_last), bool(with_indices)
         self.pin_memory = self._output.pin
         self.persistent_workers = bool(persistent_workers)
@@ -246,6 +254,11 @@ class DataLoader:
         if self._gpu_stage is not None:
             out["cpu_share"] = self._gpu_stage.cpu_share
         return out
+
+    def cache_stats(self) -> dict[str, int] | None:
+        """Shard cache counts of this process and its workers (hits, misses, bytes_copied,
+        from_original, replaced); None without ``cache=``."""
+        return self.dataset.cache_stats()
 
     @property
     def worker_pids(self) -> list[int]:

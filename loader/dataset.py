@@ -10,6 +10,8 @@ from typing import Any
 from PIL import Image
 from torch.utils.data import Dataset
 
+from ingest.format import read_manifest
+from ingest.shmcache import ShmCache, parse_cache
 from loader.store import Store
 
 
@@ -20,6 +22,13 @@ class LMDBDataset(Dataset):
         root: a store directory made by ``ingest build``.
         transform: applied to the PIL image (e.g. torchvision transforms).
         target_transform: applied to the label.
+        cache: "shm" to read the shards from one RAM copy per node under /dev/shm, made by
+            the first process that needs each one and shared by all (removed when the last
+            process using it exits); "shm:keep" to keep it for the next run; None to read
+            the store directly.
+        cache_limit: the most bytes the cache may hold, int or a size ("8GiB"); default
+            half of what ``cache_root`` has free. Shards beyond it are read from the store.
+        cache_root: where the cache lives (default /dev/shm).
 
     Attributes:
         classes, class_to_idx, targets, samples: as on ImageFolder; ``samples`` holds
@@ -31,8 +40,16 @@ class LMDBDataset(Dataset):
         root: str | os.PathLike,
         transform: Callable | None = None,
         target_transform: Callable | None = None,
+        *,
+        cache: str | None = None,
+        cache_limit: int | str | None = None,
+        cache_root: str | os.PathLike | None = None,
     ) -> None:
-        self.store = Store(root)
+        enabled, keep, limit, where = parse_cache(cache, cache_limit, cache_root)
+        if enabled:
+            read_manifest(root)  # a clear error for a path that is not a store, first
+        shm = ShmCache(root, keep=keep, limit=limit, cache_root=where) if enabled else None
+        self.store = Store(root, cache=shm)
         self.root = str(root)
         self.transform = transform
         self.target_transform = target_transform
@@ -41,6 +58,10 @@ class LMDBDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.store)
+
+    def cache_stats(self) -> dict[str, int] | None:
+        """The shard cache's counts (``ingest.shmcache.ShmCache.stats``); None without one."""
+        return None if self.store.cache is None else self.store.cache.stats()
 
     @property
     def targets(self) -> list[int]:

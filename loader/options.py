@@ -29,6 +29,9 @@ STORE_ONLY = (
     "with_indices",
     "decoder",
     "cpu_share",
+    "cache",
+    "cache_limit",
+    "cache_root",
 )
 
 
@@ -47,15 +50,23 @@ def reads_store(dataset, sampler=None, batch_sampler=None, collate_fn=None) -> b
     )
 
 
-def open_store(dataset) -> tuple[Store, LMDBDataset]:
-    """The store behind ``dataset`` (a path or an LMDBDataset) and a Dataset view of it.
+def open_store(dataset, **cache) -> tuple[Store, LMDBDataset]:
+    """The store behind ``dataset`` (a path or an LMDBDataset) and a Dataset view of it;
+    ``cache`` holds the ``cache=``, ``cache_limit=``, ``cache_root=`` arguments.
 
     Raises:
         ingest.format.StoreError: the path is not a complete store (says how to make one).
+        ValueError: a cache argument is invalid, or given with an LMDBDataset.
     """
     if isinstance(dataset, LMDBDataset):
+        given = [k + "=" for k, v in cache.items() if v is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} cannot be given with an LMDBDataset, which opened the "
+                "store already: pass them to LMDBDataset(root, cache=...) instead"
+            )
         return dataset.store, dataset
-    ds = LMDBDataset(dataset)
+    ds = LMDBDataset(dataset, **cache)
     return ds.store, ds
 
 

@@ -28,12 +28,19 @@ class Store:
     opened, each shard file (its size, its build identity) before it is mapped, and each
     record (CRC-32, fields, pixel count) as it is read; see ``record``.
 
+    Args:
+        root: the store directory.
+        cache: where to open each shard from, e.g. an ``ingest.shmcache.ShmCache``: its
+            ``shard_path(shard)`` gives the shard directory to open (a RAM copy or the
+            original), asked once per shard and process.
+
     Raises:
         ingest.format.StoreError: ``root`` is not a complete, consistent store.
     """
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, cache=None) -> None:
         self.root = Path(root)
+        self.cache = cache
         self.manifest = fmt.read_manifest(self.root)
         _ = self.index  # checked against the manifest now, not at the first batch
         # Records over this many pixels are refused before they are decoded.
@@ -96,7 +103,10 @@ class Store:
         except fmt.StoreError:
             self._check_not_rebuilt(shard)  # the likelier cause says what to do
             raise
-        env = _open_env(self._keys[shard])
+        key = self._keys[shard]
+        if self.cache is not None:  # a RAM copy, or the original when it has none
+            key = _env_key(Path(self.cache.shard_path(shard)))
+        env = _open_env(key)
         check_build(env, self.manifest, self.root / fmt.shard_name(shard))
         return env
 
