@@ -28,7 +28,8 @@ _P_Y, _P_X, _P_H, _P_W, _P_RH, _P_RW, _P_OY, _P_OX, _P_FLIP = range(9)
 _P_IMG_H, _P_IMG_W, _P_OUT_ROW, _P_ROW0 = range(9, 13)
 _P_STRIDES = slice(13, 16)  # the image's element strides: channel, row, column
 _P_COLS = 16
-_BLOCK_W = 128
+_BLOCK_W = 256  # output columns per kernel tile (at most)
+_ROWS = 4  # rows per kernel tile
 
 
 def _kernels():
@@ -36,6 +37,11 @@ def _kernels():
     from loader import augment_kernels
 
     return augment_kernels.resample_rows, augment_kernels.resample_cols
+
+
+def triton_pow2(n: int) -> int:
+    """The smallest power of two >= n (Triton's block sizes are powers of two)."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _max_taps(window: np.ndarray, resized: np.ndarray, antialias: bool) -> int:
@@ -143,13 +149,15 @@ class GpuAugment:
         taps_x = _max_taps(crops[:, _P_W], crops[:, _P_RW], self.antialias)
         taps_y = _max_taps(crops[:, _P_H], crops[:, _P_RH], self.antialias)
         rows_kernel, cols_kernel = _kernels()
-        blocks = -(-w_out // _BLOCK_W)
-        rows_kernel[(len(row_image), blocks)](
-            table, p, rows, scratch, w_out, taps_x, ANTIALIAS=self.antialias, BLOCK=_BLOCK_W
-        )
-        cols_kernel[(len(images), h_out, blocks)](
-            scratch, p, out, w_out, taps_y, *out.stride(), *self._scale, *self._bias,
-            ANTIALIAS=self.antialias, RAW=out.dtype == torch.uint8, BLOCK=_BLOCK_W,
+        block = min(_BLOCK_W, triton_pow2(w_out))
+        cols = -(-w_out // block)
+        rows_kernel[(-(-len(row_image) // _ROWS), cols)](
+            table, p, rows, scratch, len(row_image), w_out, taps_x,
+            ANTIALIAS=self.antialias, ROWS=_ROWS, BLOCK=block,
+        )  # fmt: skip
+        cols_kernel[(len(images), -(-h_out // _ROWS), cols)](
+            scratch, p, out, h_out, w_out, taps_y, *out.stride(), *self._scale, *self._bias,
+            ANTIALIAS=self.antialias, RAW=out.dtype == torch.uint8, ROWS=_ROWS, BLOCK=block,
         )  # fmt: skip
 
     def _one(self, image: torch.Tensor, crop: np.ndarray, raw: bool) -> torch.Tensor:

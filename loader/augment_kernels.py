@@ -25,38 +25,43 @@ def filter_span(pos, size, scale, antialias: tl.constexpr):
 
 @triton.jit
 def resample_rows(
-    images, params, row_image, scratch, out_w, taps,
-    ANTIALIAS: tl.constexpr, BLOCK: tl.constexpr,
+    images, crop_info, row_image, scratch, n_rows, out_w, taps,
+    ANTIALIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    g = tl.load(row_image + t)
-    p = params + g * 16
+    # A tile of ROWS scratch rows (window rows, possibly of several images) by BLOCK output
+    # columns: each row resampled horizontally to the columns the output keeps.
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    t_ok = t < n_rows
+    g = tl.load(row_image + t, mask=t_ok, other=0)
+    p = crop_info + g * 16
     wy, wx, ww = tl.load(p + 0), tl.load(p + 1), tl.load(p + 3)
     rw, ox, row0 = tl.load(p + 5), tl.load(p + 7), tl.load(p + 12)
     sc, sy, sx = tl.load(p + 13).to(tl.int64), tl.load(p + 14).to(tl.int64), tl.load(p + 15)
     src = tl.load(images + g).to(tl.pointer_type(tl.uint8))
-    y = wy + (t - row0)  # source row of this scratch row
-    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = j < out_w
-    scale = ww.to(tl.float32) / rw.to(tl.float32)
-    centre, fscale, lo, hi = filter_span(j + ox, ww, scale, ANTIALIAS)
-    acc0 = tl.full([BLOCK], 0.0, tl.float32)
-    acc1 = tl.full([BLOCK], 0.0, tl.float32)
-    acc2 = tl.full([BLOCK], 0.0, tl.float32)
-    total = tl.full([BLOCK], 0.0, tl.float32)
+    y = wy + (t - row0)  # source row of each scratch row
     row = src + y.to(tl.int64) * sy + wx * sx
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = t_ok[:, None] & (j < out_w)[None, :]
+    scale = ww.to(tl.float32) / rw.to(tl.float32)
+    centre, fscale, lo, hi = filter_span(
+        j[None, :] + ox[:, None], ww[:, None], scale[:, None], ANTIALIAS
+    )
+    acc0 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
+    acc1 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
+    acc2 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
+    total = tl.full([ROWS, BLOCK], 0.0, tl.float32)
     for k in range(0, taps):
         x = lo + k
         use = live & (x < hi)
         wgt = tl.maximum(1.0 - tl.abs((x.to(tl.float32) - centre + 0.5) / fscale), 0.0)
         wgt = tl.where(use, wgt, 0.0)
-        at = row + x * sx
+        at = row[:, None] + x * sx[:, None]
         acc0 += wgt * tl.load(at, mask=use, other=0).to(tl.float32)
-        acc1 += wgt * tl.load(at + sc, mask=use, other=0).to(tl.float32)
-        acc2 += wgt * tl.load(at + 2 * sc, mask=use, other=0).to(tl.float32)
+        acc1 += wgt * tl.load(at + sc[:, None], mask=use, other=0).to(tl.float32)
+        acc2 += wgt * tl.load(at + 2 * sc[:, None], mask=use, other=0).to(tl.float32)
         total += wgt
     total = tl.where(total > 0, total, 1.0)
-    base = scratch + t.to(tl.int64) * 3 * out_w + j
+    base = scratch + t.to(tl.int64)[:, None] * 3 * out_w + j[None, :]
     tl.store(base, acc0 / total, mask=live)
     tl.store(base + out_w, acc1 / total, mask=live)
     tl.store(base + 2 * out_w, acc2 / total, mask=live)
@@ -64,32 +69,32 @@ def resample_rows(
 
 @triton.jit
 def resample_cols(
-    scratch, params, out, out_w, taps,
+    scratch, crop_info, out, out_h, out_w, taps,
     s_n, s_c, s_h, s_w,
     m0, m1, m2, b0, b1, b2,
-    ANTIALIAS: tl.constexpr, RAW: tl.constexpr, BLOCK: tl.constexpr,
+    ANTIALIAS: tl.constexpr, RAW: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    # A tile of ROWS output rows by BLOCK columns of image g: each output pixel resampled
+    # vertically from the scratch rows, rounded, mirrored, normalised and stored.
     g = tl.program_id(0)
-    i = tl.program_id(1)
-    p = params + g * 16
+    p = crop_info + g * 16
     wh, rh, oy = tl.load(p + 2), tl.load(p + 4), tl.load(p + 6)
     flip, out_row, row0 = tl.load(p + 8), tl.load(p + 11), tl.load(p + 12)
+    i = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    live = j < out_w
+    live = (i < out_h)[:, None] & (j < out_w)[None, :]
     scale = wh.to(tl.float32) / rh.to(tl.float32)
-    # One output row: the same taps for every column (broadcast over the block).
-    pos = j * 0 + (i + oy)
-    centre, fscale, lo, hi = filter_span(pos, wh, scale, ANTIALIAS)
-    acc0 = tl.full([BLOCK], 0.0, tl.float32)
-    acc1 = tl.full([BLOCK], 0.0, tl.float32)
-    acc2 = tl.full([BLOCK], 0.0, tl.float32)
-    total = tl.full([BLOCK], 0.0, tl.float32)
+    centre, fscale, lo, hi = filter_span((i + oy)[:, None], wh, scale, ANTIALIAS)
+    acc0 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
+    acc1 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
+    acc2 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
+    total = tl.full([ROWS, BLOCK], 0.0, tl.float32)
     for k in range(0, taps):
         y = lo + k
         use = live & (y < hi)
         wgt = tl.maximum(1.0 - tl.abs((y.to(tl.float32) - centre + 0.5) / fscale), 0.0)
         wgt = tl.where(use, wgt, 0.0)
-        base = scratch + (row0 + y).to(tl.int64) * 3 * out_w + j
+        base = scratch + (row0 + y).to(tl.int64) * 3 * out_w + j[None, :]
         acc0 += wgt * tl.load(base, mask=use, other=0.0)
         acc1 += wgt * tl.load(base + out_w, mask=use, other=0.0)
         acc2 += wgt * tl.load(base + 2 * out_w, mask=use, other=0.0)
@@ -104,7 +109,10 @@ def resample_cols(
         v1 = v1 * m1 + b1
         v2 = v2 * m2 + b2
     jo = tl.where(flip != 0, out_w - 1 - j, j)
-    dst = out + out_row.to(tl.int64) * s_n + i.to(tl.int64) * s_h + jo.to(tl.int64) * s_w
+    dst = (
+        out + out_row.to(tl.int64) * s_n + i.to(tl.int64)[:, None] * s_h
+        + jo.to(tl.int64)[None, :] * s_w
+    )  # fmt: skip
     ty = out.dtype.element_ty
     tl.store(dst, v0.to(ty), mask=live)
     tl.store(dst + s_c, v1.to(ty), mask=live)

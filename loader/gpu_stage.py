@@ -8,9 +8,12 @@ rows the workers decoded on the CPU through pinned memory and normalises them in
 same batch. Everything runs on one high-priority side stream and ends with an event the
 training stream waits on; nothing synchronises the device.
 
-With ``cpu_share="auto"`` it sizes the workers' share of each batch from measured rates:
-the GPU decoder's samples per second against the workers' together, so that neither side
-waits for the other.
+With ``cpu_share="auto"`` it sizes the workers' share of each batch by feedback: the
+prefetch thread should never wait for the workers (they decode their share while the GPU
+decodes the rest), so the share grows while that wait is under ``_TARGET_IDLE`` of the
+thread's time and shrinks as soon as the workers hold the thread up. Feedback rather than
+a model of rates, because what the workers get depends on what else runs on the machine
+(the training process above all), which a rate measured in a worker does not show.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from loader.decode_nvjpeg import check_decoded
 from loader.encoded import EncodedBatches
 from loader.stats import LoaderStats
 
-_MIN_AUTO_SHARE = 0.05  # keep measuring the CPU side, however fast the GPU is
+_TARGET_IDLE = 0.05  # share of the prefetch thread's time spent waiting for the workers
+_GAIN = 0.5  # share change per batch for each unit of idle-time error
 _MAX_AUTO_SHARE = 0.9
-_SMOOTHING = 0.3  # weight of the newest batch in the share's moving average
 
 
 class GpuStage:
@@ -70,16 +73,18 @@ class GpuStage:
         self.stream = torch.cuda.Stream(device, priority=-1) if cuda else None
         self.auto = cpu_share == "auto" and num_workers > 0
         self.num_workers = num_workers
-        producer.cpu_share = 0.25 if self.auto else (0.0 if cpu_share == "auto" else cpu_share)
+        producer.cpu_share = 0.0 if cpu_share == "auto" else cpu_share
         self._labels = producer.store.labels
         self._index = producer.store.index
 
-    def process(self, slot: dict[str, torch.Tensor], report) -> tuple:
+    def process(self, slot: dict[str, torch.Tensor], report, waited: float = 0.0) -> tuple:
         """The batch in ``slot`` (``report.n`` samples) as (images, labels, indices, event).
 
         Reads the slot's bytes and pixels before it returns, so the caller may hand the
         slot back to the workers at once; the tensors are ready once ``event`` completes.
+        ``waited``: how long the caller waited for the workers to fill this slot.
         """
+        started = time.perf_counter()
         n = report.n
         views = {k: v.numpy() for k, v in slot.items()}
         lengths, starts = views["lengths"][:n], views["starts"][:n]
@@ -107,6 +112,7 @@ class GpuStage:
             done = _event(self.device)
         self.stats.add_gpu_time("augment", begin, done)
         self._account(report, len(ok_rows), len(cpu_rows), decode_s)
+        self._steer(waited, time.perf_counter() - started)
         return out, labels, indices, done
 
     def _on_side_stream(self) -> contextlib.AbstractContextManager:
@@ -151,14 +157,15 @@ class GpuStage:
             gpu_decode_s=decode_s, cpu_decode_s=report.decode_s,
             worker_read_s=max(0.0, report.worker_s - report.decode_s),
         )  # fmt: skip
-        if not self.auto or not on_gpu or not report.cpu_decoded:
+
+    def _steer(self, waited: float, busy: float) -> None:
+        """Move the workers' share towards the point where the thread barely waits."""
+        self.stats.add(stage_wait_s=waited, stage_busy_s=busy)
+        if not self.auto:
             return
-        gpu_rate = on_gpu / max(decode_s, 1e-6)
-        cpu_rate = self.num_workers * report.cpu_decoded / max(report.decode_s, 1e-6)
-        target = min(max(cpu_rate / (cpu_rate + gpu_rate), _MIN_AUTO_SHARE), _MAX_AUTO_SHARE)
-        share = self.producer.cpu_share
-        self.producer.cpu_share = (1 - _SMOOTHING) * share + _SMOOTHING * target
-        self.stats.add(share_updates=1)
+        idle = waited / max(waited + busy, 1e-9)
+        share = self.producer.cpu_share + _GAIN * (_TARGET_IDLE - idle)
+        self.producer.cpu_share = min(max(share, 0.0), _MAX_AUTO_SHARE)
 
     @property
     def cpu_share(self) -> float:

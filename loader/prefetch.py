@@ -88,10 +88,13 @@ class GpuEpochIterator(EpochIterator):
 
     def _produce_one(self) -> tuple:
         """Thread side: the next finished batch, or raise StopIteration at the epoch's end."""
+        t0 = time.perf_counter()
         slot, report = self._produce()
+        waited = time.perf_counter() - t0
         self._next_step += 1
         try:
-            images, labels, indices, event = self._stage.process(self._ring.slot(slot), report)
+            slot_views = self._ring.slot(slot)
+            images, labels, indices, event = self._stage.process(slot_views, report, waited)
         except torch.cuda.OutOfMemoryError:
             raise  # torch's own message says what to do
         except RuntimeError as e:  # CUDA, nvjpeg or Triton errors: name the stage
