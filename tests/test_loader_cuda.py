@@ -1,4 +1,5 @@
-"""Delivery to a CUDA device: the same batches as on the CPU, converted on the GPU."""
+"""The CPU path's delivery to a CUDA device: the same batches as on the CPU, converted on
+the GPU. (The GPU path, which decoder="auto" picks on CUDA, is tested in test_gpu_path.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def store(tmp_path_factory):
 
 
 def batches(store, **kwargs) -> list:
-    args = {"batch_size": 16, "transform": "train", "shuffle": True, "seed": 1}
+    args = {"batch_size": 16, "transform": "train", "shuffle": True, "seed": 1, "decoder": "cpu"}
     dl = loader.DataLoader(store, **{**args, **kwargs})
     return [tuple(t.cpu() for t in b) for b in dl]
 
@@ -47,6 +48,7 @@ def test_cuda_batches_equal_cpu_batches(store, dtype, tol, channels_last, pin_me
         seed=1,
         device="cuda",
         pin_memory=pin_memory,
+        decoder="cpu",  # the CPU path's delivery to CUDA (the GPU path: test_gpu_path.py)
         **kw,
     )
     on_gpu = list(dl)
