@@ -69,11 +69,12 @@ def parser() -> argparse.ArgumentParser:
 def settle(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on --quick and the machine; check the numbers."""
     q = args.quick
-    args.images = args.images or (200 if q else 2560)
-    args.batch_size = args.batch_size or (32 if q else 128)
+    defaults = {"images": (200, 2560), "batch_size": (32, 128), "passes": (2, 3),
+                "train_steps": (10, 100)}  # fmt: skip
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else full)
     args.workers = (os.cpu_count() or 1) if args.workers is None else args.workers
-    args.passes = args.passes or (2 if q else 3)
-    args.train_steps = args.train_steps or (10 if q else 100)
     for name in ("images", "batch_size", "passes", "train_steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"imfeed-bench: --{name.replace('_', '-')} must be at least 1")
@@ -101,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     from loader.bench import data as bench_data
     from loader.bench.run import run
 
+    device = _device(args.device)
+    if args.train_check and device == "cpu":
+        raise SystemExit("imfeed-bench: --train-check needs a CUDA device (it trains ResNets)")
     try:
         data = bench_data.prepare(args.data, args.images, args.workdir, args.photos, say)
     except ValueError as e:
         raise SystemExit(f"imfeed-bench: {e}") from None
-    device = _device(args.device)
-    if args.train_check and device == "cpu":
-        raise SystemExit("imfeed-bench: --train-check needs a CUDA device (it trains ResNets)")
     t0 = time.time()
     report = run(args, data, device, say)
     report["wall_seconds"] = round(time.time() - t0, 1)

@@ -1,0 +1,182 @@
+"""imfeed-bench: one --quick run on a tiny folder lists every pipeline available here with
+consistent figures (never speeds), the others as skipped with the reason; a chart is drawn.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ingest.synth import make_image_folder
+from loader.bench import data as bench_data
+from loader.bench import runner
+from loader.bench.cli import main
+from loader.bench.pipelines import Settings, specs, unavailable
+from loader.decode import decoders
+
+REPO = Path(__file__).resolve().parents[1]
+IMAGES = 24  # 3 classes x 8
+PASSES = 2
+
+
+def has_dali() -> bool:
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[dict, Path, str]:
+    """One ``imfeed-bench --quick`` in a subprocess: (the JSON, the out dir, stdout)."""
+    root = tmp_path_factory.mktemp("bench")
+    make_image_folder(root / "images", 3, 8, seed=3)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = ["--quick", "--data", root / "images", "--workdir", root / "work", "--out",
+            root / "out", "--batch-size", "8", "--workers", "1", "--name", "t",
+            "--device", "cpu"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "loader.bench", *map(str, args)],
+        env=env, cwd=root, capture_output=True, text=True, timeout=400, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((root / "out" / "t.json").read_text()), root / "out", done.stdout
+
+
+def expected_ok() -> set[str]:
+    ok = {"torch-pil", "torch-lmdb", "loader-cpu"}
+    return ok | ({"dali-file", "dali-crop", "dali-ram"} if has_dali() else set())
+
+
+def test_every_known_pipeline_is_listed(run):
+    report, _, _ = run
+    assert set(report["results"]) == {s.name for s in specs()}
+    ok = {n for n, r in report["results"].items() if r["status"] == "ok"}
+    assert expected_ok() <= ok
+    for name, r in report["results"].items():
+        if r["status"] != "ok":
+            assert r["status"] == "skipped" and r["reason"], name
+    if not has_dali():
+        assert report["results"]["dali-ram"]["reason"] == (
+            "DALI is not installed (pip install 'imfeed[dali]')"
+        )
+    # Our GPU decoders, where the lead's backends are present, run or say why not.
+    assert {f"loader-{d}" for d in decoders()} <= set(report["results"])
+
+
+def test_each_pass_reads_the_whole_epoch_and_figures_agree(run):
+    report, _, _ = run
+    for name, r in report["results"].items():
+        if r["status"] != "ok":
+            continue
+        assert len(r["passes"]) == PASSES + 1, name  # the warm-up first
+        assert [p["images"] for p in r["passes"]] == [IMAGES] * (PASSES + 1), name
+        rates = [p["images"] / p["seconds"] for p in r["passes"][1:]]
+        assert r["rates"] == [round(x, 2) for x in rates]
+        assert r["img_per_s"] == round(statistics.median(rates), 1) > 0
+        assert r["spread"] == [round(min(rates), 1), round(max(rates), 1)]
+        assert r["cpu_cores_busy"] > 0 and r["memory_mib"] > 0
+        base = report["results"]["torch-pil"]["rates"]
+        vs = statistics.median(x / y for x, y in zip(r["rates"], base, strict=True))
+        assert r["vs_pil"] == round(vs, 3)
+
+
+def test_summary(run):
+    report, _, _ = run
+    results, summary = report["results"], report["summary"]
+    ours = [n for n in results if n.startswith("loader-") and results[n]["status"] == "ok"]
+    assert summary["ours"] == max(ours, key=lambda n: results[n]["img_per_s"])
+    assert summary["vs_pil"] == results[summary["ours"]]["vs_pil"]
+    assert summary["cpu_cores_busy"]["ours"] == results[summary["ours"]]["cpu_cores_busy"]
+    for name in expected_ok():
+        assert summary["cpu_cores_busy"][name] == results[name]["cpu_cores_busy"]
+    if has_dali():
+        dali = [n for n in results if n.startswith("dali-") and results[n]["status"] == "ok"]
+        assert summary["best_dali"] == max(dali, key=lambda n: results[n]["img_per_s"])
+        assert summary["vs_dali"] > 0
+    else:
+        assert summary["vs_dali"] is None
+    assert "resnet50_share" not in summary  # no --train-check
+
+
+def test_fingerprint_and_settings(run):
+    report, _, _ = run
+    m = report["machine"]
+    assert m["cpus"] == os.cpu_count() and m["cpu"]
+    assert m["torch"] == torch.__version__
+    for key in ("gpu", "driver", "cuda", "torchvision", "dali", "opencv", "python"):
+        assert key in m
+    s = report["settings"]
+    assert (s["batch_size"], s["workers"], s["passes"], s["device"]) == (8, 1, PASSES, "cpu")
+    assert report["data"]["images"] == IMAGES
+
+
+def test_table_chart_and_stdout(run):
+    report, out, stdout = run
+    assert (out / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["chart"] == "t.png"
+    table = (out / "t.md").read_text()
+    assert table.startswith("AMD") or "cores" in table.splitlines()[0]
+    for name, r in report["results"].items():
+        if r["status"] == "ok":
+            assert f"| {r['img_per_s']:.1f} |" in table, name
+        else:
+            assert f"- {name}: skipped, {r['reason']}" in table
+    assert report["table"] in stdout
+    assert (out / "logs" / "loader-cpu.log").is_file()  # libraries' output lands there
+
+
+def test_unavailable_reasons():
+    s = Settings(folder=None, store="x", batch_size=8, workers=1, dtype="float32",
+                 channels_last=False, eval=True, device="cpu")  # fmt: skip
+    by_name = {spec.name: unavailable(spec, s) for spec in specs()}
+    assert by_name["torch-pil"] == "needs an image folder: give --data a folder rather than a store"
+    assert by_name["torch-lmdb"] is None and by_name["loader-cpu"] is None
+
+
+def test_a_pipeline_that_fails_to_start_is_skipped_with_the_reason(tmp_path):
+    s = Settings(folder=None, store=str(tmp_path / "missing"), batch_size=8, workers=0,
+                 dtype="float32", channels_last=False, eval=False, device="cpu")  # fmt: skip
+    servers, failed = runner.start(["loader-cpu", "no-such"], s, tmp_path, lambda m: None)
+    assert servers == {}
+    assert failed["no-such"].startswith("ValueError: unknown pipeline 'no-such'; known: torch-pil")
+    assert failed["loader-cpu"].startswith("StoreError: ")
+    assert "no such store directory" in failed["loader-cpu"]
+
+
+def test_data_is_made_once_and_reused(tmp_path):
+    said = []
+    first = bench_data.prepare(None, 20, tmp_path, None, said.append)
+    assert first.images == 20 and first.origin == "generated"
+    assert len(list(first.folder.glob("class_*"))) == 10
+    assert first.store is not None and (first.store / "manifest.json").is_file()
+    again = bench_data.prepare(None, 20, tmp_path, None, said.append)
+    assert again == first
+    assert said[-2:] == [f"reusing 20 images in {first.folder}",
+                         f"reusing the store {first.store} (delete it to rebuild)"]  # fmt: skip
+    store_only = bench_data.prepare(first.store, 0, tmp_path, None, said.append)
+    assert (store_only.folder, store_only.images) == (None, 20)
+
+
+def test_bad_arguments_say_what_to_do(tmp_path):
+    where = ["--workdir", str(tmp_path), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit, match=r"--data .*nothing: neither an image folder"):
+        main(["--data", str(tmp_path / "nothing"), *where])
+    for flag in ("--batch-size", "--passes", "--images"):
+        with pytest.raises(SystemExit, match=rf"{flag} must be at least 1"):
+            main([flag, "0", *where])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match=r"--train-check needs a CUDA device"):
+            main(["--train-check", *where])
+    assert not (tmp_path / "out").exists()
