@@ -17,7 +17,7 @@ import torch
 
 from ingest.synth import make_image_folder
 from loader.bench import data as bench_data
-from loader.bench import runner
+from loader.bench import report, runner
 from loader.bench.cli import main
 from loader.bench.pipelines import Settings, specs, unavailable
 from loader.decode import decoders
@@ -180,3 +180,36 @@ def test_bad_arguments_say_what_to_do(tmp_path):
         with pytest.raises(SystemExit, match=r"--train-check needs a CUDA device"):
             main(["--train-check", *where])
     assert not (tmp_path / "out").exists()
+
+
+def test_training_check_counts_steps_and_shares(tmp_path):
+    """The --train-check path (on the CPU here, on CUDA in the tool): exact steps and images,
+    each loader's share of the synthetic ceiling computed from the figures it lists."""
+    made = bench_data.prepare(None, 20, tmp_path, None, lambda m: None)
+    s = Settings(
+        folder=None,
+        store=str(made.store),
+        batch_size=2,
+        workers=0,
+        dtype="float32",
+        channels_last=True,
+        eval=True,
+        device="cpu",
+        train_steps=2,
+        train_warmup=1,
+    )
+    servers, failed = runner.start(["synthetic", "loader-cpu"], s, tmp_path, lambda m: None)
+    try:
+        assert failed == {}
+        trained, failed = runner.train(servers, ("resnet18",), lambda m: None)
+    finally:
+        runner.stop_all(servers)
+    assert failed == {}
+    for name in ("synthetic", "loader-cpu"):
+        t = trained[name]["resnet18"]
+        assert (t["steps"], t["images"]) == (2, 4), name
+        assert 0.0 <= t["wait_share"] <= 1.0 and t["img_per_s"] > 0
+    results = {"loader-cpu": {"train": trained["loader-cpu"]}}
+    report.add_shares(results, trained["synthetic"])
+    t = results["loader-cpu"]["train"]["resnet18"]
+    assert t["share"] == round(t["img_per_s"] / trained["synthetic"]["resnet18"]["img_per_s"], 3)

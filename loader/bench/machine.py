@@ -27,6 +27,16 @@ def _version(module: str) -> str | None:
         return None
 
 
+def _dali_version() -> str | None:
+    """DALI's version from its package metadata (importing DALI takes seconds)."""
+    from importlib.metadata import distributions
+
+    for dist in distributions():
+        if (dist.metadata["Name"] or "").lower().startswith("nvidia-dali"):
+            return dist.version
+    return None
+
+
 def gpu_info() -> dict:
     """GPU name, count, driver and CUDA versions (None each without a CUDA device)."""
     import torch
@@ -58,7 +68,7 @@ def fingerprint() -> dict:
         "platform": platform.platform(),
         "torch": _version("torch"),
         "torchvision": _version("torchvision"),
-        "dali": _version("nvidia.dali"),
+        "dali": _dali_version(),
         "opencv": _version("cv2"),
         "numpy": _version("numpy"),
         "pillow": _version("PIL"),

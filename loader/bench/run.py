@@ -66,8 +66,7 @@ def run(args, data: Data, device: str, say) -> dict:
             if "synthetic" in train_failed or "synthetic" in failed:
                 say("  no synthetic ceiling: the training shares cannot be computed")
     finally:
-        for server in servers.values():
-            server.stop()
+        runner.stop_all(servers)
     results = _results(known, skipped, failed, passes, trained)
     for name, reason in train_failed.items():
         if name in results:

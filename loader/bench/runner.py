@@ -2,8 +2,8 @@
 
 Passes run in rounds: in each round every pipeline reads one epoch, alone, in an order that
 rotates from round to round, so that a change of machine speed during the run touches all
-of them alike; round 0 is the warm-up (workers start, caches fill). Processes are spawned,
-not forked, so that none inherits CUDA state. Whatever a pipeline's libraries print goes to
+of them alike; round 0 is the warm-up (workers start, caches fill). Processes are forks of
+a fork server, so that none inherits CUDA state. Whatever a pipeline's libraries print goes to
 its log file, never to the terminal; a pipeline that fails or dies is reported with the
 reason and the others go on.
 """
@@ -109,11 +109,19 @@ def serve(name: str, s: Settings, conn, log: str) -> None:
     pipe.close()
 
 
+def _context():
+    """A fork server that has imported torch once: each pipeline's process is a cheap fork
+    of it, and none inherits CUDA state (the server never touches CUDA)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.utils.data", "loader"])
+    return ctx
+
+
 class Server:
     """The main side of one pipeline's process."""
 
     def __init__(self, name: str, s: Settings, log_dir: Path) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.name, self.log = name, log_dir / f"{name}.log"
         self.conn, there = ctx.Pipe()
         # Not a daemon: a daemon may not start the worker processes a loader needs.
@@ -135,16 +143,26 @@ class Server:
             self.proc.join(5)
             return {"error": f"its process died (exit code {self.proc.exitcode}; see {self.log})"}
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Ask the process to finish; with ``wait``, join it (killed after a minute)."""
         with contextlib.suppress(OSError):  # already gone: nothing to stop
             self.conn.send(("stop",))
-        self.proc.join(60)
-        self.kill()
+        if wait:
+            self.proc.join(60)
+            self.kill()
 
     def kill(self) -> None:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)
+
+
+def stop_all(servers: dict) -> None:
+    """Stop every server, all at once (each closes its pipeline meanwhile)."""
+    for server in servers.values():
+        server.stop(wait=False)
+    for server in servers.values():
+        server.stop()
 
 
 def start(names: list[str], s: Settings, log_dir: Path, say) -> tuple[dict, dict]:

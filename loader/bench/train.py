@@ -51,13 +51,14 @@ def train_check(batches: Iterator, model_name: str, s: Settings) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     steps = itertools.islice(batches, s.train_warmup + s.train_steps)
+    kind = "cpu" if s.device == "cpu" else "cuda"  # the CLI trains on CUDA; tests on the CPU
     with profile(steps, warmup=s.train_warmup) as prof:
         for images, labels in prof:
             images = images.to(s.device, non_blocking=True)
             if not images.is_floating_point():
                 images = images.float()
             images = images.contiguous(memory_format=torch.channels_last)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(kind, dtype=torch.bfloat16):
                 loss = loss_fn(model(images), labels.to(s.device, non_blocking=True) % 1000)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
