@@ -15,6 +15,10 @@ def _colour(name: str, ours: set[str]) -> str:
     return OURS if name in ours else BASE if name == BASELINE else PEER
 
 
+def _name(name: str, ours: set[str]) -> str:
+    return f"ours: {name}" if name in ours else f"baseline: {name}" if name == BASELINE else name
+
+
 def draw(path: Path, results: dict, ours: set[str], title: str, subtitle: str) -> None:
     """Write the chart to ``path``.
 
@@ -49,18 +53,20 @@ def _throughput(ax, results: dict, ok: list[str], ours: set[str]) -> None:
     lo = [r - results[n]["spread"][0] for n, r in zip(ok, rates, strict=True)]
     hi = [results[n]["spread"][1] - r for n, r in zip(ok, rates, strict=True)]
     colours = [_colour(n, ours) for n in ok]
-    ax.barh(ok, rates, color=colours, xerr=[lo, hi], ecolor="#333333", capsize=3)
-    top = max(rates) if rates else 1
+    names = [_name(n, ours) for n in ok]
+    ax.barh(names, rates, color=colours, xerr=[lo, hi], ecolor="#333333", capsize=3)
+    top = max((r + h for r, h in zip(rates, hi, strict=True)), default=1)
     for i, n in enumerate(ok):
         vs = results[n].get("vs_pil")
-        label = f" {rates[i]:,.0f} img/s" + (f"  {vs:.2f}x PIL" if vs else "")
+        ratio = "   baseline" if n == BASELINE else f"   {vs:.2f}x torch + PIL" if vs else ""
+        label = f" {rates[i]:,.0f} img/s{ratio}"
         bold = n in ours
         ax.text(rates[i] + hi[i], i, label, va="center", fontsize=9 if not bold else 10,
                 fontweight="bold" if bold else "normal")  # fmt: skip
-    ax.set_xlim(0, top * 1.45)
+    ax.set_xlim(0, top * 1.6)  # room for the labels right of the whiskers
     ax.set_xlabel("images/s delivered (median of timed passes; whiskers: min-max)")
     for tick in ax.get_yticklabels():
-        if tick.get_text() in ours:
+        if tick.get_text().startswith("ours: "):
             tick.set_fontweight("bold")
             tick.set_color(OURS)
     ax.spines[["top", "right"]].set_visible(False)

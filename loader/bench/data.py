@@ -4,7 +4,10 @@ the bundled photographs; the store built once and reused, the page cache warmed.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing as mp
 import os
+import shutil
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,9 +64,8 @@ def prepare(data: Path | None, images: int, workdir: Path, photos: Path | None, 
 
 
 def make_folder(workdir: Path, images: int, photos: Path | None, say) -> Path:
-    """``images`` ImageNet-shaped JPEGs (short side 300-450 px) in 10 classes, made once."""
-    from ingest.synth import make_image_folder
-
+    """``images`` ImageNet-shaped JPEGs (short side 300-450 px) in 10 classes, made once,
+    a class per process."""
     per_class = -(-images // CLASSES)
     folder = workdir / f"images-{CLASSES}x{per_class}"
     stamp = folder / f".made-{photos.name if photos else 'bundled'}"
@@ -71,9 +73,25 @@ def make_folder(workdir: Path, images: int, photos: Path | None, say) -> Path:
         say(f"reusing {CLASSES * per_class} images in {folder}")
         return folder
     say(f"making {CLASSES * per_class} ImageNet-shaped JPEGs in {folder} ...")
-    make_image_folder(folder, CLASSES, per_class, seed=0, photos=photos, quality=(90, 97))
+    parts = workdir / f".making-{CLASSES}x{per_class}"
+    shutil.rmtree(parts, ignore_errors=True)
+    jobs = [(parts / str(c), per_class, c, photos) for c in range(CLASSES)]
+    workers = min(CLASSES, os.cpu_count() or 1)
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+        list(pool.map(_make_class, jobs))
+    folder.mkdir(parents=True, exist_ok=True)
+    for c in range(CLASSES):  # each part made one class_00: the class it stands for
+        os.replace(parts / str(c) / "class_00", folder / f"class_{c:02d}")
+    shutil.rmtree(parts)
     stamp.touch()
     return folder
+
+
+def _make_class(job: tuple) -> None:
+    from ingest.synth import make_image_folder
+
+    dst, per_class, seed, photos = job
+    make_image_folder(dst, 1, per_class, seed=seed, photos=photos, quality=(90, 97))
 
 
 def build_store(folder: Path, store: Path, say) -> None:
