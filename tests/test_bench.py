@@ -213,3 +213,16 @@ def test_training_check_counts_steps_and_shares(tmp_path):
     report.add_shares(results, trained["synthetic"])
     t = results["loader-cpu"]["train"]["resnet18"]
     assert t["share"] == round(t["img_per_s"] / trained["synthetic"]["resnet18"]["img_per_s"], 3)
+
+
+def test_replot_draws_the_chart_of_a_finished_run(run, tmp_path, capsys):
+    report, out, _ = run
+    copy = tmp_path / "copy.json"
+    copy.write_text((out / "t.json").read_text())
+    assert main(["--replot", str(copy)]) == 0
+    assert (tmp_path / "copy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["table"] in capsys.readouterr().out
+    other = tmp_path / "other.json"
+    other.write_text('{"results": {}}')
+    with pytest.raises(SystemExit, match=r"--replot .*other.json: not a result of imfeed-bench"):
+        main(["--replot", str(other)])

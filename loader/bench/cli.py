@@ -62,6 +62,7 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--train-steps", type=int, help="timed training steps per check (default 100; --quick 10)")
     a("--only", help="comma-separated pipeline names to run (default: all available)")
+    a("--replot", type=Path, metavar="JSON", help="only redraw the chart of a finished run")
     a("--note", default="", help="free text stored in the JSON (e.g. 'machine not quiet')")
     return p
 
@@ -95,6 +96,8 @@ def _device(choice: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = settle(parser().parse_args(argv))
+    if args.replot:
+        return replot(args.replot)
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -118,35 +121,55 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write(args, report: dict, device: str, say) -> str:
     """Write JSON, Markdown table and PNG chart; return the text for stdout."""
-    from loader.bench import chart
-
     args.out.mkdir(parents=True, exist_ok=True)
     name = args.name or f"{'gpu' if device != 'cpu' else 'cpu'}-{os.cpu_count()}cpu" + (
         "-quick" if args.quick else ""
     )
     base = args.out / name
-    m = report["machine"]
-    subtitle = (
-        f"{m['cpu']}, {m['cpus']} cores, {m['gpu'] or 'no GPU'}; {report['data']['images']} "
-        f"images, batch {args.batch_size}, {args.workers} workers, {args.dtype}, "
-        f"{'eval' if args.eval else 'train'} augmentation; {report['date']}"
-    )
-    try:
-        ours = {n for n, r in report["results"].items() if r["side"] == "ours"}
-        chart.draw(
-            base.with_suffix(".png"),
-            report["results"],
-            ours,
-            f"imfeed-bench: {report['headline']}",
-            subtitle,
-        )
-        report["chart"] = base.with_suffix(".png").name
-    except ImportError as e:
-        report["chart"] = None
-        say(f"no chart: {e}")
+    report["chart"] = _chart(base.with_suffix(".png"), report, say)
     base.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    text = f"{subtitle}\n\n{report['table']}\n\n{report['headline']}\n"
+    text = f"{subtitle(report)}\n\n{report['table']}\n\n{report['headline']}\n"
     base.with_suffix(".md").write_text(text)
     files = ", ".join(str(base.with_suffix(s)) for s in (".json", ".md", ".png"))
     say(f"wrote {files}")
     return text
+
+
+def subtitle(report: dict) -> str:
+    """The machine and the settings of a run, in one line."""
+    m, s = report["machine"], report["settings"]
+    return (
+        f"{m['cpu']}, {m['cpus']} cores, {m['gpu'] or 'no GPU'}; {report['data']['images']} "
+        f"images, batch {s['batch_size']}, {s['workers']} workers, {s['dtype']}"
+        f"{', channels_last' if s['channels_last'] else ''}, "
+        f"{'eval' if s['eval'] else 'train'} augmentation, on {s['device']}; {report['date']}"
+    )
+
+
+def _chart(path: Path, report: dict, say) -> str | None:
+    """Draw the chart of ``report`` at ``path``; its file name, or None without matplotlib."""
+    from loader.bench import chart
+
+    ours = {n for n, r in report["results"].items() if r["side"] == "ours"}
+    try:
+        chart.draw(path, report["results"], ours, f"imfeed-bench: {report['headline']}",
+                   subtitle(report))  # fmt: skip
+    except ImportError as e:
+        say(f"no chart: {e}")
+        return None
+    return path.name
+
+
+def replot(path: Path) -> int:
+    """``--replot FILE.json``: draw the chart of a finished run (e.g. one made on a machine
+    without matplotlib) beside its JSON, and print its table."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"imfeed-bench: --replot {path}: cannot read it ({e})") from None
+    if not isinstance(report, dict) or report.get("tool") != "imfeed-bench":
+        raise SystemExit(f"imfeed-bench: --replot {path}: not a result of imfeed-bench")
+    report["chart"] = _chart(path.with_suffix(".png"), report, lambda m: print(m, file=sys.stderr))
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{subtitle(report)}\n\n{report['table']}\n\n{report['headline']}")
+    return 0 if report["chart"] else 1
