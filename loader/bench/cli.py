@@ -62,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--train-steps", type=int, help="timed training steps per check (default 100; --quick 10)")
     a("--only", help="comma-separated pipeline names to run (default: all available)")
-    a("--replot", type=Path, metavar="JSON", help="only redraw the chart of a finished run")
+    a("--replot", type=Path, metavar="JSON", help="only redo the table and chart of a run")
     a("--note", default="", help="free text stored in the JSON (e.g. 'machine not quiet')")
     return p
 
@@ -161,15 +161,21 @@ def _chart(path: Path, report: dict, say) -> str | None:
 
 
 def replot(path: Path) -> int:
-    """``--replot FILE.json``: draw the chart of a finished run (e.g. one made on a machine
-    without matplotlib) beside its JSON, and print its table."""
+    """``--replot FILE.json``: recompute the derived figures of a finished run from its
+    measured ones, redraw its chart beside it (e.g. for a run made on a machine without
+    matplotlib) and print its table."""
+    from loader.bench.report import finish
+
     try:
         report = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"imfeed-bench: --replot {path}: cannot read it ({e})") from None
     if not isinstance(report, dict) or report.get("tool") != "imfeed-bench":
         raise SystemExit(f"imfeed-bench: --replot {path}: not a result of imfeed-bench")
+    finish(report)  # derived figures again, as this version computes them
     report["chart"] = _chart(path.with_suffix(".png"), report, lambda m: print(m, file=sys.stderr))
     path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{subtitle(report)}\n\n{report['table']}\n\n{report['headline']}")
+    text = f"{subtitle(report)}\n\n{report['table']}\n\n{report['headline']}\n"
+    path.with_suffix(".md").write_text(text)
+    print(text)
     return 0 if report["chart"] else 1

@@ -1,15 +1,14 @@
 """Figures from the passes: per-pipeline medians and spread, ratios, the summary, the table.
 
-A ratio between two pipelines is the median of their per-round ratios (within a round they
-ran back to back, so each ratio sees the machine at about one speed); it need not equal the
-ratio of their median img/s.
+A ratio between two pipelines is the ratio of their median img/s, so that a table or a
+chart sorted by img/s is sorted by ratio too; the per-pass rates are kept in the JSON.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from loader.bench.pipelines import BASELINE, Spec
+from loader.bench.pipelines import BASELINE
 
 
 def pipeline_figures(passes: list[dict]) -> dict:
@@ -31,9 +30,8 @@ def pipeline_figures(passes: list[dict]) -> dict:
 
 
 def ratio(results: dict, a: str, b: str) -> float:
-    """Median over the timed rounds of img/s of ``a`` over img/s of ``b``."""
-    pairs = zip(results[a]["rates"], results[b]["rates"], strict=True)
-    return round(statistics.median(x / y for x, y in pairs), 3)
+    """img/s of ``a`` over img/s of ``b`` (their medians)."""
+    return round(results[a]["img_per_s"] / results[b]["img_per_s"], 3)
 
 
 def _best(results: dict, names: list[str]) -> str | None:
@@ -41,9 +39,9 @@ def _best(results: dict, names: list[str]) -> str | None:
     return max(ok, key=lambda n: results[n]["img_per_s"]) if ok else None
 
 
-def summarise(results: dict, specs: list[Spec], trained: bool) -> dict:
+def summarise(results: dict, trained: bool) -> dict:
     """The run's verdict in numbers: ours against the baseline, DALI and the best peer."""
-    side = {s.name: s.side for s in specs}
+    side = {name: r["side"] for name, r in results.items()}
     ours = _best(results, [n for n in results if side.get(n) == "ours"])
     dali = _best(results, [n for n in results if n.startswith("dali-")])
     peer = _best(results, [n for n in results if side.get(n) in ("peer", "baseline")])
@@ -82,7 +80,7 @@ def _fmt(x, spec: str = ".1f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
-def table(results: dict, specs: list[Spec], summary: dict, ceiling: dict) -> str:
+def table(results: dict, summary: dict, ceiling: dict) -> str:
     """A Markdown table, one row per pipeline (skipped ones last, with the reason)."""
     trained = bool(ceiling)
     head = ["pipeline", "img/s (median)", "min-max", "vs PIL", "cores busy", "memory MiB"]
@@ -126,3 +124,17 @@ def headline(summary: dict, results: dict) -> str:
     if summary.get("vs_dali"):
         parts.append(f"{summary['vs_dali']:.2f}x DALI's best ({summary['best_dali']})")
     return ", ".join(parts)
+
+
+def finish(report: dict) -> dict:
+    """Fill in what is derived from the measured figures of ``report`` (its "results" and
+    "train_ceiling"): ratios, training shares, the summary, the table and the headline."""
+    results, ceiling = report["results"], report.get("train_ceiling") or {}
+    add_ratios(results)
+    add_shares(results, ceiling)
+    trained = bool(ceiling) or any(r.get("train") for r in results.values())
+    summary = summarise(results, trained)
+    report["summary"] = summary
+    report["table"] = table(results, summary, ceiling)
+    report["headline"] = headline(summary, results)
+    return report

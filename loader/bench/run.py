@@ -71,10 +71,7 @@ def run(args, data: Data, device: str, say) -> dict:
     for name, reason in train_failed.items():
         if name in results:
             results[name]["train_error"] = reason
-    rep.add_ratios(results)
-    rep.add_shares(results, ceiling)
-    summary = rep.summarise(results, known, bool(args.train_check))
-    return {
+    report = {
         "tool": "imfeed-bench",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "note": args.note,
@@ -83,10 +80,8 @@ def run(args, data: Data, device: str, say) -> dict:
         "data": {"images": data.images, "mean_kib": data.mean_kib, "origin": data.origin},
         "results": results,
         "train_ceiling": ceiling or None,
-        "summary": summary,
-        "table": rep.table(results, known, summary, ceiling),
-        "headline": rep.headline(summary, results),
     }
+    return rep.finish(report)
 
 
 def _results(known, skipped: dict, failed: dict, passes: dict, trained: dict) -> dict:
