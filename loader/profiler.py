@@ -201,12 +201,13 @@ class Profile:
             else "not measured (no CUDA batches, or pynvml / nvidia-ml-py not installed)"
         )
         cores = f"{s.cores_busy:.1f} of {os.cpu_count()}" if s.cores_busy is not None else "?"
+        cuda = self._gpu.device is not None or _cuda() is not None
         return "\n".join(
             [
                 f"loader.profile: {s.steps} steps, {s.images} images in {s.seconds:.2f} s: "
                 f"{s.images_per_s:.1f} img/s (after {self.warmup} warm-up steps)",
-                f"waiting for data: {s.wait_share:.0%} of step time (host time inside "
-                "next(); CUDA work already queued keeps running meanwhile)",
+                f"waiting for data: {s.wait_share:.0%} of step time (host time inside next()"
+                f"{'; CUDA work already queued keeps running meanwhile' if cuda else ''})",
                 f"CPU cores busy: {cores} (this process and its children)",
                 f"GPU utilisation: {gpu}",
                 f"verdict: {self.verdict()}",
