@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ingest.synth import make_image_folder
+from loader.bench import chart, report, runner
 from loader.bench import data as bench_data
-from loader.bench import report, runner
 from loader.bench.cli import main
 from loader.bench.pipelines import Settings, specs, unavailable
 from loader.decode import decoders
@@ -234,3 +234,50 @@ def test_replot_draws_the_chart_of_a_finished_run(run, tmp_path, capsys):
     other.write_text('{"results": {}}')
     with pytest.raises(SystemExit, match=r"--replot .*other.json: not a result of imfeed-bench"):
         main(["--replot", str(other)])
+
+
+def _trained(img18: float, wait18: float, img50: float, wait50: float) -> dict:
+    return {"resnet18": {"img_per_s": img18, "wait_share": wait18},
+            "resnet50": {"img_per_s": img50, "wait_share": wait50}}  # fmt: skip
+
+
+def _ok(side: str, img: float, busy: float, train: dict) -> dict:
+    return {"side": side, "status": "ok", "img_per_s": img, "spread": [img, img],
+            "cpu_cores_busy": busy, "memory_mib": 1.0, "train": train}  # fmt: skip
+
+
+def test_summary_of_a_training_check(tmp_path):
+    """The keys a GPU run writes, from given figures (no GPU needed)."""
+    results = {
+        "torch-pil": _ok("baseline", 1000.0, 15.0, _trained(500, 0.5, 400, 0.2)),
+        "loader-cpu": _ok("ours", 4000.0, 14.0, _trained(800, 0.3, 450, 0.1)),
+        "loader-gpu": _ok("ours", 8000.0, 3.0, _trained(900, 0.05, 490, 0.0)),
+        "dali-ram": _ok("peer", 10000.0, 5.0, _trained(700, 0.1, 480, 0.0)),
+        "dali-file": {"side": "peer", "status": "skipped", "reason": "DALI is not installed"},
+    }
+    ceiling = {"resnet18": {"img_per_s": 1000.0}, "resnet50": {"img_per_s": 500.0}}
+    done = report.finish({"results": results, "train_ceiling": ceiling})
+    assert done["summary"] == {
+        "ours": "loader-gpu", "best_dali": "dali-ram", "best_peer": "dali-ram",
+        "vs_pil": 8.0, "vs_dali": 0.8, "vs_best_peer": 0.8,
+        "cpu_cores_busy": {"torch-pil": 15.0, "loader-cpu": 14.0, "loader-gpu": 3.0,
+                           "dali-ram": 5.0, "ours": 3.0},
+        "resnet18_share": 0.9, "resnet18_wait_share": 0.05, "resnet18_fed_by": "loader-gpu",
+        "resnet50_share": 0.98, "resnet50_wait_share": 0.0, "resnet50_fed_by": "loader-gpu",
+    }  # fmt: skip
+    assert results["torch-pil"]["train"]["resnet50"]["share"] == 0.8
+    lines = done["table"].splitlines()
+    assert lines[0].endswith(
+        "| resnet18: % of 1000 img/s (waiting) | resnet50: % of 500 img/s (waiting) |"
+    )
+    assert (
+        lines[2]
+        == "| dali-ram | 10000.0 | 10000-10000 | 10.00x | 5.00 | 1 | 70% (10%) | 96% (0%) |"
+    )
+    assert lines[-1] == "- dali-file: skipped, DALI is not installed"
+    assert done["headline"] == (
+        "loader-gpu: 8000 img/s, 8.00x the torch + PIL baseline, 0.80x DALI's best (dali-ram), "
+        "ResNet-50 trains at 98% of its ceiling"
+    )
+    chart.draw(tmp_path / "c.png", results, {"loader-cpu", "loader-gpu"}, "t", "s")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
