@@ -62,6 +62,8 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--train-steps", type=int, help="timed training steps per check (default 100; --quick 10)")
     a("--only", help="comma-separated pipeline names to run (default: all available)")
+    a("--prepare-only", action="store_true", help="only make the images and the store, then exit")
+    a("--logs", type=Path, help="where pipelines' own output goes (default: OUT/logs)")
     a("--replot", type=Path, metavar="JSON", help="only redo the table and chart of a run")
     a("--note", default="", help="free text stored in the JSON (e.g. 'machine not quiet')")
     return p
@@ -112,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         data = bench_data.prepare(args.data, args.images, args.workdir, args.photos, say)
     except ValueError as e:
         raise SystemExit(f"imfeed-bench: {e}") from None
+    if args.prepare_only:
+        say(f"ready: {data.images} images in {data.folder}, store {data.store}")
+        return 0
     t0 = time.time()
     report = run(args, data, device, say)
     report["wall_seconds"] = round(time.time() - t0, 1)

@@ -51,7 +51,7 @@ def run(args, data: Data, device: str, say) -> dict:
     names = [k.name for k in known if k.name not in skipped]
     say(f"{data.images} images ({data.mean_kib:.0f} KiB each), batch {s.batch_size}, "
         f"{s.workers} workers, {s.dtype} on {device}; starting {', '.join(names)} ...")  # fmt: skip
-    log_dir = args.out / "logs"
+    log_dir = args.logs or args.out / "logs"
     extra = ["synthetic"] if args.train_check else []
     servers, failed = runner.start(names + extra, s, log_dir, say)
     try:
@@ -67,6 +67,7 @@ def run(args, data: Data, device: str, say) -> dict:
                 say("  no synthetic ceiling: the training shares cannot be computed")
     finally:
         runner.stop_all(servers)
+        runner.drop_empty_logs(log_dir)
     results = _results(known, skipped, failed, passes, trained)
     for name, reason in train_failed.items():
         if name in results:

@@ -165,6 +165,15 @@ def stop_all(servers: dict) -> None:
         server.stop()
 
 
+def drop_empty_logs(log_dir: Path) -> None:
+    """Remove the logs of pipelines that printed nothing (and the folder, when empty)."""
+    for log in log_dir.glob("*.log"):
+        if log.stat().st_size == 0:
+            log.unlink()
+    with contextlib.suppress(OSError):  # not empty: keep it
+        log_dir.rmdir()
+
+
 def start(names: list[str], s: Settings, log_dir: Path, say) -> tuple[dict, dict]:
     """Start a process per pipeline; return ({name: Server} ready, {name: reason} failed)."""
     log_dir.mkdir(parents=True, exist_ok=True)
