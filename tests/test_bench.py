@@ -19,7 +19,7 @@ from ingest.synth import make_image_folder
 from loader.bench import chart, report, runner
 from loader.bench import data as bench_data
 from loader.bench.cli import main
-from loader.bench.pipelines import Settings, specs, unavailable
+from loader.bench.pipelines import Settings, build, specs, unavailable
 from loader.decode import decoders
 
 REPO = Path(__file__).resolve().parents[1]
@@ -284,3 +284,49 @@ def test_summary_of_a_training_check(tmp_path):
     )
     chart.draw(tmp_path / "c.png", results, {"loader-cpu", "loader-gpu"}, "t", "s")
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> bench_data.Data:
+    root = tmp_path_factory.mktemp("bench-small")
+    make_image_folder(root / "images", 3, 4, seed=5)
+    return bench_data.prepare(root / "images", 0, root / "work", None, lambda m: None)
+
+
+@pytest.mark.parametrize("dtype, channels_last, eval_", [("float16", True, True),
+                                                         ("float32", False, False)])  # fmt: skip
+@pytest.mark.parametrize("name", sorted(expected_ok()))
+def test_every_pipeline_delivers_the_same_kind_of_batch(small, name, dtype, channels_last, eval_):
+    s = Settings(folder=str(small.folder), store=str(small.store), batch_size=5, workers=0,
+                 dtype=dtype, channels_last=channels_last, eval=eval_, device="cpu")  # fmt: skip
+    if name == "dali-crop" and eval_:
+        assert unavailable(next(x for x in specs() if x.name == name), s) == (
+            "same as dali-file with --eval (no random crop to decode)"
+        )
+        return
+    pipe = build(name, s)
+    try:
+        batches = list(pipe.epoch())
+    finally:
+        pipe.close()
+    assert [len(labels) for _, labels in batches] == [5, 5, 2]
+    for images, labels in batches:
+        assert images.shape[1:] == (3, 224, 224) and images.dtype == getattr(torch, dtype)
+        assert images.is_contiguous(memory_format=torch.channels_last) == channels_last
+        assert labels.dtype == torch.int64 and set(labels.tolist()) <= {0, 1, 2}
+    labels = sorted(x for _, lab in batches for x in lab.tolist())
+    assert labels == [0] * 4 + [1] * 4 + [2] * 4  # each image once per epoch
+
+
+def test_import_loader_leaves_the_bench_alone():
+    code = (
+        "import loader, sys\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('loader.bench', 'matplotlib'))))"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60, check=True)  # fmt: skip
+    assert done.stdout.strip() == "[]"
