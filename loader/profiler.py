@@ -36,6 +36,12 @@ def _cuda():
     return torch.cuda
 
 
+def _cpu_seconds() -> float:
+    from loader.proctree import tree_cpu_seconds
+
+    return tree_cpu_seconds()
+
+
 def _batch_size(batch) -> int:
     """Samples in a batch: the length of its first element (images) or of the batch."""
     first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
@@ -120,41 +126,54 @@ class Profile:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup={warmup!r} must be an int >= 0 (steps not counted)")
         self.loader, self.warmup = loader, warmup
-        self.steps = self.images = 0
-        self.wait = 0.0
-        self._start = self._end = self._cpu0 = None
+        self.steps = self.images = self._seen = 0
+        self.wait = self._seconds = self._cpu = 0.0
+        self._span: tuple[float, float] | None = None  # (wall, cpu) when the open span began
         self._gpu = _GpuSampler()
+        self._gpu_util: float | None = None
 
     def __enter__(self) -> Profile:
         self._gpu.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._finish()
+        self._gpu_util = self._gpu.stop()
 
     def __iter__(self) -> Iterator:
-        it, seen = iter(self.loader), 0
-        while True:
-            t0 = time.perf_counter()
-            if seen == self.warmup and self._start is None:
-                self._begin(t0)
-            try:
-                batch = next(it)
-            except StopIteration:
-                self._finish(not_counted=time.perf_counter() - t0)
-                return
-            seen += 1
-            if self._start is not None:
-                self.wait += time.perf_counter() - t0
-                self.steps += 1
-                self.images += _batch_size(batch)
-            self._note_device(batch)
-            yield batch
+        """The loader's batches. Counted time runs from the first request after the warm-up
+        to the end of the loader's epoch (or the loop's ``break``); iterating again (the
+        next epoch) adds to the same figures, the time between epochs left out."""
+        it, ended = iter(self.loader), 0.0
+        try:
+            while True:
+                t0 = time.perf_counter()
+                if self._seen >= self.warmup and self._span is None:
+                    self._span = (t0, _cpu_seconds())
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    ended = time.perf_counter() - t0  # the call that found the end: no step
+                    return
+                self._seen += 1
+                if self._span is not None:
+                    self.wait += time.perf_counter() - t0
+                    self.steps += 1
+                    self.images += _batch_size(batch)
+                self._note_device(batch)
+                yield batch
+        finally:
+            self._close_span(ended)
 
-    def _begin(self, now: float) -> None:
-        from loader.proctree import tree_cpu_seconds
-
-        self._start, self._cpu0 = now, tree_cpu_seconds()
+    def _close_span(self, not_counted: float) -> None:
+        if self._span is None:
+            return
+        cuda = _cuda()
+        if cuda is not None:
+            cuda.synchronize()  # count finished work, not work merely queued
+        wall, cpu = self._span
+        self._span = None
+        self._seconds += time.perf_counter() - not_counted - wall
+        self._cpu += _cpu_seconds() - cpu
 
     def _note_device(self, batch) -> None:
         if self._gpu.device is None:
@@ -163,30 +182,15 @@ class Profile:
             if device is not None and device.type == "cuda":
                 self._gpu.device = device.index or 0
 
-    def _finish(self, not_counted: float = 0.0) -> None:
-        if self._end is not None or self._start is None:
-            return
-        cuda = _cuda()
-        if cuda is not None:
-            cuda.synchronize()  # count finished work, not work merely queued
-        from loader.proctree import tree_cpu_seconds
-
-        self._end = time.perf_counter() - not_counted
-        self._cpu1 = tree_cpu_seconds()
-        self._gpu_util = self._gpu.stop()
-
     @property
     def stats(self) -> Stats:
-        """The figures so far (final once the loop or the ``with`` block has ended)."""
-        if self._start is None:
-            return Stats(self.steps, self.images, 0.0, 0.0, None, None)
-        end = self._end if self._end is not None else time.perf_counter()
-        seconds = end - self._start
-        cpu = getattr(self, "_cpu1", None)
-        busy = (cpu - self._cpu0) / seconds if cpu is not None and seconds > 0 else None
-        return Stats(
-            self.steps, self.images, seconds, self.wait, busy, getattr(self, "_gpu_util", None)
-        )
+        """The figures so far (final once the loop has ended)."""
+        seconds, cpu = self._seconds, self._cpu
+        if self._span is not None:  # asked from inside the loop
+            seconds += time.perf_counter() - self._span[0]
+            cpu += _cpu_seconds() - self._span[1]
+        busy = cpu / seconds if seconds > 0 else None
+        return Stats(self.steps, self.images, seconds, self.wait, busy, self._gpu_util)
 
     def verdict(self) -> str:
         """Input-bound or compute-bound, in plain words, with the first knob to try."""

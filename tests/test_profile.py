@@ -136,3 +136,15 @@ def test_knob_for_our_loader_on_the_cpu(store):
     assert saturated.startswith("smaller images: rebuild the store with `ingest build --max-size")
     idle = knob(_stats(0.5, 0.0), dl)
     assert "/dev/shm" in idle or 'cache="shm"' in idle
+
+
+def test_epochs_add_up_and_the_time_between_them_is_left_out():
+    dl = batches(3)
+    with loader.profile(dl, warmup=1) as prof:
+        for _epoch in range(2):
+            for _batch in prof:
+                pass
+            time.sleep(4 * SLEEP)  # between epochs (validation, checkpoint): not counted
+    s = prof.stats
+    assert (s.steps, s.images) == (5, 20)  # 2 x 3 batches, the first one warm-up
+    assert s.seconds < 4 * SLEEP  # counted, it would be twice that
