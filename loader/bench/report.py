@@ -133,6 +133,9 @@ def headline(summary: dict, results: dict) -> str:
         parts.append(f"{summary['vs_pil']:.2f}x the torch + PIL baseline")
     if summary.get("vs_dali"):
         parts.append(f"{summary['vs_dali']:.2f}x DALI's best ({summary['best_dali']})")
+    peer = summary.get("best_peer")
+    if summary.get("vs_best_peer") and peer not in (BASELINE, summary.get("best_dali")):
+        parts.append(f"{summary['vs_best_peer']:.2f}x the best other pipeline ({peer})")
     if summary.get("resnet50_share"):
         parts.append(f"ResNet-50 trains at {summary['resnet50_share']:.0%} of its ceiling")
     return ", ".join(parts)
