@@ -78,7 +78,12 @@ def run(args, data: Data, device: str, say) -> dict:
         "note": args.note,
         "machine": fingerprint(),
         "settings": asdict(s) | {"passes": args.passes, "quick": args.quick},
-        "data": {"images": data.images, "mean_kib": data.mean_kib, "origin": data.origin},
+        "data": {
+            "images": data.images,
+            "mean_kib": data.mean_kib,
+            "origin": data.origin,
+            "photos": str(args.photos) if args.photos else "bundled",
+        },
         "results": results,
         "train_ceiling": ceiling or None,
     }
