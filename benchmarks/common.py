@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import platform
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,28 +36,7 @@ def warm(paths: list[Path]) -> int:
 
 
 def machine() -> dict:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import cv2
-    import numpy
+    """The hardware and software fingerprint, as imfeed-bench writes it."""
+    from loader.bench.machine import fingerprint
 
-    info = {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "opencv": cv2.__version__,
-        "numpy": numpy.__version__,
-    }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    except ImportError:
-        pass
-    return info
+    return fingerprint()

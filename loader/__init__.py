@@ -4,7 +4,17 @@ from loader.augment import Transform
 from loader.dataloader import DataLoader
 from loader.dataset import LMDBDataset
 from loader.decode import get_decoder
+from loader.profiler import Profile, profile
 from loader.sampler import EpochPlan
 from loader.store import Store
 
-__all__ = ["DataLoader", "EpochPlan", "LMDBDataset", "Store", "Transform", "get_decoder"]
+__all__ = [
+    "DataLoader",
+    "EpochPlan",
+    "LMDBDataset",
+    "Profile",
+    "Store",
+    "Transform",
+    "get_decoder",
+    "profile",
+]

@@ -1,0 +1,186 @@
+"""``imfeed-bench``: argparse and the run, from the images to the table, JSON and chart."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+DTYPES = ("float32", "float16", "bfloat16", "uint8")
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "imfeed-bench"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="imfeed-bench",
+        description="Loader throughput, side by side: torch DataLoader + ImageFolder (PIL), "
+        "torch DataLoader + LMDBDataset, loader.DataLoader on every decoder backend, and "
+        "DALI when installed; same images, augmentation, batch size and workers. Writes a "
+        "table, JSON and a PNG chart to --out.",
+    )
+    a = p.add_argument
+    a(
+        "--data",
+        type=Path,
+        help="an image folder (ImageFolder layout) or a store; "
+        "default: generate --images ImageNet-shaped JPEGs",
+    )
+    a("--images", type=int, help="images to generate without --data (default 2560; --quick 200)")
+    a("--photos", type=Path, help="photographs to cut images from (default: bundled)")
+    a(
+        "--workdir",
+        type=Path,
+        default=_cache_dir(),
+        help="where generated images and stores are kept and reused (default %(default)s)",
+    )
+    a("--out", type=Path, default=Path("imfeed-bench-results"), help="results directory")
+    a("--name", help="base name of the result files (default: gpu-/cpu-<cores>cpu[-quick])")
+    a("--quick", action="store_true", help="a small run, under a minute on 2 cores")
+    a("--batch-size", type=int, help="default 128 (--quick 32)")
+    a("--workers", type=int, help="workers (DALI: threads) of every pipeline (default: all cores)")
+    a("--dtype", choices=DTYPES, default="float32", help="images dtype delivered")
+    a("--channels-last", action="store_true", help="deliver images in channels_last layout")
+    a("--eval", action="store_true", help="resize + centre crop instead of train augmentation")
+    a("--passes", type=int, help="timed passes after a warm-up pass (default 3; --quick 2)")
+    a(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where batches are delivered (default: cuda when available)",
+    )
+    a(
+        "--train-check",
+        action="store_true",
+        help="GPU only: ResNet-18/50 fed by each pipeline vs synthetic on-GPU data",
+    )
+    a("--train-steps", type=int, help="timed training steps per check (default 100; --quick 10)")
+    a("--only", help="comma-separated pipeline names to run (default: all available)")
+    a("--prepare-only", action="store_true", help="only make the images and the store, then exit")
+    a("--logs", type=Path, help="where pipelines' own output goes (default: OUT/logs)")
+    a("--replot", type=Path, metavar="JSON", help="only redo the table and chart of a run")
+    a("--note", default="", help="free text stored in the JSON (e.g. 'machine not quiet')")
+    return p
+
+
+def settle(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the defaults that depend on --quick and the machine; check the numbers."""
+    q = args.quick
+    defaults = {"images": (200, 2560), "batch_size": (32, 128), "passes": (2, 3),
+                "train_steps": (10, 100)}  # fmt: skip
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else full)
+    args.workers = (os.cpu_count() or 1) if args.workers is None else args.workers
+    for name in ("images", "batch_size", "passes", "train_steps"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"imfeed-bench: --{name.replace('_', '-')} must be at least 1")
+    if args.workers < 0:
+        raise SystemExit("imfeed-bench: --workers must be at least 0")
+    return args
+
+
+def _device(choice: str) -> str:
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("imfeed-bench: --device cuda, but torch sees no CUDA device")
+    return choice
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = settle(parser().parse_args(argv))
+    if args.replot:
+        return replot(args.replot)
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    from loader.bench import data as bench_data
+    from loader.bench.run import run
+
+    device = _device(args.device)
+    if args.train_check and device == "cpu":
+        raise SystemExit("imfeed-bench: --train-check needs a CUDA device (it trains ResNets)")
+    try:
+        data = bench_data.prepare(args.data, args.images, args.workdir, args.photos, say)
+    except ValueError as e:
+        raise SystemExit(f"imfeed-bench: {e}") from None
+    if args.prepare_only:
+        say(f"ready: {data.images} images in {data.folder}, store {data.store}")
+        return 0
+    t0 = time.time()
+    report = run(args, data, device, say)
+    report["wall_seconds"] = round(time.time() - t0, 1)
+    print(_write(args, report, device, say))
+    return 0
+
+
+def _write(args, report: dict, device: str, say) -> str:
+    """Write JSON, Markdown table and PNG chart; return the text for stdout."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = args.name or f"{'gpu' if device != 'cpu' else 'cpu'}-{os.cpu_count()}cpu" + (
+        "-quick" if args.quick else ""
+    )
+    base = args.out / name
+    report["chart"] = _chart(base.with_suffix(".png"), report, say)
+    base.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    text = f"{subtitle(report)}\n\n{report['table']}\n\n{report['headline']}\n"
+    base.with_suffix(".md").write_text(text)
+    files = ", ".join(str(base.with_suffix(s)) for s in (".json", ".md", ".png"))
+    say(f"wrote {files}")
+    return text
+
+
+def subtitle(report: dict) -> str:
+    """The machine and the settings of a run, in one line."""
+    m, s = report["machine"], report["settings"]
+    return (
+        f"{m['cpu']}, {m['cpus']} cores, {m['gpu'] or 'no GPU'}; {report['data']['images']} "
+        f"images, batch {s['batch_size']}, {s['workers']} workers, {s['dtype']}"
+        f"{', channels_last' if s['channels_last'] else ''}, "
+        f"{'eval' if s['eval'] else 'train'} augmentation, on {s['device']}; {report['date']}"
+    )
+
+
+def _chart(path: Path, report: dict, say) -> str | None:
+    """Draw the chart of ``report`` at ``path``; its file name, or None without matplotlib."""
+    from loader.bench import chart
+
+    ours = {n for n, r in report["results"].items() if r["side"] == "ours"}
+    try:
+        chart.draw(path, report["results"], ours, f"imfeed-bench: {report['headline']}",
+                   subtitle(report))  # fmt: skip
+    except ImportError as e:
+        say(f"no chart: {e}")
+        return None
+    return path.name
+
+
+def replot(path: Path) -> int:
+    """``--replot FILE.json``: recompute the derived figures of a finished run from its
+    measured ones, redraw its chart beside it (e.g. for a run made on a machine without
+    matplotlib) and print its table."""
+    from loader.bench.report import finish
+
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"imfeed-bench: --replot {path}: cannot read it ({e})") from None
+    if not isinstance(report, dict) or report.get("tool") != "imfeed-bench":
+        raise SystemExit(f"imfeed-bench: --replot {path}: not a result of imfeed-bench")
+    finish(report)  # derived figures again, as this version computes them
+    report["chart"] = _chart(path.with_suffix(".png"), report, lambda m: print(m, file=sys.stderr))
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    text = f"{subtitle(report)}\n\n{report['table']}\n\n{report['headline']}\n"
+    path.with_suffix(".md").write_text(text)
+    print(text)
+    return 0 if report["chart"] else 1

@@ -1,0 +1,183 @@
+"""The pipelines compared, each built inside its own process by ``build(name, settings)``.
+
+Every pipeline yields ``(images, labels)`` batches on the run's device, in the run's dtype
+and memory layout, with the same augmentation: what a training loop would receive. A peer
+that cannot run here says why (``unavailable``) instead of failing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+SIZE = 224
+BASELINE = "torch-pil"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's settings, the same for every pipeline (sent to each pipeline's process)."""
+
+    folder: str | None
+    store: str | None
+    batch_size: int
+    workers: int
+    dtype: str
+    channels_last: bool
+    eval: bool
+    device: str
+    train_steps: int = 0
+    train_warmup: int = 0
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A pipeline: its name in results, a label for the table and chart, and its side."""
+
+    name: str
+    label: str
+    side: str  # "baseline", "ours" or "peer"
+
+
+def specs() -> list[Spec]:
+    """Every pipeline this version knows, available here or not."""
+    from loader.decode import decoders
+
+    found = [
+        Spec(BASELINE, "torch DataLoader + ImageFolder (PIL)", "baseline"),
+        Spec("torch-lmdb", "torch DataLoader + LMDBDataset (PIL)", "peer"),
+    ]
+    found += [Spec(f"loader-{d}", f"loader.DataLoader, decoder={d!r}", "ours") for d in decoders()]
+    found += [
+        Spec("dali-file", "DALI file reader + decoders.image + random_resized_crop", "peer"),
+        Spec("dali-crop", "DALI file reader + decoders.image_random_crop", "peer"),
+        Spec("dali-ram", "DALI external_source (JPEG bytes in RAM) + image_random_crop", "peer"),
+    ]
+    return found
+
+
+def unavailable(spec: Spec, s: Settings) -> str | None:
+    """Why ``spec`` cannot run with these settings (checked before starting it), or None."""
+    dali = spec.name.startswith("dali-")
+    if spec.name.startswith("torch-") and importlib.util.find_spec("torchvision") is None:
+        return "torchvision is not installed (pip install torchvision)"
+    if dali and not _has_dali():
+        return "DALI is not installed (pip install 'imfeed[dali]')"
+    if (dali or spec.name == BASELINE) and s.folder is None:
+        return "needs an image folder: give --data a folder rather than a store"
+    if spec.name == "dali-crop" and s.eval:
+        return "same as dali-file with --eval (no random crop to decode)"
+    if not dali and spec.name != BASELINE and s.store is None:
+        return "needs a store"
+    return None
+
+
+def _has_dali() -> bool:
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ModuleNotFoundError:  # no "nvidia" namespace at all
+        return False
+
+
+def build(name: str, s: Settings):
+    """Pipeline ``name`` with settings ``s``: an object with ``epoch()`` and ``close()``."""
+    if name == BASELINE:
+        return TorchPipeline(_image_folder(s), s)
+    if name == "torch-lmdb":
+        from loader import LMDBDataset
+
+        return TorchPipeline(LMDBDataset(s.store, transform=torch_transform(s)), s)
+    if name.startswith("loader-"):
+        return OurPipeline(name.removeprefix("loader-"), s)
+    if name == "synthetic":
+        from loader.bench.train import Synthetic
+
+        return Synthetic(s)
+    if name.startswith("dali-"):
+        from loader.bench import dali
+
+        return dali.DaliPipeline(name.removeprefix("dali-"), s)
+    raise ValueError(f"unknown pipeline {name!r}; known: {', '.join(x.name for x in specs())}")
+
+
+def torch_transform(s: Settings):
+    """torchvision's standard transforms for the run: train or eval, float or raw uint8."""
+    import torchvision.transforms as T
+
+    if s.eval:
+        geometry = [T.Resize(int(SIZE / 0.875)), T.CenterCrop(SIZE)]
+    else:
+        geometry = [T.RandomResizedCrop(SIZE), T.RandomHorizontalFlip()]
+    if s.dtype == "uint8":
+        return T.Compose([*geometry, T.PILToTensor()])
+    return T.Compose([*geometry, T.ToTensor(), T.Normalize(MEAN, STD)])
+
+
+def _image_folder(s: Settings):
+    import torchvision.datasets
+
+    return torchvision.datasets.ImageFolder(s.folder, transform=torch_transform(s))
+
+
+def deliver(images, labels, s: Settings):
+    """A batch as the training loop needs it: on the device, in the run's dtype and layout."""
+    import torch
+
+    images = images.to(s.device, non_blocking=True).to(getattr(torch, s.dtype))
+    if s.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    return images, labels.to(s.device, non_blocking=True)
+
+
+class TorchPipeline:
+    """torch's DataLoader over a map-style Dataset (persistent workers), batches delivered."""
+
+    def __init__(self, dataset, s: Settings) -> None:
+        import torch.utils.data
+
+        self.s = s
+        self.dl = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=s.batch_size,
+            shuffle=True,
+            num_workers=s.workers,
+            persistent_workers=s.workers > 0,
+            pin_memory=s.device != "cpu",
+        )
+
+    def epoch(self) -> Iterator:
+        for images, labels in self.dl:
+            yield deliver(images, labels, self.s)
+
+    def close(self) -> None:
+        self.dl = None
+
+
+class OurPipeline:
+    """``loader.DataLoader`` on the store with decoder backend ``decoder``."""
+
+    def __init__(self, decoder: str, s: Settings) -> None:
+        import loader
+
+        self.dl = loader.DataLoader(
+            s.store,
+            batch_size=s.batch_size,
+            shuffle=True,
+            num_workers=s.workers,
+            persistent_workers=s.workers > 0,
+            pin_memory=s.device != "cpu",
+            transform="eval" if s.eval else "train",
+            dtype=s.dtype,
+            channels_last=s.channels_last,
+            device=s.device,
+            decoder=decoder,
+        )
+
+    def epoch(self) -> Iterator:
+        yield from self.dl
+
+    def close(self) -> None:
+        self.dl.close()

@@ -1,0 +1,105 @@
+"""One benchmark run: pick the pipelines, run their passes (and training checks), gather
+the figures into the report that the table, JSON and chart are made from."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+from loader.bench import report as rep
+from loader.bench import runner
+from loader.bench.data import Data
+from loader.bench.machine import fingerprint
+from loader.bench.pipelines import Settings, specs, unavailable
+from loader.bench.train import MODELS
+
+
+def settings(args, data: Data, device: str) -> Settings:
+    return Settings(
+        folder=str(data.folder) if data.folder else None,
+        store=str(data.store) if data.store else None,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        dtype=args.dtype,
+        channels_last=args.channels_last,
+        eval=args.eval,
+        device=device,
+        train_steps=args.train_steps,
+        train_warmup=max(2, args.train_steps // 5),
+    )
+
+
+def choose(args, s: Settings) -> tuple[list, dict]:
+    """The pipelines to run and, for the others, why not."""
+    known = specs()
+    only = {n.strip() for n in args.only.split(",")} if args.only else None
+    if only and only - {k.name for k in known}:
+        names = ", ".join(k.name for k in known)
+        raise SystemExit(f"imfeed-bench: --only {args.only}: unknown name; known: {names}")
+    skipped = {}
+    for spec in known:
+        reason = "not in --only" if only and spec.name not in only else unavailable(spec, s)
+        if reason:
+            skipped[spec.name] = reason
+    return known, skipped
+
+
+def run(args, data: Data, device: str, say) -> dict:
+    """Run every available pipeline; return the report (figures, summary, table)."""
+    s = settings(args, data, device)
+    known, skipped = choose(args, s)
+    names = [k.name for k in known if k.name not in skipped]
+    say(f"{data.images} images ({data.mean_kib:.0f} KiB each), batch {s.batch_size}, "
+        f"{s.workers} workers, {s.dtype} on {device}; starting {', '.join(names)} ...")  # fmt: skip
+    log_dir = args.logs or args.out / "logs"
+    extra = ["synthetic"] if args.train_check else []
+    servers, failed = runner.start(names + extra, s, log_dir, say)
+    try:
+        timed = {n: sv for n, sv in servers.items() if n != "synthetic"}
+        passes, failed_passes = runner.rounds(timed, args.passes, say)
+        failed |= failed_passes
+        trained, ceiling, train_failed = {}, {}, {}
+        if args.train_check:
+            alive = {n: sv for n, sv in servers.items() if n not in failed}
+            trained, train_failed = runner.train(alive, MODELS, say)
+            ceiling = trained.pop("synthetic", {})
+            if "synthetic" in train_failed or "synthetic" in failed:
+                say("  no synthetic ceiling: the training shares cannot be computed")
+    finally:
+        runner.stop_all(servers)
+        runner.drop_empty_logs(log_dir)
+    results = _results(known, skipped, failed, passes, trained)
+    for name, reason in train_failed.items():
+        if name in results:
+            results[name]["train_error"] = reason
+    report = {
+        "tool": "imfeed-bench",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "note": args.note,
+        "machine": fingerprint(),
+        "settings": asdict(s) | {"passes": args.passes, "quick": args.quick},
+        "data": {
+            "images": data.images,
+            "mean_kib": data.mean_kib,
+            "origin": data.origin,
+            "photos": str(args.photos) if args.photos else "bundled",
+        },
+        "results": results,
+        "train_ceiling": ceiling or None,
+    }
+    return rep.finish(report)
+
+
+def _results(known, skipped: dict, failed: dict, passes: dict, trained: dict) -> dict:
+    out = {}
+    for spec in known:
+        r = {"label": spec.label, "side": spec.side}
+        reason = skipped.get(spec.name) or failed.get(spec.name)
+        if reason:
+            out[spec.name] = r | {"status": "skipped", "reason": reason}
+            continue
+        r |= {"status": "ok"} | rep.pipeline_figures(passes[spec.name])
+        if trained.get(spec.name):
+            r["train"] = trained[spec.name]
+        out[spec.name] = r
+    return out

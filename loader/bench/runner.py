@@ -1,0 +1,231 @@
+"""Each pipeline in a process of its own, serving timed passes on request.
+
+Passes run in rounds: in each round every pipeline reads one epoch, alone, in an order that
+rotates from round to round, so that a change of machine speed during the run touches all
+of them alike; round 0 is the warm-up (workers start, caches fill). Processes are forks of
+a fork server, so that none inherits CUDA state. Whatever a pipeline's libraries print goes to
+its log file, never to the terminal; a pipeline that fails or dies is reported with the
+reason and the others go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from loader.bench.pipelines import Settings, build
+from loader.bench.train import forever, train_check
+from loader.proctree import PeakMemory, tree_cpu_seconds
+
+READY_TIMEOUT = 600.0  # seconds for a pipeline to start (imports, DALI's first batches)
+PASS_TIMEOUT = 1800.0  # seconds for one pass or training check before it counts as hung
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _to_log(path: str) -> None:
+    """Send this process's stdout and stderr (Python's and C libraries') to ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _gpu_memory_mib() -> float | None:
+    """GPU memory this process holds (NVML when available, else torch's reserved memory)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if p.pid == os.getpid() and p.usedGpuMemory:
+                return round(p.usedGpuMemory / (1 << 20), 1)
+    except Exception:  # NVML missing or blind to this pid (containers): torch's figure
+        pass
+    return round(torch.cuda.max_memory_reserved() / (1 << 20), 1)
+
+
+def timed_pass(pipe, s: Settings) -> dict:
+    """One epoch of ``pipe``: images, wall and CPU seconds of the process tree, memory."""
+    memory = PeakMemory().start()
+    cpu0, t0, n = tree_cpu_seconds(), time.perf_counter(), 0
+    for _images, labels in pipe.epoch():
+        n += int(labels.shape[0])
+    if s.device != "cpu":
+        import torch
+
+        torch.cuda.synchronize()  # the last batches are finished, not merely queued
+    seconds = time.perf_counter() - t0
+    cpu = tree_cpu_seconds() - cpu0
+    if n == 0:
+        raise RuntimeError("an epoch gave no batches")
+    return {
+        "images": n,
+        "seconds": round(seconds, 4),
+        "cpu_seconds": round(cpu, 3),
+        "memory_mib": memory.stop(),
+        "gpu_memory_mib": _gpu_memory_mib(),
+    }
+
+
+def serve(name: str, s: Settings, conn, log: str) -> None:
+    """In a process of its own: build pipeline ``name``, then answer requests until "stop"."""
+    _to_log(log)
+    try:
+        pipe = build(name, s)
+    except Exception as e:
+        traceback.print_exc()
+        conn.send({"error": _reason(e)})
+        return
+    conn.send({"ready": True})
+    stream = None
+    while (request := conn.recv())[0] != "stop":
+        try:
+            if request[0] == "pass":
+                answer = timed_pass(pipe, s)
+            else:  # ("train", model)
+                stream = stream or forever(pipe)
+                answer = train_check(stream, request[1], s)
+        except Exception as e:
+            traceback.print_exc()
+            answer = {"error": _reason(e)}
+        conn.send(answer)
+        if "error" in answer:
+            break
+    pipe.close()
+
+
+def _context():
+    """A fork server that has imported torch once: each pipeline's process is a cheap fork
+    of it, and none inherits CUDA state (the server never touches CUDA)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.utils.data", "loader"])
+    return ctx
+
+
+class Server:
+    """The main side of one pipeline's process."""
+
+    def __init__(self, name: str, s: Settings, log_dir: Path) -> None:
+        ctx = _context()
+        self.name, self.log = name, log_dir / f"{name}.log"
+        self.conn, there = ctx.Pipe()
+        # Not a daemon: a daemon may not start the worker processes a loader needs.
+        self.proc = ctx.Process(target=serve, args=(name, s, there, str(self.log)))
+        self.proc.start()
+        there.close()
+
+    def ask(self, request: tuple | None, timeout: float) -> dict:
+        """Send ``request`` (None: only wait for the ready message) and return the answer;
+        ``{"error": ...}`` when the process fails, dies or does not answer in time."""
+        try:
+            if request is not None:
+                self.conn.send(request)
+            if not self.conn.poll(timeout):
+                self.kill()
+                return {"error": f"no answer in {timeout:.0f} s (see {self.log})"}
+            return self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            self.proc.join(5)
+            return {"error": f"its process died (exit code {self.proc.exitcode}; see {self.log})"}
+
+    def stop(self, wait: bool = True) -> None:
+        """Ask the process to finish; with ``wait``, join it (killed after a minute)."""
+        with contextlib.suppress(OSError):  # already gone: nothing to stop
+            self.conn.send(("stop",))
+        if wait:
+            self.proc.join(60)
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def stop_all(servers: dict) -> None:
+    """Stop every server, all at once (each closes its pipeline meanwhile)."""
+    for server in servers.values():
+        server.stop(wait=False)
+    for server in servers.values():
+        server.stop()
+
+
+def drop_empty_logs(log_dir: Path) -> None:
+    """Remove the logs of pipelines that printed nothing (and the folder, when empty)."""
+    for log in log_dir.glob("*.log"):
+        if log.stat().st_size == 0:
+            log.unlink()
+    with contextlib.suppress(OSError):  # not empty: keep it
+        log_dir.rmdir()
+
+
+def start(names: list[str], s: Settings, log_dir: Path, say) -> tuple[dict, dict]:
+    """Start a process per pipeline; return ({name: Server} ready, {name: reason} failed)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers = {name: Server(name, s, log_dir) for name in names}
+    failed = {}
+    for name, server in list(servers.items()):
+        answer = server.ask(None, READY_TIMEOUT)
+        if "error" in answer:
+            failed[name] = answer["error"]
+            server.kill()
+            del servers[name]
+            say(f"  {name}: skipped ({failed[name]})")
+    return servers, failed
+
+
+def rounds(servers: dict, passes: int, say) -> tuple[dict, dict]:
+    """Round 0 (warm-up) then ``passes`` timed rounds; ({name: [pass, ...]}, {name: reason})."""
+    runs = {name: [] for name in servers}
+    failed = {}
+    for r in range(passes + 1):
+        names = [n for n in servers if n not in failed]
+        k = r % len(names) if names else 0
+        for name in names[k:] + names[:k]:
+            answer = servers[name].ask(("pass",), PASS_TIMEOUT)
+            if "error" in answer:
+                failed[name] = f"failed in pass {r}: {answer['error']}"
+                say(f"  {name}: {failed[name]}")
+                continue
+            runs[name].append(answer)
+            rate = answer["images"] / answer["seconds"]
+            cores = answer["cpu_seconds"] / answer["seconds"]
+            tag = "warm-up" if r == 0 else f"pass {r}/{passes}"
+            say(f"  {tag:>10} {name:<14} {rate:9.1f} img/s  {cores:5.2f} cores busy")
+    return runs, failed
+
+
+def train(servers: dict, models: tuple[str, ...], say) -> tuple[dict, dict]:
+    """Each model fed by each pipeline in turn (one process on the GPU at a time)."""
+    results = {name: {} for name in servers}
+    failed = {}
+    for model in models:
+        for name, server in servers.items():
+            if name in failed:
+                continue
+            answer = server.ask(("train", model), PASS_TIMEOUT)
+            if "error" in answer:
+                failed[name] = f"training check failed: {answer['error']}"
+                say(f"  {name}: {failed[name]}")
+                continue
+            results[name][model] = answer
+            say(
+                f"  {model} fed by {name:<14} {answer['img_per_s']:9.1f} img/s, "
+                f"waiting for data {answer['wait_share']:.0%} of step time"
+            )
+    return results, failed

@@ -1,0 +1,75 @@
+"""The training check (GPU only): torchvision ResNet-18/50, bf16 autocast, channels_last,
+trained for a fixed number of steps fed by a pipeline, or by one synthetic batch already
+on the GPU (the ceiling: what the model consumes when data costs nothing)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from loader.bench.pipelines import SIZE, Settings
+from loader.profiler import profile
+
+MODELS = ("resnet18", "resnet50")
+
+
+class Synthetic:
+    """The same random batch on the GPU, over and over: the model's ceiling."""
+
+    def __init__(self, s: Settings) -> None:
+        import torch
+
+        g = torch.Generator(device="cpu").manual_seed(0)
+        images = torch.randn(s.batch_size, 3, SIZE, SIZE, generator=g)
+        images = images.to(s.device, getattr(torch, s.dtype) if s.dtype != "uint8" else None)
+        if s.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        self.batch = images, torch.randint(0, 1000, (s.batch_size,), generator=g).to(s.device)
+
+    def epoch(self) -> Iterator:
+        return itertools.repeat(self.batch, 1000)
+
+    def close(self) -> None:
+        self.batch = None
+
+
+def forever(pipe) -> Iterator:
+    """Batches of ``pipe`` across as many epochs as asked for."""
+    while True:
+        yield from pipe.epoch()
+
+
+def train_check(batches: Iterator, model_name: str, s: Settings) -> dict:
+    """Train ``model_name`` on ``batches`` for ``s.train_warmup + s.train_steps`` steps; the
+    figures of the last ``s.train_steps`` (img/s, share of step time waiting for data)."""
+    import torch
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    model = getattr(torchvision.models, model_name)(num_classes=1000)
+    model = model.to(s.device, memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    steps = itertools.islice(batches, s.train_warmup + s.train_steps)
+    kind = "cpu" if s.device == "cpu" else "cuda"  # the CLI trains on CUDA; tests on the CPU
+    with profile(steps, warmup=s.train_warmup) as prof:
+        for images, labels in prof:
+            images = images.to(s.device, non_blocking=True)
+            if not images.is_floating_point():
+                images = images.float()
+            images = images.contiguous(memory_format=torch.channels_last)
+            with torch.autocast(kind, dtype=torch.bfloat16):
+                loss = loss_fn(model(images), labels.to(s.device, non_blocking=True) % 1000)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    st = prof.stats
+    return {
+        "img_per_s": round(st.images_per_s, 1),
+        "wait_share": round(st.wait_share, 4),
+        "steps": st.steps,
+        "images": st.images,
+        "seconds": round(st.seconds, 3),
+        "cores_busy": None if st.cores_busy is None else round(st.cores_busy, 2),
+        "gpu_utilization": st.gpu_utilization,
+    }

@@ -1,0 +1,332 @@
+"""imfeed-bench: one --quick run on a tiny folder lists every pipeline available here with
+consistent figures (never speeds), the others as skipped with the reason; a chart is drawn.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ingest.synth import make_image_folder
+from loader.bench import chart, report, runner
+from loader.bench import data as bench_data
+from loader.bench.cli import main
+from loader.bench.pipelines import Settings, build, specs, unavailable
+from loader.decode import decoders
+
+REPO = Path(__file__).resolve().parents[1]
+IMAGES = 24  # 3 classes x 8
+PASSES = 2
+
+
+def has_dali() -> bool:
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[dict, Path, str]:
+    """One ``imfeed-bench --quick`` in a subprocess: (the JSON, the out dir, stdout)."""
+    root = tmp_path_factory.mktemp("bench")
+    make_image_folder(root / "images", 3, 8, seed=3)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = ["--quick", "--data", root / "images", "--workdir", root / "work", "--out",
+            root / "out", "--batch-size", "8", "--workers", "1", "--name", "t",
+            "--device", "cpu"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "loader.bench", *map(str, args)],
+        env=env, cwd=root, capture_output=True, text=True, timeout=400, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((root / "out" / "t.json").read_text()), root / "out", done.stdout
+
+
+def expected_ok() -> set[str]:
+    ok = {"torch-pil", "torch-lmdb", "loader-cpu"}
+    return ok | ({"dali-file", "dali-crop", "dali-ram"} if has_dali() else set())
+
+
+def test_every_known_pipeline_is_listed(run):
+    report, _, _ = run
+    assert set(report["results"]) == {s.name for s in specs()}
+    ok = {n for n, r in report["results"].items() if r["status"] == "ok"}
+    assert expected_ok() <= ok
+    for name, r in report["results"].items():
+        if r["status"] != "ok":
+            assert r["status"] == "skipped" and r["reason"], name
+    if not has_dali():
+        assert report["results"]["dali-ram"]["reason"] == (
+            "DALI is not installed (pip install 'imfeed[dali]')"
+        )
+    # Our GPU decoders, where the lead's backends are present, run or say why not.
+    assert {f"loader-{d}" for d in decoders()} <= set(report["results"])
+
+
+def test_each_pass_reads_the_whole_epoch_and_figures_agree(run):
+    report, _, _ = run
+    for name, r in report["results"].items():
+        if r["status"] != "ok":
+            continue
+        assert len(r["passes"]) == PASSES + 1, name  # the warm-up first
+        assert [p["images"] for p in r["passes"]] == [IMAGES] * (PASSES + 1), name
+        rates = [p["images"] / p["seconds"] for p in r["passes"][1:]]
+        assert r["rates"] == [round(x, 2) for x in rates]
+        assert r["img_per_s"] == round(statistics.median(rates), 1) > 0
+        assert r["spread"] == [round(min(rates), 1), round(max(rates), 1)]
+        assert r["cpu_cores_busy"] > 0 and r["memory_mib"] > 0
+        assert r["vs_pil"] == round(r["img_per_s"] / report["results"]["torch-pil"]["img_per_s"], 3)
+
+
+def test_summary(run):
+    report, _, _ = run
+    results, summary = report["results"], report["summary"]
+    ours = [n for n in results if n.startswith("loader-") and results[n]["status"] == "ok"]
+    assert summary["ours"] == max(ours, key=lambda n: results[n]["img_per_s"])
+    assert summary["vs_pil"] == results[summary["ours"]]["vs_pil"]
+    best_peer = max((n for n in results if results[n]["status"] == "ok" and n not in ours),
+                    key=lambda n: results[n]["img_per_s"])  # fmt: skip
+    assert summary["best_peer"] == best_peer
+    assert summary["vs_best_peer"] == round(
+        results[summary["ours"]]["img_per_s"] / results[best_peer]["img_per_s"], 3
+    )
+    assert summary["cpu_cores_busy"]["ours"] == results[summary["ours"]]["cpu_cores_busy"]
+    for name in expected_ok():
+        assert summary["cpu_cores_busy"][name] == results[name]["cpu_cores_busy"]
+    if has_dali():
+        dali = [n for n in results if n.startswith("dali-") and results[n]["status"] == "ok"]
+        assert summary["best_dali"] == max(dali, key=lambda n: results[n]["img_per_s"])
+        vs = results[summary["ours"]]["img_per_s"] / results[summary["best_dali"]]["img_per_s"]
+        assert summary["vs_dali"] == round(vs, 3)
+    else:
+        assert summary["vs_dali"] is None
+    assert "resnet50_share" not in summary  # no --train-check
+
+
+def test_fingerprint_and_settings(run):
+    report, _, _ = run
+    m = report["machine"]
+    assert m["cpus"] == os.cpu_count() and m["cpu"]
+    assert m["torch"] == torch.__version__
+    for key in ("gpu", "driver", "cuda", "torchvision", "dali", "opencv", "python"):
+        assert key in m
+    s = report["settings"]
+    assert (s["batch_size"], s["workers"], s["passes"], s["device"]) == (8, 1, PASSES, "cpu")
+    assert report["data"]["images"] == IMAGES
+
+
+def test_table_chart_and_stdout(run):
+    report, out, stdout = run
+    assert (out / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["chart"] == "t.png"
+    table = (out / "t.md").read_text()
+    assert table.startswith("AMD") or "cores" in table.splitlines()[0]
+    for name, r in report["results"].items():
+        if r["status"] == "ok":
+            assert f"| {r['img_per_s']:.1f} |" in table, name
+        else:
+            assert f"- {name}: skipped, {r['reason']}" in table
+    assert report["table"] in stdout
+    logs = {p.name for p in (out / "logs").glob("*")} if (out / "logs").exists() else set()
+    assert all((out / "logs" / name).stat().st_size > 0 for name in logs)  # empty ones go
+
+
+def test_unavailable_reasons():
+    s = Settings(folder=None, store="x", batch_size=8, workers=1, dtype="float32",
+                 channels_last=False, eval=True, device="cpu")  # fmt: skip
+    by_name = {spec.name: unavailable(spec, s) for spec in specs()}
+    assert by_name["torch-pil"] == "needs an image folder: give --data a folder rather than a store"
+    assert by_name["torch-lmdb"] is None and by_name["loader-cpu"] is None
+
+
+def test_a_pipeline_that_fails_to_start_is_skipped_with_the_reason(tmp_path):
+    s = Settings(folder=None, store=str(tmp_path / "missing"), batch_size=8, workers=0,
+                 dtype="float32", channels_last=False, eval=False, device="cpu")  # fmt: skip
+    servers, failed = runner.start(["loader-cpu", "no-such"], s, tmp_path, lambda m: None)
+    assert servers == {}
+    assert failed["no-such"].startswith("ValueError: unknown pipeline 'no-such'; known: torch-pil")
+    assert failed["loader-cpu"].startswith("StoreError: ")
+    assert "no such store directory" in failed["loader-cpu"]
+    # The traceback went to the pipeline's log, not to the terminal.
+    assert "ValueError: unknown pipeline 'no-such'" in (tmp_path / "no-such.log").read_text()
+
+
+def test_data_is_made_once_and_reused(tmp_path):
+    said = []
+    first = bench_data.prepare(None, 20, tmp_path, None, said.append)
+    assert first.images == 20 and first.origin == "generated"
+    assert len(list(first.folder.glob("class_*"))) == 10
+    assert first.store is not None and (first.store / "manifest.json").is_file()
+    again = bench_data.prepare(None, 20, tmp_path, None, said.append)
+    assert again == first
+    assert said[-2:] == [f"reusing 20 images in {first.folder}",
+                         f"reusing the store {first.store} (delete it to rebuild)"]  # fmt: skip
+    store_only = bench_data.prepare(first.store, 0, tmp_path, None, said.append)
+    assert (store_only.folder, store_only.images) == (None, 20)
+
+
+def test_bad_arguments_say_what_to_do(tmp_path):
+    where = ["--workdir", str(tmp_path), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit, match=r"--data .*nothing: neither an image folder"):
+        main(["--data", str(tmp_path / "nothing"), *where])
+    for flag in ("--batch-size", "--passes", "--images"):
+        with pytest.raises(SystemExit, match=rf"{flag} must be at least 1"):
+            main([flag, "0", *where])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match=r"--train-check needs a CUDA device"):
+            main(["--train-check", *where])
+    assert not (tmp_path / "out").exists()
+
+
+def test_training_check_counts_steps_and_shares(tmp_path):
+    """The --train-check path (on the CPU here, on CUDA in the tool): exact steps and images,
+    each loader's share of the synthetic ceiling computed from the figures it lists."""
+    made = bench_data.prepare(None, 20, tmp_path, None, lambda m: None)
+    s = Settings(
+        folder=None,
+        store=str(made.store),
+        batch_size=2,
+        workers=0,
+        dtype="float32",
+        channels_last=True,
+        eval=True,
+        device="cpu",
+        train_steps=2,
+        train_warmup=1,
+    )
+    servers, failed = runner.start(["synthetic", "loader-cpu"], s, tmp_path, lambda m: None)
+    try:
+        assert failed == {}
+        trained, failed = runner.train(servers, ("resnet18",), lambda m: None)
+    finally:
+        runner.stop_all(servers)
+    assert failed == {}
+    for name in ("synthetic", "loader-cpu"):
+        t = trained[name]["resnet18"]
+        assert (t["steps"], t["images"]) == (2, 4), name
+        assert 0.0 <= t["wait_share"] <= 1.0 and t["img_per_s"] > 0
+    results = {"loader-cpu": {"train": trained["loader-cpu"]}}
+    report.add_shares(results, trained["synthetic"])
+    t = results["loader-cpu"]["train"]["resnet18"]
+    assert t["share"] == round(t["img_per_s"] / trained["synthetic"]["resnet18"]["img_per_s"], 3)
+
+
+def test_replot_draws_the_chart_of_a_finished_run(run, tmp_path, capsys):
+    report, out, _ = run
+    copy = tmp_path / "copy.json"
+    copy.write_text((out / "t.json").read_text())
+    assert main(["--replot", str(copy)]) == 0
+    assert (tmp_path / "copy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "copy.md").read_text() == (out / "t.md").read_text()
+    # The same figures derived again; only the chart's name differs.
+    assert json.loads(copy.read_text()) == report | {"chart": "copy.png"}
+    assert report["table"] in capsys.readouterr().out
+    other = tmp_path / "other.json"
+    other.write_text('{"results": {}}')
+    with pytest.raises(SystemExit, match=r"--replot .*other.json: not a result of imfeed-bench"):
+        main(["--replot", str(other)])
+
+
+def _trained(img18: float, wait18: float, img50: float, wait50: float) -> dict:
+    return {"resnet18": {"img_per_s": img18, "wait_share": wait18},
+            "resnet50": {"img_per_s": img50, "wait_share": wait50}}  # fmt: skip
+
+
+def _ok(side: str, img: float, busy: float, train: dict) -> dict:
+    return {"side": side, "status": "ok", "img_per_s": img, "spread": [img, img],
+            "cpu_cores_busy": busy, "memory_mib": 1.0, "train": train}  # fmt: skip
+
+
+def test_summary_of_a_training_check(tmp_path):
+    """The keys a GPU run writes, from given figures (no GPU needed)."""
+    results = {
+        "torch-pil": _ok("baseline", 1000.0, 15.0, _trained(500, 0.5, 400, 0.2)),
+        "loader-cpu": _ok("ours", 4000.0, 14.0, _trained(800, 0.3, 450, 0.1)),
+        "loader-gpu": _ok("ours", 8000.0, 3.0, _trained(900, 0.05, 490, 0.0)),
+        "dali-ram": _ok("peer", 10000.0, 5.0, _trained(700, 0.1, 480, 0.0)),
+        "dali-file": {"side": "peer", "status": "skipped", "reason": "DALI is not installed"},
+    }
+    ceiling = {"resnet18": {"img_per_s": 1000.0}, "resnet50": {"img_per_s": 500.0}}
+    done = report.finish({"results": results, "train_ceiling": ceiling})
+    assert done["summary"] == {
+        "ours": "loader-gpu", "best_dali": "dali-ram", "best_peer": "dali-ram",
+        "vs_pil": 8.0, "vs_dali": 0.8, "vs_best_peer": 0.8,
+        "cpu_cores_busy": {"torch-pil": 15.0, "loader-cpu": 14.0, "loader-gpu": 3.0,
+                           "dali-ram": 5.0, "ours": 3.0},
+        "resnet18_share": 0.9, "resnet18_wait_share": 0.05, "resnet18_fed_by": "loader-gpu",
+        "resnet50_share": 0.98, "resnet50_wait_share": 0.0, "resnet50_fed_by": "loader-gpu",
+    }  # fmt: skip
+    assert results["torch-pil"]["train"]["resnet50"]["share"] == 0.8
+    lines = done["table"].splitlines()
+    assert lines[0].endswith(
+        "| resnet18: % of 1000 img/s (waiting) | resnet50: % of 500 img/s (waiting) |"
+    )
+    assert (
+        lines[2]
+        == "| dali-ram | 10000.0 | 10000-10000 | 10.00x | 5.00 | 1 | 70% (10%) | 96% (0%) |"
+    )
+    assert lines[-1] == "- dali-file: skipped, DALI is not installed"
+    assert done["headline"] == (
+        "loader-gpu: 8000 img/s, 8.00x the torch + PIL baseline, 0.80x DALI's best (dali-ram), "
+        "ResNet-50 trains at 98% of its ceiling"
+    )
+    chart.draw(tmp_path / "c.png", results, {"loader-cpu", "loader-gpu"}, "t", "s")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> bench_data.Data:
+    root = tmp_path_factory.mktemp("bench-small")
+    make_image_folder(root / "images", 3, 4, seed=5)
+    return bench_data.prepare(root / "images", 0, root / "work", None, lambda m: None)
+
+
+@pytest.mark.parametrize("dtype, channels_last, eval_", [("float16", True, True),
+                                                         ("float32", False, False)])  # fmt: skip
+@pytest.mark.parametrize("name", sorted(expected_ok()))
+def test_every_pipeline_delivers_the_same_kind_of_batch(small, name, dtype, channels_last, eval_):
+    s = Settings(folder=str(small.folder), store=str(small.store), batch_size=5, workers=0,
+                 dtype=dtype, channels_last=channels_last, eval=eval_, device="cpu")  # fmt: skip
+    if name == "dali-crop" and eval_:
+        assert unavailable(next(x for x in specs() if x.name == name), s) == (
+            "same as dali-file with --eval (no random crop to decode)"
+        )
+        return
+    pipe = build(name, s)
+    try:
+        batches = list(pipe.epoch())
+    finally:
+        pipe.close()
+    assert [len(labels) for _, labels in batches] == [5, 5, 2]
+    for images, labels in batches:
+        assert images.shape[1:] == (3, 224, 224) and images.dtype == getattr(torch, dtype)
+        assert images.is_contiguous(memory_format=torch.channels_last) == channels_last
+        assert labels.dtype == torch.int64 and set(labels.tolist()) <= {0, 1, 2}
+    labels = sorted(x for _, lab in batches for x in lab.tolist())
+    assert labels == [0] * 4 + [1] * 4 + [2] * 4  # each image once per epoch
+
+
+def test_import_loader_leaves_the_bench_alone():
+    code = (
+        "import loader, sys\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('loader.bench', 'matplotlib'))))"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60, check=True)  # fmt: skip
+    assert done.stdout.strip() == "[]"
