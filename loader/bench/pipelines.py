@@ -44,13 +44,20 @@ class Spec:
 
 def specs() -> list[Spec]:
     """Every pipeline this version knows, available here or not."""
-    from loader.decode import decoders
+    from loader.decode import decoders, runs_in_workers
 
     found = [
         Spec(BASELINE, "torch DataLoader + ImageFolder (PIL)", "baseline"),
         Spec("torch-lmdb", "torch DataLoader + LMDBDataset (PIL)", "peer"),
     ]
     found += [Spec(f"loader-{d}", f"loader.DataLoader, decoder={d!r}", "ours") for d in decoders()]
+    # A GPU decoder also runs alone, without the workers' CPU share, to show what the share
+    # adds (the plain name runs with cpu_share="auto", the default).
+    found += [
+        Spec(f"loader-{d}-gpuonly", f"loader.DataLoader, decoder={d!r}, cpu_share=0", "ours")
+        for d in decoders()
+        if not runs_in_workers(d)
+    ]
     found += [
         Spec("dali-file", "DALI file reader + decoders.image + random_resized_crop", "peer"),
         Spec("dali-crop", "DALI file reader + decoders.image_random_crop", "peer"),
@@ -91,7 +98,8 @@ def build(name: str, s: Settings):
 
         return TorchPipeline(LMDBDataset(s.store, transform=torch_transform(s)), s)
     if name.startswith("loader-"):
-        return OurPipeline(name.removeprefix("loader-"), s)
+        decoder, _, variant = name.removeprefix("loader-").partition("-")
+        return OurPipeline(decoder, s, cpu_share=0.0 if variant == "gpuonly" else "auto")
     if name == "synthetic":
         from loader.bench.train import Synthetic
 
@@ -159,7 +167,7 @@ class TorchPipeline:
 class OurPipeline:
     """``loader.DataLoader`` on the store with decoder backend ``decoder``."""
 
-    def __init__(self, decoder: str, s: Settings) -> None:
+    def __init__(self, decoder: str, s: Settings, cpu_share: float | str = "auto") -> None:
         import loader
 
         self.dl = loader.DataLoader(
@@ -174,6 +182,7 @@ class OurPipeline:
             channels_last=s.channels_last,
             device=s.device,
             decoder=decoder,
+            cpu_share=cpu_share,
         )
 
     def epoch(self) -> Iterator:
