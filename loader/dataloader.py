@@ -151,9 +151,10 @@ class DataLoader:
         )
         # torch's loader.sampler: the sampler given, else this rank's share of each epoch.
         self.sampler = sampler if sampler is not None else RankSampler(self._plan, self.set_epoch)
-        self._sampler_epoch = getattr(sampler, "epoch", None)  # DistributedSampler.set_epoch
-        if self._sampler_epoch is not None:
-            self._plan.set_epoch(self._sampler_epoch)
+        # A DistributedSampler's epoch (its set_epoch) decides each epoch, as in torch.
+        self._follows = isinstance(sampler, torch.utils.data.DistributedSampler)
+        if self._follows:
+            self._plan.set_epoch(sampler.epoch)
         self._labels = self.store.labels
         self._producer = PixelBatches(
             self.store, self.transform, self.batch_size, self.decoder, planar=not channels_last
@@ -190,11 +191,11 @@ class DataLoader:
         return it
 
     def _follow_sampler_epoch(self) -> None:
-        """Apply a ``set_epoch`` called on the DistributedSampler given as ``sampler=``."""
-        epoch = getattr(self.sampler, "epoch", None)
-        if self._sampler_epoch is not None and epoch != self._sampler_epoch:
-            self._sampler_epoch = epoch
-            self.set_epoch(epoch)
+        """Read the epoch of the DistributedSampler given as ``sampler=`` (its last
+        ``set_epoch``), from its start, unless a loaded state resumes that very epoch."""
+        if self._follows and not (self._resume and self.sampler.epoch == self._plan.epoch):
+            self._resume = False
+            self._plan.set_epoch(self.sampler.epoch)
 
     @property
     def _pool(self) -> WorkerPool | None:
@@ -202,13 +203,18 @@ class DataLoader:
 
     @property
     def epoch(self) -> int:
-        """The epoch the next iteration reads (advances when an epoch is read to its end)."""
+        """The epoch the next iteration reads (advances when an epoch is read to its end;
+        with a DistributedSampler, its epoch unless a loaded state resumes another)."""
+        if self._follows and not self._resume:
+            return self.sampler.epoch
         return self._plan.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order next, from its start (as ``DistributedSampler``);
         after ``load_state_dict`` of a state of that same epoch, resume it instead."""
         self._end_active("set_epoch()")
+        if self._follows:
+            self.sampler.set_epoch(epoch)
         if not (self._resume and epoch == self._plan.epoch):
             self._plan.set_epoch(epoch)
             self._resume = False

@@ -43,7 +43,6 @@ parser.add_argument("--multiprocessing-distributed", action="store_true")
 parser.add_argument("--dummy", action="store_true")
 parser.add_argument("--procs", default=2, type=int, help="processes per node (CPU: no GPUs)")
 parser.add_argument("--out", required=True, help="where each rank writes what it saw")
-parser.add_argument("--start-method", default="spawn", help="fork starts ranks without imports")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,9 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     args.distributed = args.world_size > 1 or args.multiprocessing_distributed
     if args.multiprocessing_distributed:
         args.world_size = args.procs * args.world_size
-        mp.start_processes(
-            main_worker, args=(args.procs, args), nprocs=args.procs, start_method=args.start_method
-        )
+        mp.spawn(main_worker, nprocs=args.procs, args=(args.procs, args))
     else:
         main_worker(None, 1, args)
 
