@@ -10,20 +10,24 @@ from pathlib import Path
 import cv2
 import lmdb
 import numpy as np
+from tqdm import tqdm
 
 from ingest import format as fmt
 from ingest.codec import image_bytes, unpack_record
 from ingest.writer import sha256_file
 
 
-def verify_store(root: str | os.PathLike, *, decode: bool = True) -> list[str]:
+def verify_store(
+    root: str | os.PathLike, *, decode: bool = True, progress: bool | None = None
+) -> list[str]:
     """Return every problem found in the store at ``root`` (empty: the store is sound).
 
     Checks the SHA-256 of the index, paths and rejects files; then reads every record of
     every shard, checking its key, its CRC-32 and length (recorded in the index), its
     fields and, with ``decode``, that its image decodes to the recorded size; and each
     shard's content checksum (``ingest.format.records_digest``) against the manifest.
-    Problems name the shard, and the key where one record is at fault.
+    Problems name the shard, and the key where one record is at fault. ``progress`` shows
+    a progress bar, as ``ingest build`` does (default: when stderr is a terminal).
 
     Raises:
         ingest.format.StoreError: ``root`` is not a complete store.
@@ -40,19 +44,27 @@ def verify_store(root: str | os.PathLike, *, decode: bool = True) -> list[str]:
     index = fmt.load_index(root, mmap=False)
     if len(index) != manifest["num_samples"]:
         return [*problems, f"{fmt.INDEX}: {len(index)} rows for {manifest['num_samples']} samples"]
-    for shard, entry in enumerate(manifest["shards"]):
-        problems.extend(_check_shard(root, shard, entry, index, decode))
+    bar = tqdm(
+        total=len(index), unit="img", desc="verify", smoothing=0.05,
+        disable=None if progress is None else not progress,
+    )  # fmt: skip
+    with bar:
+        for shard, entry in enumerate(manifest["shards"]):
+            problems.extend(_check_shard(root, shard, entry, index, decode, bar.update))
     return problems
 
 
-def _check_shard(root: Path, shard: int, entry: dict, index: np.ndarray, decode: bool) -> list:
+def _check_shard(
+    root: Path, shard: int, entry: dict, index: np.ndarray, decode: bool, tick=None
+) -> list:
     name = entry["name"]
     if not (root / name / "data.mdb").is_file():
         return [f"{name}: data.mdb is missing"]
     crcs: list[int] = []
     sizes: list[int] = []
     try:
-        problems = list(_check_records(root / name, name, entry, index, decode, crcs, sizes))
+        records = _check_records(root / name, name, entry, index, decode, crcs, sizes, tick)
+        problems = list(records)
     except lmdb.Error as e:
         return [f"{name}: LMDB cannot read the shard: {e}"]
     if fmt.records_digest(entry["first"], np.array(crcs), np.array(sizes)) != entry["digest"]:
@@ -61,7 +73,14 @@ def _check_shard(root: Path, shard: int, entry: dict, index: np.ndarray, decode:
 
 
 def _check_records(
-    path: Path, name: str, entry: dict, index: np.ndarray, decode: bool, crcs: list, sizes: list
+    path: Path,
+    name: str,
+    entry: dict,
+    index: np.ndarray,
+    decode: bool,
+    crcs: list,
+    sizes: list,
+    tick=None,
 ) -> Iterator[str]:
     env = lmdb.open(str(path), readonly=True, lock=False, readahead=False)
     try:
@@ -77,6 +96,8 @@ def _check_records(
                 problem = _check_record(i, value, crcs[-1], index, decode)
                 if problem:
                     yield f"{name}: key {i}: {problem}"
+                if tick is not None:
+                    tick(1)
                 expected += 1
             last = entry["first"] + entry["count"] - 1
             if expected - 1 != last:
