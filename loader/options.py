@@ -215,8 +215,9 @@ def resolve_seed(
 ) -> tuple[int, bool]:
     """(seed, chosen): ``seed=``, else the sampler's, else the initial seed of a torch
     ``generator``; else (chosen=False) one drawn from torch's global RNG as torch's
-    DataLoader draws its base seed, rank 0's under torch.distributed. Ranks given by
-    ``world_size=`` > 1 outside torch.distributed cannot agree on a drawn seed: they use 0.
+    DataLoader draws its base seed, rank 0's when the loader's ranks are torch.distributed's.
+    Ranks given by ``world_size=`` > 1 outside torch.distributed cannot agree on a drawn
+    seed: they use 0.
 
     Raises:
         ValueError: ``seed=`` is not a non-negative integer or contradicts the sampler's.
@@ -226,20 +227,24 @@ def resolve_seed(
     seed = sampler_seed if seed is None else seed
     if seed is None and generator is not None:
         seed = generator.initial_seed()
-    if seed is None:
-        alone = not (dist.is_available() and dist.is_initialized())
-        return (0 if alone and world_size not in (None, 1) else _drawn_seed()), False
-    return check_int("seed", seed, 0, "pass a non-negative integer"), True
+    if seed is not None:
+        return check_int("seed", seed, 0, "pass a non-negative integer"), True
+    group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if group > 1 and world_size in (None, group):
+        return _rank0_seed(), False
+    return (0 if world_size not in (None, 1) else _drawn_seed()), False
 
 
 def _drawn_seed() -> int:
-    """A seed from torch's global RNG; under torch.distributed, rank 0's (a broadcast:
-    every rank builds its loader, as every rank builds its DDP model)."""
-    seed = int(torch.empty((), dtype=torch.int64).random_().item())
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        nccl = dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-        value = torch.tensor([seed], dtype=torch.int64, device=device)
-        dist.broadcast(value, src=0)
-        seed = int(value.item())
-    return seed
+    """A seed from torch's global RNG, as torch's DataLoader draws its base seed."""
+    return int(torch.empty((), dtype=torch.int64).random_().item())
+
+
+def _rank0_seed() -> int:
+    """Rank 0's drawn seed on every rank (a broadcast: every rank builds its loader, as
+    every rank builds its DDP model)."""
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+    value = torch.tensor([_drawn_seed()], dtype=torch.int64, device=device)
+    dist.broadcast(value, src=0)
+    return int(value.item())

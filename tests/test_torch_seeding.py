@@ -3,6 +3,7 @@ every rank (rank 0's under torch.distributed), recorded by state_dict and adopte
 
 from __future__ import annotations
 
+import datetime
 import socket
 
 import pytest
@@ -14,6 +15,7 @@ from loader_data import NUM_SAMPLES, make_store
 import loader
 
 B = 8
+_TIMEOUT = datetime.timedelta(seconds=30)
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +75,15 @@ def test_a_drawn_seed_yields_to_the_saved_one(store):
 
 
 def _rank(rank: int, port: int, store, out) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
+    url = f"tcp://127.0.0.1:{port}"
+    # A collective that only one rank calls fails after the timeout instead of hanging.
+    dist.init_process_group("gloo", init_method=url, world_size=2, rank=rank, timeout=_TIMEOUT)
     torch.manual_seed(100 + rank)  # unseeded ranks draw different numbers
     dl = make(store)
     out[rank] = (dl.seed, order(dl))
+    if rank == 0:  # a loader of this rank alone (say, for evaluation) draws its own seed
+        out["alone"] = make(store, rank=0, world_size=1).seed
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -87,8 +94,10 @@ def test_under_torch_distributed_every_rank_uses_rank_0s_seed(store):
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_rank, args=(port, store, out), nprocs=2)
-        (seed0, order0), (seed1, order1) = out[0], out[1]
+        (seed0, order0), (seed1, order1), out_alone = out[0], out[1], out["alone"]
     torch.manual_seed(100)
     assert seed0 == seed1 == int(torch.empty((), dtype=torch.int64).random_().item())
+    torch.empty((), dtype=torch.int64).random_()  # rank 0's next draw: the alone loader's
+    assert out_alone == int(torch.empty((), dtype=torch.int64).random_().item())
     assert len(order0) == len(order1) == 32  # 63 padded to 64, half each
     assert set(order0) | set(order1) == set(range(NUM_SAMPLES))
