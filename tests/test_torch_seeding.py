@@ -97,7 +97,7 @@ def test_under_torch_distributed_every_rank_uses_rank_0s_seed(store):
         (seed0, order0), (seed1, order1), out_alone = out[0], out[1], out["alone"]
     torch.manual_seed(100)
     assert seed0 == seed1 == int(torch.empty((), dtype=torch.int64).random_().item())
-    torch.empty((), dtype=torch.int64).random_()  # rank 0's next draw: the alone loader's
+    # rank 0's next draw is the alone loader's: it did not take part in a broadcast
     assert out_alone == int(torch.empty((), dtype=torch.int64).random_().item())
     assert len(order0) == len(order1) == 32  # 63 padded to 64, half each
     assert set(order0) | set(order1) == set(range(NUM_SAMPLES))
