@@ -88,7 +88,7 @@ class DataLoader:
         _say(f"loader.DataLoader: {'fast path' if fast else 'torch DataLoader'}: {why}", verbose)
         if fast:
             return super().__new__(cls)
-        return torch.utils.data.DataLoader(dataset, *args, **opt.ignore_store_only(dataset, kwargs))
+        return torch.utils.data.DataLoader(dataset, *args, **opt.ignore_store_only(kwargs, why))
 
     def __init__(
         self,

@@ -68,15 +68,14 @@ def route(dataset, given: dict) -> tuple[bool, str]:
     return True, why
 
 
-def ignore_store_only(dataset, kwargs: dict) -> dict:
+def ignore_store_only(kwargs: dict, why: str) -> dict:
     """``kwargs`` less the store-only arguments, which torch's DataLoader does not take;
-    warns once, naming them, when some were given."""
+    warns once, naming them and ``why`` torch's DataLoader reads the dataset."""
     ours = [k for k in STORE_ONLY if k in kwargs]
     if ours:
         warnings.warn(
-            f"loader.DataLoader: {', '.join(k + '=' for k in ours)} ignored: they apply only "
-            f"when reading a store, and a {type(dataset).__name__} is read by torch's "
-            "DataLoader (give the dataset its own transform)",
+            f"loader.DataLoader: {', '.join(k + '=' for k in ours)} ignored: torch's "
+            f"DataLoader reads this dataset ({why}) and they apply only to the fast path",
             stacklevel=3,
         )
     return {k: v for k, v in kwargs.items() if k not in STORE_ONLY}

@@ -261,9 +261,9 @@ def test_store_options_are_ignored_with_one_warning_for_other_datasets():
     with pytest.warns(UserWarning) as caught:
         dl = loader.DataLoader(ds, batch_size=2, transform="train", device="cpu", seed=3)
     assert len(caught) == 1
-    assert str(caught[0].message).startswith(
-        "loader.DataLoader: transform=, device=, seed= ignored: they apply only when reading "
-        "a store, and a TensorDataset is read by torch's DataLoader"
+    assert str(caught[0].message) == (
+        "loader.DataLoader: transform=, device=, seed= ignored: torch's DataLoader reads this "
+        "dataset (a TensorDataset is not a store) and they apply only to the fast path"
     )
     assert caught[0].filename == __file__  # points at the caller's line
     assert type(dl) is torch.utils.data.DataLoader

@@ -155,6 +155,19 @@ def test_an_unrecognised_transform_gets_torchs_and_says_why(store, caplog, capsy
     assert np.allclose(images[:, 0].numpy(), images[:, 1].numpy())  # torchvision's grayscale
 
 
+def test_store_only_arguments_for_an_unrecognised_transform_warn_why(store):
+    tf = T.Compose([T.RandomResizedCrop(32), T.ColorJitter(0.4), T.ToTensor()])
+    ds = loader.LMDBDataset(store, transform=tf)
+    with pytest.warns(UserWarning) as caught:
+        dl = loader.DataLoader(ds, batch_size=4, device="cpu")
+    assert type(dl) is torch.utils.data.DataLoader and len(caught) == 1
+    assert str(caught[0].message) == (
+        "loader.DataLoader: device= ignored: torch's DataLoader reads this dataset (the "
+        "LMDBDataset's transform is not a recognised recipe: ColorJitter is not a step the "
+        "loader runs itself) and they apply only to the fast path"
+    )
+
+
 def test_the_transform_is_given_once(store):
     tf = T.Compose([T.RandomResizedCrop(64), T.ToTensor()])
     ds = loader.LMDBDataset(store, transform=tf)
