@@ -116,7 +116,8 @@ def check_not_for_store(sampler, batch_sampler, collate_fn) -> None:
             "transform=<torchvision transform>) without store-only arguments and get "
             "torch's DataLoader"
         )
-    given = [n for n, v in (("batch_sampler", batch_sampler), ("collate_fn", collate_fn)) if v]
+    pairs = (("batch_sampler", batch_sampler), ("collate_fn", collate_fn))
+    given = [name for name, value in pairs if value is not None]
     if given:
         raise ValueError(
             f"{'/'.join(given)}= cannot be used when reading a store: the loader plans each "
