@@ -104,3 +104,15 @@ def test_a_discarded_build_says_what_differs(
         manifest = build(src, out, options, workers=1, progress=False)
     assert caplog.messages == [f"ingest: {out} holds an interrupted build {why}; starting over"]
     assert manifest["num_samples"] == (24 if change else 23)
+
+
+def test_a_build_state_of_an_older_ingest_is_named_so(clean_tree):
+    from ingest.resume import difference, fingerprint
+    from ingest.scan import scan
+
+    now = fingerprint(scan(clean_tree), CLEAN_OPTIONS.output_affecting())
+    assert now == json.loads(json.dumps(now))  # compares equal to itself read back
+    assert difference("3f5a" * 16, now) == "made by another version of ingest"
+    assert difference({**now, "version": 0}, now) == (
+        f"of store format v0 (this ingest writes v{fmt.FORMAT_VERSION})"
+    )
