@@ -23,7 +23,14 @@ from ingest.codec import Compression, compress, pack_record
 from ingest.cstderr import captured
 from ingest.normalize import DEFAULT_MAX_PIXELS, Options, Reject, convert
 from ingest.parallel import Result, can_fork, ordered_map
-from ingest.resume import OutputError, check_out_outside, fingerprint, load_state, prepare_out
+from ingest.resume import (
+    OutputError,
+    check_out_outside,
+    fingerprint,
+    identity,
+    load_state,
+    prepare_out,
+)
 from ingest.safeio import FileRefused, read_regular
 from ingest.scan import Scan, SourceError, scan
 from ingest.writer import MiB, ShardWriter, sha256_file
@@ -195,7 +202,7 @@ class _Run:
     def __init__(self, tree: Scan, out: Path, options: BuildOptions, state: dict, map_size: int):
         self.tree, self.out, self.options, self.state = tree, out, options, state
         self.map_size = map_size
-        self.build = state["fingerprint"]  # the build identity: same inputs, same identity
+        self.build = identity(state["fingerprint"])  # same inputs, same identity
         self.partial = out / fmt.PARTIAL_DIR
         self.partial.mkdir(exist_ok=True)
         self.stats = Counter(state["stats"])

@@ -51,18 +51,38 @@ def _compression(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+DESCRIPTION = (
+    "Pack an image folder (torchvision ImageFolder layout: SRC/CLASS/IMAGE) once into a "
+    "store of a few large LMDB shards, checking and normalising every image, for "
+    "loader.DataLoader to read fast; then summarise (info) or check (verify) a store."
+)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package = version("imfeed")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        package = "(not installed)"
+    return f"ingest (imfeed) {package}, store format v{fmt.FORMAT_VERSION}"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ingest", description=__doc__)
+    p = argparse.ArgumentParser(prog="ingest", description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="convert an ImageFolder tree into a store")
     b.add_argument("src", help="image folder: SRC/CLASS/.../IMAGE")
     b.add_argument("out", help="store directory to create (e.g. train.lmdb)")
     b.add_argument("--workers", type=_positive, default=None, help="processes (default: all cores)")
-    b.add_argument("--shard-size", type=parse_size, default="512MiB", help="default 512MiB")
+    b.add_argument("--shard-size", type=parse_size, default="512MiB", metavar="SIZE",
+                   help="shards roll over at this many bytes (default: %(default)s)")  # fmt: skip
     b.add_argument("--compression", type=_compression, default="none", help="none | zstd[:LEVEL]")
     b.add_argument("--max-size", type=_positive, default=None, metavar="PX",
                    help="cap the longer side; larger images are resized, re-encoded")  # fmt: skip
-    b.add_argument("--quality", type=_quality, default=95, help="JPEG quality of re-encodes")
+    b.add_argument("--quality", type=_quality, default=95, metavar="Q",
+                   help="JPEG quality of re-encoded images (default: %(default)s)")  # fmt: skip
     b.add_argument("--overwrite", action="store_true", help="replace a complete store at OUT")
     b.add_argument("--strict", action="store_true", help="exit non-zero if any file is rejected")
     b.add_argument("--no-verify", action="store_true", help="do not decode images to check them")

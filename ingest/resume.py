@@ -53,15 +53,16 @@ def check_out_outside(src: Path, out: Path) -> None:
         )
 
 
-def fingerprint(tree: Scan, options: dict) -> str:
-    """Digest of what decides a build's content: inputs with their sizes and mtimes, options.
+def fingerprint(tree: Scan, options: dict) -> dict:
+    """What decides a build's content (JSON-able): the format version, the options, the
+    classes and a digest of the inputs with their sizes and mtimes. ``identity`` of it is
+    the build's identity (the manifest's "build").
 
-    It is also the build's identity (the manifest's "build"). A file that cannot be
-    stat'ed (a broken link, a link loop, a file deleted since the scan) enters with the
-    error's number: the worker that reads it rejects it with the reason.
+    A file that cannot be stat'ed (a broken link, a link loop, a file deleted since the
+    scan) enters with the error's number: the worker that reads it rejects it with the
+    reason.
     """
     h = hashlib.sha256()
-    h.update(json.dumps([fmt.FORMAT_VERSION, options, tree.classes]).encode())
     root = str(tree.root)
     for rel, label in tree.items:
         try:
@@ -70,23 +71,71 @@ def fingerprint(tree: Scan, options: dict) -> str:
         except OSError as e:
             facts = f"error {e.errno}"
         h.update(os.fsencode(rel) + f"\0{label}\0{facts}\n".encode())
-    return h.hexdigest()
+    digest = {
+        "version": fmt.FORMAT_VERSION, "options": options, "classes": tree.classes,
+        "files": len(tree.items), "inputs": h.hexdigest(),
+    }  # fmt: skip
+    return json.loads(json.dumps(digest))  # as the state file gives it back (lists, not tuples)
 
 
-def fresh_state(digest: str) -> dict:
+def identity(digest: dict) -> str:
+    """The build identity (ASCII hex) of a ``fingerprint``: same inputs, same identity."""
+    return hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()
+
+
+def difference(old, new: dict) -> str:
+    """What differs between two fingerprints, in the user's terms (options as flags)."""
+    if not isinstance(old, dict) or old.keys() != new.keys():
+        return "made by another version of ingest"
+    if old["version"] != new["version"]:
+        return f"of store format v{old['version']} (this ingest writes v{new['version']})"
+    options = [
+        f"{_flag(k, old['options'].get(k))} then, {_flag(k, v)} now"
+        for k, v in new["options"].items()
+        if old["options"].get(k) != v
+    ]
+    if options:
+        return "with other options (" + "; ".join(options) + ")"
+    if old["classes"] != new["classes"]:
+        return f"of other class folders ({len(old['classes'])} then, {len(new['classes'])} now)"
+    return (
+        f"of other source files ({old['files']} then, {new['files']} now, or files were "
+        "changed, renamed or touched since)"
+    )
+
+
+def _flag(option: str, value) -> str:
+    """An output-affecting option as the `ingest build` flag that sets it."""
+    if option == "verify":
+        return "--no-verify" if value is False else "verification on"
+    if option == "shard_size" and isinstance(value, int) and value % 1024 == 0:
+        for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if value % size == 0:
+                return f"--shard-size {value // size}{unit}"
+    return f"--{option.replace('_', '-')} {value}"
+
+
+def fresh_state(digest: dict) -> dict:
     return {"fingerprint": digest, "cursor": 0, "shards": [], "rejects": [], "stats": {}}
 
 
-def load_state(out: Path, digest: str) -> dict:
-    """The sealed progress of an interrupted build of the same inputs, else a fresh start."""
+def load_state(out: Path, digest: dict) -> dict:
+    """The sealed progress of an interrupted build of the same inputs, else a fresh start;
+    logs which one, and what differs when an interrupted build is discarded."""
     path = out / fmt.BUILD_STATE
     state = None
     if path.exists():
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
         if state.get("fingerprint") != digest:
-            log.warning("ingest: %s holds an interrupted build of other inputs; starting over", out)
+            why = difference(state.get("fingerprint"), digest)
+            log.warning("ingest: %s holds an interrupted build %s; starting over", out, why)
             state = None
+        elif state["cursor"]:
+            log.warning(
+                "ingest: resuming the interrupted build in %s: %d of %d images were done, in "
+                "%d sealed shard(s)", out, state["cursor"], digest["files"], len(state["shards"]),
+            )  # fmt: skip
     if state is None:
         for child in out.iterdir():  # only our own leftovers can be here (see _prepare_out)
             shutil.rmtree(child) if child.is_dir() else child.unlink()

@@ -11,6 +11,7 @@ import cv2
 import lmdb
 import numpy as np
 import simplejpeg
+from tqdm import tqdm
 
 from ingest import format as fmt
 from ingest.codec import image_bytes, unpack_record
@@ -20,7 +21,9 @@ from ingest.safeio import FileRefused
 from ingest.writer import sha256_file
 
 
-def verify_store(root: str | os.PathLike, *, decode: bool = True) -> list[str]:
+def verify_store(
+    root: str | os.PathLike, *, decode: bool = True, progress: bool | None = None
+) -> list[str]:
     """Return every problem found in the store at ``root`` (empty: the store is sound).
 
     Checks every file through ``ingest.format.store_file`` (named as the format says,
@@ -31,6 +34,8 @@ def verify_store(root: str | os.PathLike, *, decode: bool = True) -> list[str]:
     size; and each shard's build identity and content checksum
     (``ingest.format.records_digest``) against the manifest. Problems name the shard, and
     the key where one record is at fault.
+    ``progress`` shows a progress bar, as ``ingest build`` does (default: when stderr is
+    a terminal).
 
     Raises:
         ingest.format.StoreError: ``root`` is not a complete store (no valid manifest).
@@ -46,8 +51,13 @@ def verify_store(root: str | os.PathLike, *, decode: bool = True) -> list[str]:
         index = fmt.load_index(root, mmap=False, manifest=manifest)
     except fmt.StoreError as e:
         return [*problems, _relative(root, e)]
-    for shard in range(len(manifest["shards"])):
-        problems.extend(_check_shard(root, manifest, shard, index, decode))
+    bar = tqdm(
+        total=len(index), unit="img", desc="verify", smoothing=0.05,
+        disable=None if progress is None else not progress,
+    )  # fmt: skip
+    with bar:
+        for shard in range(len(manifest["shards"])):
+            problems.extend(_check_shard(root, manifest, shard, index, decode, bar.update))
     return problems
 
 
@@ -66,7 +76,9 @@ def _file_problem(root: Path, manifest: dict, what: str) -> str | None:
     return None
 
 
-def _check_shard(root: Path, manifest: dict, shard: int, index: np.ndarray, decode: bool) -> list:
+def _check_shard(
+    root: Path, manifest: dict, shard: int, index: np.ndarray, decode: bool, tick=None
+) -> list:
     entry = manifest["shards"][shard]
     name = entry["name"]
     try:
@@ -76,7 +88,7 @@ def _check_shard(root: Path, manifest: dict, shard: int, index: np.ndarray, deco
     crcs: list[int] = []
     sizes: list[int] = []
     try:
-        problems = list(_check_records(path, name, entry, index, decode, crcs, sizes))
+        problems = list(_check_records(path, name, entry, index, decode, crcs, sizes, tick))
         problems += _build_problem(path, name, manifest)
     except lmdb.Error as e:
         return [f"{name}: LMDB cannot read the shard: {e}"]
@@ -100,7 +112,14 @@ def _build_problem(path: Path, name: str, manifest: dict) -> list[str]:
 
 
 def _check_records(
-    path: Path, name: str, entry: dict, index: np.ndarray, decode: bool, crcs: list, sizes: list
+    path: Path,
+    name: str,
+    entry: dict,
+    index: np.ndarray,
+    decode: bool,
+    crcs: list,
+    sizes: list,
+    tick=None,
 ) -> Iterator[str]:
     env = lmdb.open(str(path), readonly=True, lock=False, readahead=False)
     try:
@@ -115,6 +134,8 @@ def _check_records(
                 problem = _check_record(i, value, crcs[-1], index, decode)
                 if problem:
                     yield f"{name}: key {i}: {problem}"
+                if tick is not None:
+                    tick(1)
                 expected += 1
             last = entry["first"] + entry["count"] - 1
             if expected - 1 != last:

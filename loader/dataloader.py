@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import weakref
 
 import torch
@@ -24,7 +25,7 @@ from loader.epoch import EpochIterator
 from loader.gpu_stage import GpuStage
 from loader.output import BatchOutput, resolve_device, resolve_dtype
 from loader.prefetch import GpuEpochIterator
-from loader.sampler import EpochPlan
+from loader.sampler import EpochPlan, RankSampler
 from loader.stats import LoaderStats
 from loader.workers import Ring, WorkerPool
 
@@ -47,19 +48,26 @@ class DataLoader:
     """Batches of ``(images, labels)`` from a store, or torch's DataLoader for a Dataset.
 
     The arguments shared with ``torch.utils.data.DataLoader`` keep its names, order and
-    defaults. Reading a store, ``sampler``/``batch_sampler``/``collate_fn`` do not apply,
-    ``in_order`` is always honoured and ``pin_memory_device`` is superseded by ``device``.
+    defaults. Reading a store, ``sampler`` may be a ``DistributedSampler`` (its rank, world
+    size, shuffle, seed, drop_last and ``set_epoch`` are followed, its batches are
+    reproduced), ``RandomSampler`` or ``SequentialSampler``; ``batch_sampler``/``collate_fn``
+    do not apply, ``in_order`` is always honoured and ``pin_memory_device`` is superseded by
+    ``device``.
 
     Args:
         dataset: a store directory (made by ``ingest build``), an ``LMDBDataset`` without a
-            transform, or any other Dataset (then this returns torch's DataLoader).
-        transform: "train", "eval" or a ``loader.Transform`` (required for a store).
+            transform or with a standard torchvision recipe (``loader.recipes``), or any other
+            Dataset (then this returns torch's DataLoader, and the store-only arguments
+            below are ignored with a warning).
+        transform: "train", "eval" or a ``loader.Transform`` (required for a store path).
         image_size: output size of "train"/"eval", int or (height, width); default 224.
         mean, std: normalisation (RGB, 0..1); default ImageNet's.
         dtype: images dtype: float32 (default), float16, bfloat16 or uint8 (not normalised).
         channels_last: deliver images in ``torch.channels_last`` memory format.
         device: where batches go: "cpu" or a CUDA device (default: "cuda" when available).
-        seed: seed of the epoch order and the augmentation (default: ``generator``'s, or 0).
+        seed: seed of the epoch order and the augmentation (default: the sampler's, else
+            ``generator``'s, else drawn from torch's global RNG, rank 0's under
+            torch.distributed, so that ``torch.manual_seed`` makes a run repeatable).
         rank, world_size: this process's share (default: from torch.distributed, else 0/1).
         with_indices: batches are ``(images, labels, indices)``; indices stay on the CPU.
         decoder: "auto" (default: "nvjpeg" on a CUDA device, else "cpu"), or a backend
@@ -71,8 +79,12 @@ class DataLoader:
         decoder: decoder backend (``loader.decode.decoders()``), default "cpu".
         cache, cache_limit, cache_root: a node-wide RAM copy of the shards, shared by all
             processes and workers (``cache="shm"`` or ``"shm:keep"``): as on ``LMDBDataset``.
+        verbose: print which path was taken and why (it is always logged at INFO).
 
     Attributes:
+        dataset: the ``LMDBDataset`` read.
+        sampler: the sampler given, else a ``loader.sampler.RankSampler``; ``len`` is this
+            rank's number of samples per epoch, as torch's.
         bad_samples: {sample index: "path: reason"} of records that failed to decode; each
             was replaced by another sample and logged once.
         num_replaced: how many samples were replaced so far (every occurrence).
@@ -82,19 +94,14 @@ class DataLoader:
         ingest.format.StoreError: the path is not a complete store.
     """
 
-    def __new__(cls, dataset, *args, **kwargs):
+    def __new__(cls, dataset, *args, verbose: bool = False, **kwargs):
         names = ("batch_size", "shuffle", "sampler", "batch_sampler", "num_workers", "collate_fn")
         given = dict(zip(names, args, strict=False)) | kwargs
-        if opt.reads_store(dataset, *(given.get(k) for k in names[2:4] + names[5:])):
+        fast, why = opt.route(dataset, given)
+        _say(f"loader.DataLoader: {'fast path' if fast else 'torch DataLoader'}: {why}", verbose)
+        if fast:
             return super().__new__(cls)
-        ours = [k for k in opt.STORE_ONLY if k in kwargs]
-        if ours:
-            raise ValueError(
-                f"{', '.join(k + '=' for k in ours)} apply only when reading a store (a path or "
-                f"an LMDBDataset without a transform); for a {type(dataset).__name__} this is "
-                "torch's DataLoader: give the dataset its own transform instead"
-            )
-        return torch.utils.data.DataLoader(dataset, *args, **kwargs)
+        return torch.utils.data.DataLoader(dataset, *args, **opt.ignore_store_only(kwargs, why))
 
     def __init__(
         self,
@@ -132,8 +139,10 @@ class DataLoader:
         cache: str | None = None,
         cache_limit: int | str | None = None,
         cache_root: str | os.PathLike | None = None,
+        verbose: bool = False,
     ) -> None:
         opt.check_not_for_store(sampler, batch_sampler, collate_fn)
+        transform = opt.store_transform(dataset, transform)
         self.batch_size = opt.check_batch_size(batch_size)
         self.num_workers, self.prefetch_factor, self.timeout = opt.check_workers(
             num_workers, prefetch_factor, timeout
@@ -145,9 +154,12 @@ class DataLoader:
         self._output = BatchOutput(
             self.transform, resolve_dtype(dtype), bool(channels_last), self.device, pin_memory
         )
-        self.seed = opt.resolve_seed(seed, generator)
         self.store, self.dataset = opt.open_store(
             dataset, cache=cache, cache_limit=cache_limit, cache_root=cache_root
+        )
+        follow = opt.check_sampler(sampler, shuffle, len(self.store), rank, world_size)
+        self.seed, self._seed_chosen = opt.resolve_seed(
+            seed, generator, follow.pop("seed"), follow["world_size"]
         )
         self.drop_last, self.with_indices = bool(drop_last), bool(with_indices)
         self.pin_memory = self._output.pin
@@ -155,14 +167,14 @@ class DataLoader:
         self.worker_init_fn = worker_init_fn
         self._context = opt.mp_context(multiprocessing_context)
         self._plan = EpochPlan(
-            len(self.store),
-            self.batch_size,
-            shuffle=bool(shuffle),
-            seed=self.seed,
-            drop_last=self.drop_last,
-            rank=rank,
-            world_size=world_size,
+            len(self.store), self.batch_size, seed=self.seed, drop_last=self.drop_last, **follow
         )
+        # torch's loader.sampler: the sampler given, else this rank's share of each epoch.
+        self.sampler = sampler if sampler is not None else RankSampler(self._plan, self.set_epoch)
+        # A DistributedSampler's epoch (its set_epoch) decides each epoch, as in torch.
+        self._follows = isinstance(sampler, torch.utils.data.DistributedSampler)
+        if self._follows:
+            self._plan.set_epoch(sampler.epoch)
         self._labels = self.store.labels
         self._stats = LoaderStats()
         self._gpu_stage: GpuStage | None = None
@@ -198,6 +210,7 @@ class DataLoader:
         """The batches of the current epoch: the rest of it after ``load_state_dict``,
         otherwise all of it (a loop that stopped early starts that epoch again)."""
         self._end_active("a new iteration")
+        self._follow_sampler_epoch()
         if not self._resume and self._plan.consumed:
             self._plan.set_epoch(self._plan.epoch)
         self._resume = False
@@ -209,19 +222,31 @@ class DataLoader:
         self._active = weakref.ref(it)
         return it
 
+    def _follow_sampler_epoch(self) -> None:
+        """Read the epoch of the DistributedSampler given as ``sampler=`` (its last
+        ``set_epoch``), from its start, unless a loaded state resumes that very epoch."""
+        if self._follows and not (self._resume and self.sampler.epoch == self._plan.epoch):
+            self._resume = False
+            self._plan.set_epoch(self.sampler.epoch)
+
     @property
     def _pool(self) -> WorkerPool | None:
         return self._workers.pool
 
     @property
     def epoch(self) -> int:
-        """The epoch the next iteration reads (advances when an epoch is read to its end)."""
+        """The epoch the next iteration reads (advances when an epoch is read to its end;
+        with a DistributedSampler, its epoch unless a loaded state resumes another)."""
+        if self._follows and not self._resume:
+            return self.sampler.epoch
         return self._plan.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order next, from its start (as ``DistributedSampler``);
         after ``load_state_dict`` of a state of that same epoch, resume it instead."""
         self._end_active("set_epoch()")
+        if self._follows:
+            self.sampler.set_epoch(epoch)
         if not (self._resume and epoch == self._plan.epoch):
             self._plan.set_epoch(epoch)
             self._resume = False
@@ -234,6 +259,9 @@ class DataLoader:
         """Resume from ``state_dict()`` output, possibly saved with another world size: the
         next iteration yields the rest of that epoch, later ones continue from there."""
         self._end_active("load_state_dict()")
+        if not self._seed_chosen and "seed" in state:  # a drawn seed yields to the saved one
+            self._plan.reseed(state["seed"])
+            self.seed = self._plan.seed
         self._plan.load_state_dict(state)
         self._resume = True
 
@@ -336,3 +364,10 @@ class DataLoader:
             f"shuffle={self._plan.shuffle}, num_workers={self.num_workers}, "
             f"transform={self.transform}, device={str(self.device)!r})"
         )
+
+
+def _say(message: str, verbose: bool) -> None:
+    """Log which path a DataLoader takes and why (at INFO; also on stderr if verbose)."""
+    log.info(message)
+    if verbose:
+        print(message, file=sys.stderr)

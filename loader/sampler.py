@@ -23,15 +23,27 @@ Semantics:
   ``world_size=1`` nothing is padded and nothing dropped, exactly as ``DataLoader`` batches.
 
 ``len(plan)`` is the number of batches one rank yields in a full epoch, the same on every rank.
+
+**DistributedSampler's semantics** (``EpochPlan.like_distributed_sampler``): the shuffled
+order is ``torch.randperm(N)`` drawn from a generator seeded ``seed + epoch``, the order is
+made a multiple of ``world_size`` first (padded as above, or its last ``N % world_size``
+samples dropped, as the sampler's ``drop_last``), rank ``r`` takes every ``world_size``-th
+sample of each step from offset ``r`` (``indices[r::world_size]``), and ``drop_last`` then
+only drops each rank's last partial batch, as torch's DataLoader does over that sampler. A
+fresh epoch therefore yields exactly the batches of torch's DataLoader with that
+``DistributedSampler``; consumption is still a prefix of the order, so resume is unchanged.
 """
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
 
 _STATE_KEYS = ("epoch", "seed", "shuffle", "drop_last", "num_samples", "batch_size", "consumed")
+EVEN = ("pad", "cut")  # how the order is made a multiple of the world size (see the module doc)
 
 
 def batch_seed(seed: int, epoch: int, step: int, *, rank: int = 0) -> int:
@@ -42,6 +54,15 @@ def batch_seed(seed: int, epoch: int, step: int, *, rank: int = 0) -> int:
     """
     state = np.random.SeedSequence([seed, epoch, step, rank]).generate_state(1, dtype=np.uint64)
     return int(state[0] >> np.uint64(1))
+
+
+def _torch_permutation(n: int, seed: int) -> np.ndarray:
+    """``torch.randperm(n)`` from a generator seeded ``seed``, as DistributedSampler draws."""
+    import torch  # lazy: only DistributedSampler's order needs it
+
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return torch.randperm(n, generator=g).numpy()
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -71,6 +92,13 @@ class EpochPlan:
         drop_last: drop the tail that does not fill a whole step on every rank.
         rank: this process's rank; ``None`` takes it from ``torch.distributed`` (else 0).
         world_size: number of ranks; ``None`` takes it from ``torch.distributed`` (else 1).
+        even: "pad" or "cut" the order to a multiple of ``world_size`` before batching,
+            then ``drop_last`` drops partial batches only (DistributedSampler's way);
+            ``None`` (the loader's own): pad unless ``drop_last``, which cuts whole steps.
+        strided: rank ``r`` takes ``step[r::world_size]`` instead of the ``r``-th
+            contiguous chunk (DistributedSampler's split).
+        torch_order: shuffle with ``torch.randperm`` seeded ``seed + epoch``
+            (DistributedSampler's permutation) instead of numpy's.
 
     Raises:
         ValueError: an argument is out of range (the message names it and the fix).
@@ -79,6 +107,7 @@ class EpochPlan:
     def __init__(
         self, num_samples: int, batch_size: int, *, shuffle: bool = False, seed: int = 0,
         drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
+        even: str | None = None, strided: bool = False, torch_order: bool = False,
     ) -> None:  # fmt: skip
         if rank is None or world_size is None:
             dist_rank, dist_world = _dist_rank_world()
@@ -93,15 +122,19 @@ class EpochPlan:
                 f"rank={rank!r} is invalid: it must be in [0, world_size={world_size}); "
                 "pass this process's rank or initialise torch.distributed first"
             )
-        if drop_last and num_samples < batch_size * world_size:
-            raise ValueError(
-                f"drop_last=True with num_samples={num_samples} < batch_size*world_size="
-                f"{batch_size * world_size} leaves no batch at all; lower batch_size or "
-                "set drop_last=False"
-            )
+        if even not in (None, *EVEN):
+            raise ValueError(f"even={even!r} is invalid: use None, 'pad' or 'cut'")
         self.num_samples, self.batch_size = int(num_samples), int(batch_size)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         self.rank, self.world_size = int(rank), int(world_size)
+        self.even = even if even is not None else (None if self.drop_last else "pad")
+        self.strided, self.torch_order = bool(strided), bool(torch_order)
+        if len(self) == 0:
+            raise ValueError(
+                f"drop_last=True with num_samples={num_samples} and batch_size*world_size="
+                f"{batch_size * world_size} leaves no batch at all; lower batch_size or "
+                "set drop_last=False"
+            )
         self.epoch = 0
         self.consumed = 0  # samples of this epoch's order consumed by all ranks together
         self.step = 0  # global step index of the next batch, for batch_seed()
@@ -111,7 +144,9 @@ class EpochPlan:
         """The global sample order (int64) of ``epoch`` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
         if self._order is None or self._order[0] != epoch:
-            if self.shuffle:
+            if self.shuffle and self.torch_order:
+                order = _torch_permutation(self.num_samples, self.seed + epoch)
+            elif self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
             else:
                 order = np.arange(self.num_samples)
@@ -123,17 +158,34 @@ class EpochPlan:
         check_int("epoch", epoch, 0, "epochs count from 0")
         self.epoch, self.consumed, self.step = int(epoch), 0, 0
 
+    def reseed(self, seed: int) -> None:
+        """Use ``seed`` for the orders from now on (the current epoch restarts)."""
+        self.seed = check_int("seed", seed, 0, "pass a non-negative seed")
+        self._order = None
+        self.set_epoch(self.epoch)
+
     def end_epoch(self) -> None:
         """Move to the start of the next epoch."""
         self.set_epoch(self.epoch + 1)
 
+    def _evened(self, remaining: int) -> int:
+        """How many entries ``remaining`` unconsumed samples become across the ranks."""
+        world = self.world_size
+        if self.even == "pad":
+            return -(-remaining // world) * world
+        if self.even == "cut":
+            return remaining // world * world
+        return remaining
+
     def _steps(self, remaining: int) -> int:
         """Global steps (= batches per rank) left for ``remaining`` unconsumed samples."""
-        span = self.batch_size * self.world_size
-        if self.drop_last:
-            return remaining // span
-        padded = -(-remaining // self.world_size) * self.world_size
-        return -(-padded // span)
+        span, n = self.batch_size * self.world_size, self._evened(remaining)
+        return n // span if self.drop_last else -(-n // span)
+
+    def rank_samples(self) -> int:
+        """Samples this rank yields in a full epoch (the ``len`` of torch's sampler)."""
+        n, span = self._evened(self.num_samples), self.batch_size * self.world_size
+        return (n // span * span if self.drop_last else n) // self.world_size
 
     def __len__(self) -> int:
         return self._steps(self.num_samples)
@@ -156,10 +208,12 @@ class EpochPlan:
         order = self.order(epoch)
         rest = order[start:]
         span, world = self.batch_size * self.world_size, self.world_size
+        n = self._evened(len(rest))
+        if n > len(rest):  # padded from the start of the epoch's order, cyclically
+            rest = np.concatenate([rest, np.resize(order, n - len(rest))])
         if self.drop_last:
-            rest = rest[: len(rest) // span * span]
-        elif len(rest) % world:
-            rest = np.concatenate([rest, np.resize(order, -len(rest) % world)])
+            n = n // span * span
+        rest = rest[:n]
         for lo in range(0, len(rest), span):
             if (self.epoch, self.consumed) != (epoch, min(start + lo, self.num_samples)):
                 raise RuntimeError(
@@ -170,7 +224,10 @@ class EpochPlan:
             per_rank = len(chunk) // world
             self.consumed = min(start + lo + len(chunk), self.num_samples)
             self.step += 1
-            yield chunk[self.rank * per_rank : (self.rank + 1) * per_rank].copy()
+            if self.strided:
+                yield chunk[self.rank :: world].copy()
+            else:
+                yield chunk[self.rank * per_rank : (self.rank + 1) * per_rank].copy()
 
     def state_dict(self) -> dict:
         """Progress as a plain JSON-able dict; world-size independent."""
@@ -178,6 +235,7 @@ class EpochPlan:
             "epoch": self.epoch, "seed": self.seed, "shuffle": self.shuffle,
             "drop_last": self.drop_last, "num_samples": self.num_samples,
             "batch_size": self.batch_size, "consumed": self.consumed, "step": self.step,
+            "torch_order": self.torch_order,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -186,14 +244,15 @@ class EpochPlan:
         ``batch_size`` and ``drop_last`` of this plan are kept (progress is counted in samples).
 
         Raises:
-            ValueError: keys are missing, or ``num_samples``/``seed``/``shuffle`` differ, so the
-                saved progress would refer to another order.
+            ValueError: keys are missing, or ``num_samples``/``seed``/``shuffle``/
+                ``torch_order`` differ, so the saved progress would refer to another order.
         """
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"state dict lacks {missing}; pass the output of state_dict()")
-        for key in ("num_samples", "seed", "shuffle"):
-            if state[key] != getattr(self, key):
+        for key in ("num_samples", "seed", "shuffle", "torch_order"):
+            # torch_order is absent from states saved before it existed: numpy's order.
+            if state.get(key, False) != getattr(self, key):
                 raise ValueError(
                     f"state dict has {key}={state[key]!r} but this plan has "
                     f"{key}={getattr(self, key)!r}; the saved progress is for another order, "
@@ -209,3 +268,37 @@ class EpochPlan:
         self.set_epoch(state["epoch"])
         span = self.batch_size * self.world_size
         self.consumed, self.step = int(consumed), int(state.get("step", -(-consumed // span)))
+
+
+class RankSampler:
+    """``loader.sampler`` when no sampler was given: this rank's share of each epoch.
+
+    ``len()`` is the number of samples this rank yields per epoch, iterating yields their
+    indices in the current epoch, and ``set_epoch`` is the loader's.
+
+    Args:
+        plan: the loader's plan (read, never advanced).
+        set_epoch: the loader's ``set_epoch``.
+    """
+
+    def __init__(self, plan: EpochPlan, set_epoch) -> None:
+        self._plan = plan
+        # A bound method would keep the loader (and its workers) alive.
+        self._set_epoch = weakref.WeakMethod(set_epoch)
+
+    def __len__(self) -> int:
+        return self._plan.rank_samples()
+
+    def __iter__(self) -> Iterator[int]:
+        shadow = copy.copy(self._plan)
+        shadow.set_epoch(self._plan.epoch)
+        for batch in shadow.batches():
+            yield from batch.tolist()
+
+    @property
+    def epoch(self) -> int:
+        return self._plan.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """The loader's ``set_epoch`` (as ``DistributedSampler.set_epoch``)."""
+        self._set_epoch()(epoch)

@@ -31,7 +31,8 @@ def store(tmp_path_factory):
 
 
 def make(store, **kwargs) -> loader.DataLoader:
-    args = {"batch_size": B, "transform": "train", "device": "cpu", "with_indices": True}
+    # A fixed seed: loaders built apart must agree (unseeded, each draws its own).
+    args = {"batch_size": B, "transform": "train", "device": "cpu", "with_indices": True, "seed": 0}
     return loader.DataLoader(store, **{**args, **kwargs})
 
 
@@ -243,7 +244,9 @@ def test_any_other_dataset_gets_torchs_dataloader(store):
     assert type(dl) is torch.utils.data.DataLoader
     ref = torch.utils.data.DataLoader(ds, 4, False, drop_last=True)
     assert [b[1].tolist() for b in dl] == [b[1].tolist() for b in ref]
-    tf = T.Compose([T.Resize(64), T.CenterCrop(64), T.ToTensor()])
+    # Bicubic: not a recipe the loader runs itself (tests/test_recipes.py), so torch's.
+    bicubic = T.InterpolationMode.BICUBIC
+    tf = T.Compose([T.Resize(64, interpolation=bicubic), T.CenterCrop(64), T.ToTensor()])
     lmdb_ds = loader.LMDBDataset(store, transform=tf)
     dl = loader.DataLoader(lmdb_ds, batch_size=4, num_workers=1)
     assert type(dl) is torch.utils.data.DataLoader
@@ -251,10 +254,18 @@ def test_any_other_dataset_gets_torchs_dataloader(store):
     assert images.shape == (4, 3, 64, 64) and labels.tolist() == [0, 0, 0, 0]
 
 
-def test_store_options_are_refused_for_other_datasets():
+def test_store_options_are_ignored_with_one_warning_for_other_datasets():
     ds = torch.utils.data.TensorDataset(torch.arange(4.0))
-    with pytest.raises(ValueError, match=r"transform=, device= apply only when reading a store"):
-        loader.DataLoader(ds, transform="train", device="cpu")
+    with pytest.warns(UserWarning) as caught:
+        dl = loader.DataLoader(ds, batch_size=2, transform="train", device="cpu", seed=3)
+    assert len(caught) == 1
+    assert str(caught[0].message) == (
+        "loader.DataLoader: transform=, device=, seed= ignored: torch's DataLoader reads this "
+        "dataset (a TensorDataset is not a store) and they apply only to the fast path"
+    )
+    assert caught[0].filename == __file__  # points at the caller's line
+    assert type(dl) is torch.utils.data.DataLoader
+    assert [b[0].tolist() for b in dl] == [[0.0, 1.0], [2.0, 3.0]]
 
 
 def test_lmdb_dataset_without_transform_takes_the_fast_path(store):
@@ -396,7 +407,7 @@ def test_corrupt_record_is_replaced_counted_and_logged_once(store, tmp_path, cap
         ({"dtype": torch.int32}, r"dtype=torch.int32 is not supported; use one of float32"),
         ({"device": "mps"}, r"device='mps' is not supported; use 'cpu' or a CUDA device"),
         ({"decoder": "dali"}, r"decoder='dali' is unknown; known decoders: auto, cpu, nvjpeg"),
-        ({"sampler": [0, 1]}, r"sampler= cannot be used when reading a store"),
+        ({"sampler": [0, 1]}, r"sampler=list cannot be used when reading a store: .* follows only"),
         ({"prefetch_factor": 0}, r"prefetch_factor=0 is invalid"),
     ],
 )

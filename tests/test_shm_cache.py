@@ -101,7 +101,7 @@ def test_arguments_are_checked(clean_store: Path, tmp_path: Path) -> None:
         LMDBDataset(clean_store, cache="shm", cache_root=tmp_path)
     with pytest.raises(ValueError, match="cache= cannot be given with an LMDBDataset"):
         loader.DataLoader(LMDBDataset(clean_store), transform="eval", cache="shm")
-    with pytest.raises(ValueError, match="cache=, cache_root= apply only when reading a store"):
+    with pytest.warns(UserWarning, match="cache=, cache_root= ignored: torch's DataLoader"):
         loader.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2)), cache="shm",
                           cache_root=tmp_path)  # fmt: skip
 

@@ -11,6 +11,7 @@ rejects and ignores.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -40,14 +41,43 @@ def read_back(store: Path, batch_size: int = 32) -> int:
     first, _ = loader.LMDBDataset(store)[0]
     dl = loader.DataLoader(str(store), batch_size=batch_size, shuffle=True, num_workers=2,
                            transform="train", device="cpu")  # fmt: skip
-    t0, seen = time.perf_counter(), 0
+    t0, sizes = time.perf_counter(), []
     for images, labels in dl:
-        seen += len(labels)
-        shape, dtype = tuple(images.shape), images.dtype
+        sizes.append(len(labels))
+        image, dtype = "x".join(map(str, images.shape[1:])), str(images.dtype).split(".")[-1]
     dl.close()
-    print(f"read back  {seen} samples as {dtype} batches of {shape} (LMDBDataset[0]: PIL "
-          f"{first.size}), {seen / (time.perf_counter() - t0):.0f} img/s")  # fmt: skip
+    seen, rate = sum(sizes), sum(sizes) / (time.perf_counter() - t0)
+    last = f", the last of {sizes[-1]}" if sizes[-1] != batch_size else ""
+    print(f"read back  {seen} samples in {len(sizes)} batch(es) of {batch_size}{last}: "
+          f"{dtype} images {image}, {rate:.0f} img/s (LMDBDataset[0] is a PIL image of "
+          f"{first.size[0]}x{first.size[1]})")  # fmt: skip
     return seen
+
+
+FORMATS = {"jpeg baseline": "baseline JPEG", "jpeg progressive": "progressive JPEG", "png": "PNG"}
+FIXES = {
+    "cmyk-to-rgb": "CMYK converted to RGB",
+    "ycck-to-rgb": "YCCK converted to RGB",
+    "reencoded-jpeg": "re-encoded as JPEG",
+    "exif-orientation": "rotated upright (EXIF)",
+    "16bit-to-8bit": "16-bit reduced to 8-bit",
+    "alpha-dropped": "alpha channel dropped",
+    "resized-from": "shrunk to --max-size",
+}
+
+
+def describe_formats(stats: dict) -> tuple[str, str]:
+    """The build's format counts as two lines a user can read: what is stored, what was fixed."""
+    kept = [f"{n} {FORMATS[k]}" for k, n in stats.items() if k in FORMATS]
+    stored = " + ".join(kept) + f" = {sum(n for k, n in stats.items() if k in FORMATS)} records"
+    if stats.get("re-encoded"):
+        stored += f" ({stats['re-encoded']} of them re-encoded by ingest)"
+    fixes = [
+        f"{n} {FIXES.get(k[4:], k[4:].replace('-', ' '))}"
+        for k, n in stats.items()
+        if k.startswith("fix ")
+    ]
+    return stored, ", ".join(fixes) or "nothing"
 
 
 def main() -> None:
@@ -69,9 +99,12 @@ def main() -> None:
               f"{m['record_bytes'] / 2**20:.1f} MiB in {dt:.1f} s")  # fmt: skip
         print(f"counts     seen {m['num_seen']} = kept {m['num_samples']} + rejected "
               f"{m['num_rejected']} + ignored {m['num_ignored']}")  # fmt: skip
-        print(f"formats    {m['stats']}")
+        stored, fixed = describe_formats(m["stats"])
+        print(f"stored     {stored}")
+        print(f"fixed      {fixed}")
         for line in (store / "rejects.jsonl").read_text().splitlines():
-            print(f"rejected   {line}")
+            reject = json.loads(line)
+            print(f"rejected   {reject['path']}: {reject['reason']}")
         problems = verify_store(store)
         print(f"verify     {problems or 'OK'}")
         seen = read_back(store)

@@ -1,0 +1,171 @@
+"""Recognise the standard torchvision transform recipes as a built-in ``loader.Transform``.
+
+``LMDBDataset(root, transform=T)`` given to ``loader.DataLoader`` takes the fast path when
+``T`` is one of the recipes every ImageNet script writes, in torchvision v1
+(``torchvision.transforms``) or v2 (``torchvision.transforms.v2``) classes:
+
+* train: ``RandomResizedCrop(size, scale, ratio)`` and an optional
+  ``RandomHorizontalFlip(p)`` (before or after it);
+* eval: ``Resize(short)`` then ``CenterCrop(size)`` (``short >= size``);
+
+each followed (or, for v2 tensors, preceded) by a conversion to float in 0..1 (``ToTensor()``,
+``PILToTensor()`` + ``ConvertImageDtype(torch.float32)``, or ``ToImage()`` +
+``ToDtype(torch.float32, scale=True)``) and an optional ``Normalize(mean, std)`` after all
+of them. Interpolation must be bilinear (the default). Anything else (another class, a
+subclass, another order, bicubic) is not recognised, and the reason says which step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from loader.augment import Transform
+
+_MODULES = ("torchvision.transforms.transforms", "torchvision.transforms.v2._")
+
+
+class NotARecipe(Exception):
+    """The transform is not a recognised recipe; the message says which step and why."""
+
+
+def _name(step) -> str:
+    """The torchvision class name of ``step``, or "" for anything not from torchvision."""
+    module = type(step).__module__
+    return type(step).__name__ if module.startswith(_MODULES) else ""
+
+
+def _steps(transform) -> list:
+    """The steps of a (possibly nested) ``Compose``, or ``[transform]``."""
+    if _name(transform) == "Compose":
+        return [s for t in transform.transforms for s in _steps(t)]
+    return [transform]
+
+
+def _bilinear(step) -> None:
+    mode = getattr(step.interpolation, "value", step.interpolation)
+    if mode != "bilinear":
+        raise NotARecipe(f"{_name(step)} interpolates with {mode!r}, not bilinear")
+
+
+class _Reader:
+    """Reads a recipe step by step into the arguments of a ``Transform``."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.args: dict = {}
+        self.resize: int | None = None  # eval: Resize seen, CenterCrop expected
+        self.flip: float | None = None
+        self.tensor: str | None = None  # None (PIL), "uint8" or "float"
+        self.normalized = False
+
+    def read(self, step) -> None:
+        name = _name(step)
+        handler = getattr(self, f"_{name}", None) if name else None
+        if handler is None:
+            what = name or type(step).__name__
+            raise NotARecipe(f"{what} is not a step the loader runs itself")
+        if self.normalized:
+            raise NotARecipe(f"{name} comes after Normalize")
+        handler(step)
+
+    def _geometry(self, step, kind: str) -> None:
+        if self.kind is not None:
+            raise NotARecipe(f"{_name(step)} follows another resizing step")
+        _bilinear(step)
+        self.kind = kind
+        # On PIL images torchvision always antialiases; on tensors only if asked.
+        self.args["antialias"] = True if self.tensor is None else bool(step.antialias)
+
+    def _RandomResizedCrop(self, step) -> None:
+        self._geometry(step, "train")
+        self.args |= {"size": tuple(step.size), "scale": step.scale, "ratio": step.ratio}
+
+    def _RandomHorizontalFlip(self, step) -> None:
+        if self.flip is not None:
+            raise NotARecipe("RandomHorizontalFlip appears twice")
+        self.flip = float(step.p)
+
+    def _Resize(self, step) -> None:
+        size = step.size if isinstance(step.size, int) else list(step.size)
+        if not isinstance(size, int) and len(size) == 1:
+            size = size[0]
+        if not isinstance(size, int) or step.max_size is not None:
+            raise NotARecipe(f"Resize(size={step.size!r}) is not a resize of the short side")
+        self._geometry(step, "eval")
+        self.resize = size
+
+    def _CenterCrop(self, step) -> None:
+        if self.kind != "eval" or "size" in self.args:
+            raise NotARecipe("CenterCrop does not directly follow Resize")
+        size = tuple(step.size)
+        if max(size) > self.resize:
+            raise NotARecipe(f"CenterCrop{size} is larger than Resize({self.resize}): it pads")
+        self.args |= {"size": size, "crop_pct": _crop_pct(max(size), self.resize)}
+
+    def _to_float(self, step, frm: str | None) -> None:
+        if self.tensor != frm:
+            raise NotARecipe(f"{_name(step)} does not convert {frm or 'a PIL image'}")
+        self.tensor = "float"
+
+    def _ToTensor(self, step) -> None:
+        self._to_float(step, None)
+
+    def _PILToTensor(self, step) -> None:
+        self._to_float(step, None)
+        self.tensor = "uint8"
+
+    _ToImage = _PILToTensor
+
+    def _ConvertImageDtype(self, step) -> None:
+        import torch  # lazy, as every import of this module's callers
+
+        if step.dtype is not torch.float32:
+            raise NotARecipe(f"ConvertImageDtype({step.dtype}) does not make float32")
+        self._to_float(step, "uint8")
+
+    def _ToDtype(self, step) -> None:
+        import torch
+
+        if step.dtype is not torch.float32 or not step.scale:
+            raise NotARecipe("ToDtype is not ToDtype(torch.float32, scale=True)")
+        self._to_float(step, "uint8")
+
+    def _Normalize(self, step) -> None:
+        if self.tensor != "float":
+            raise NotARecipe("Normalize comes before the conversion to float")
+        mean, std = tuple(map(float, step.mean)), tuple(map(float, step.std))
+        if len(mean) != 3 or len(std) != 3:
+            raise NotARecipe(f"Normalize has {len(mean)} channel(s), not 3")
+        self.args |= {"mean": mean, "std": std}
+        self.normalized = True
+
+    def transform(self) -> Transform:
+        if self.kind is None or "size" not in self.args:
+            raise NotARecipe("it has no RandomResizedCrop, nor Resize followed by CenterCrop")
+        if self.tensor != "float":
+            raise NotARecipe("it does not end with a float tensor (ToTensor or ToDtype)")
+        if self.kind == "eval" and self.flip is not None:
+            raise NotARecipe("RandomHorizontalFlip with Resize + CenterCrop")
+        args = {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0)} | self.args
+        if self.kind == "train":
+            args["flip"] = self.flip or 0.0
+        return Transform(self.kind, **args)
+
+
+def _crop_pct(crop: int, short: int) -> float:
+    """A ``crop_pct`` with ``int(crop / crop_pct) == short``, as ``Transform`` computes it."""
+    pct = crop / short
+    return pct if int(crop / pct) == short else crop / (short + 0.5)
+
+
+def recognise(transform: Callable) -> Transform:
+    """The built-in ``Transform`` that does what the torchvision ``transform`` does.
+
+    Raises:
+        NotARecipe: ``transform`` is not one of the recipes (see the module docstring);
+            the message names the step that is not.
+    """
+    reader = _Reader()
+    for step in _steps(transform):
+        reader.read(step)
+    return reader.transform()

@@ -1,0 +1,177 @@
+"""loader.recipes: the standard torchvision recipes (v1 and v2) become built-in Transforms, the
+loader takes the fast path for them and says which path it took and why."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data
+import torchvision.transforms as T
+import torchvision.transforms.v2 as V
+from loader_data import make_store
+
+import loader
+from loader import Transform
+from loader.recipes import NotARecipe, _crop_pct, recognise
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+IMAGENET = {"mean": tuple(MEAN), "std": tuple(STD)}
+RAW = {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0)}
+F32 = V.ToDtype(torch.float32, scale=True)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_store(tmp_path_factory.mktemp("recipes"))
+
+
+@pytest.mark.parametrize(
+    "transform, expected",
+    [
+        (
+            T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
+                       T.Normalize(MEAN, STD)]),
+            Transform("train", 224, **IMAGENET),
+        ),
+        (
+            T.Compose([T.Resize(256), T.CenterCrop(224), T.ToTensor(), T.Normalize(MEAN, STD)]),
+            Transform("eval", 224, crop_pct=0.875, **IMAGENET),
+        ),
+        (
+            V.Compose([V.RandomHorizontalFlip(0.3), V.RandomResizedCrop(176, scale=(0.35, 1),
+                       ratio=(0.5, 2)), V.ToImage(), F32, V.Normalize(MEAN, STD)]),
+            Transform("train", 176, scale=(0.35, 1), ratio=(0.5, 2), flip=0.3, **IMAGENET),
+        ),
+        (  # v2 on tensors: the resize antialiases only if asked
+            V.Compose([V.ToImage(), V.RandomResizedCrop((96, 128), antialias=False), F32]),
+            Transform("train", (96, 128), flip=0.0, antialias=False, **RAW),
+        ),
+        (  # on PIL images torchvision always antialiases
+            T.Compose([T.RandomResizedCrop(64, antialias=False), T.PILToTensor(),
+                       T.ConvertImageDtype(torch.float32)]),
+            Transform("train", 64, flip=0.0, **RAW),
+        ),
+        (
+            V.Compose([V.Resize([160]), V.CenterCrop(128), V.ToImage(), F32]),
+            Transform("eval", 128, crop_pct=0.8, **RAW),
+        ),
+        (
+            T.Compose([T.Compose([T.Resize(257), T.CenterCrop(224)]), T.ToTensor()]),
+            Transform("eval", 224, crop_pct=224 / 257, **RAW),
+        ),
+    ],
+)  # fmt: skip
+def test_recognised(transform, expected):
+    assert recognise(transform) == expected
+
+
+def test_eval_resizes_the_short_side_exactly():
+    """Transform resizes the short side to int(max(size) / crop_pct): that must be Resize's
+    size for every crop and size, also where crop / size does not round-trip in floats."""
+    for crop, short in itertools.product(range(1, 300), range(300, 520)):
+        assert int(crop / _crop_pct(crop, short)) == short
+    assert int(100 / (100 / 127)) == 126  # such a case: the plain ratio would be off by one
+    assert recognise(T.Compose([T.Resize(127), T.CenterCrop(100), T.ToTensor()])).crop_pct == (
+        _crop_pct(100, 127)
+    )
+
+
+@pytest.mark.parametrize(
+    "transform, reason",
+    [
+        (T.Compose([T.RandomResizedCrop(224), T.ColorJitter(0.4), T.ToTensor()]),
+         "ColorJitter is not a step the loader runs itself"),
+        (T.Compose([T.Resize(256, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(224),
+                    T.ToTensor()]), "Resize interpolates with 'bicubic', not bilinear"),
+        (T.Compose([T.Resize((256, 256)), T.CenterCrop(224), T.ToTensor()]),
+         r"Resize(size=(256, 256)) is not a resize of the short side"),
+        (T.Compose([T.Resize(200), T.CenterCrop(224), T.ToTensor()]),
+         "CenterCrop(224, 224) is larger than Resize(200): it pads"),
+        (T.Compose([T.CenterCrop(224), T.ToTensor()]),
+         "CenterCrop does not directly follow Resize"),
+        (T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()]),
+         "it does not end with a float tensor (ToTensor or ToDtype)"),
+        (T.Compose([T.RandomResizedCrop(224), T.ToTensor(), T.Normalize(MEAN, STD),
+                    T.RandomHorizontalFlip()]), "RandomHorizontalFlip comes after Normalize"),
+        (T.Compose([T.ToTensor(), T.Normalize([0.5], [0.5]), T.RandomResizedCrop(8)]),
+         "Normalize has 1 channel(s), not 3"),
+        (T.Compose([T.Resize(256), T.CenterCrop(224), T.RandomHorizontalFlip(), T.ToTensor()]),
+         "RandomHorizontalFlip with Resize + CenterCrop"),
+        (V.Compose([V.ToImage(), V.RandomResizedCrop(8), V.ToDtype(torch.float16, scale=True)]),
+         "ToDtype is not ToDtype(torch.float32, scale=True)"),
+        (T.Compose([T.ToTensor()]),
+         "it has no RandomResizedCrop, nor Resize followed by CenterCrop"),
+        (lambda image: image, "function is not a step the loader runs itself"),
+        (type("MyCrop", (T.RandomResizedCrop,), {})(224), "MyCrop is not a step the loader runs"),
+    ],
+)  # fmt: skip
+def test_not_recognised_says_why(transform, reason):
+    with pytest.raises(NotARecipe) as e:
+        recognise(transform)
+    assert str(e.value).startswith(reason)
+
+
+def batches(dl) -> list[torch.Tensor]:
+    return [images for images, *_ in dl]
+
+
+def test_a_recipe_dataset_takes_the_fast_path(store, caplog):
+    tf = T.Compose([T.Resize(288), T.CenterCrop(256), T.ToTensor(), T.Normalize(MEAN, STD)])
+    ds = loader.LMDBDataset(store, transform=tf)
+    with caplog.at_level(logging.INFO, logger="loader.dataloader"):
+        dl = loader.DataLoader(ds, batch_size=16, device="cpu")
+    assert isinstance(dl, loader.DataLoader) and dl.dataset is ds
+    assert dl.transform == Transform("eval", 256, crop_pct=256 / 288, **IMAGENET)
+    assert caplog.messages == [
+        f"loader.DataLoader: fast path: the LMDBDataset's transform is the recipe {dl.transform}"
+    ]
+    builtin = loader.DataLoader(store, batch_size=16, transform=dl.transform, device="cpu")
+    ours = batches(dl)
+    assert all(torch.equal(a, b) for a, b in zip(ours, batches(builtin), strict=True))
+    # Against torchvision on the same images (PIL decode and resize): the bound of
+    # test_loader_decode's eval test, 0.75 grey levels on average (0.42 measured).
+    ref = torch.stack([ds[i][0] for i in range(16)])
+    std = torch.tensor(STD).view(1, 3, 1, 1)
+    assert ((ours[0] - ref).abs() * std * 255).mean() < 0.75
+
+
+def test_an_unrecognised_transform_gets_torchs_and_says_why(store, caplog, capsys):
+    tf = T.Compose([T.Resize(40), T.CenterCrop(32), T.Grayscale(3), T.ToTensor()])
+    ds = loader.LMDBDataset(store, transform=tf)
+    with caplog.at_level(logging.INFO, logger="loader.dataloader"):
+        dl = loader.DataLoader(ds, batch_size=4, verbose=True)
+    assert type(dl) is torch.utils.data.DataLoader
+    why = (
+        "loader.DataLoader: torch DataLoader: the LMDBDataset's transform is not a recognised "
+        "recipe: Grayscale is not a step the loader runs itself"
+    )
+    assert caplog.messages == [why] and capsys.readouterr().err == why + "\n"
+    images, _ = next(iter(dl))
+    assert images.shape == (4, 3, 32, 32)
+    assert np.allclose(images[:, 0].numpy(), images[:, 1].numpy())  # torchvision's grayscale
+
+
+def test_store_only_arguments_for_an_unrecognised_transform_warn_why(store):
+    tf = T.Compose([T.RandomResizedCrop(32), T.ColorJitter(0.4), T.ToTensor()])
+    ds = loader.LMDBDataset(store, transform=tf)
+    with pytest.warns(UserWarning) as caught:
+        dl = loader.DataLoader(ds, batch_size=4, device="cpu")
+    assert type(dl) is torch.utils.data.DataLoader and len(caught) == 1
+    assert str(caught[0].message) == (
+        "loader.DataLoader: device= ignored: torch's DataLoader reads this dataset (the "
+        "LMDBDataset's transform is not a recognised recipe: ColorJitter is not a step the "
+        "loader runs itself) and they apply only to the fast path"
+    )
+
+
+def test_the_transform_is_given_once(store):
+    tf = T.Compose([T.RandomResizedCrop(64), T.ToTensor()])
+    ds = loader.LMDBDataset(store, transform=tf)
+    with pytest.raises(
+        ValueError, match=r"transform='train' given to a loader.DataLoader over an "
+    ):
+        loader.DataLoader(ds, batch_size=4, transform="train", device="cpu")
