@@ -88,7 +88,7 @@ class GpuEpochIterator(EpochIterator):
 
     def _produce_one(self) -> tuple:
         """Thread side: the next finished batch, or raise StopIteration at the epoch's end."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         slot, report = self._produce()
         waited = time.perf_counter() - t0
         self._next_step += 1
@@ -105,6 +105,8 @@ class GpuEpochIterator(EpochIterator):
             ) from e
         finally:
             self._free.append(slot)
+        # The thread's own CPU time: what it takes from the training loop's interpreter.
+        self._stats.add(prefetch_cpu_s=time.thread_time() - cpu0)
         return images, labels, indices, event, report.bad
 
     def _close(self, finished: bool, failed: bool = False) -> None:
