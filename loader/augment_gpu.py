@@ -39,6 +39,33 @@ def _kernels():
     return augment_kernels.resample_rows, augment_kernels.resample_cols
 
 
+def upload(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """``arrays`` on ``device`` through one pinned buffer and one copy, without blocking.
+
+    One copy instead of one per array: each torch call of the prefetch thread gives up the
+    GIL and may wait a whole switch interval (5 ms) to get it back from a busy training
+    loop, so small transfers are batched.
+    """
+    if device.type != "cuda":
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    sizes = [-(-a.nbytes // 8) * 8 for a in arrays]  # 8-byte aligned slots
+    host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+    flat, at = host.numpy(), 0
+    for a, size in zip(arrays, sizes, strict=True):
+        flat[at : at + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        at += size
+    dev = host.to(device, non_blocking=True)
+    out, at = [], 0
+    for a, size in zip(arrays, sizes, strict=True):
+        t = dev[at : at + a.nbytes].view(_TORCH_DTYPES[a.dtype.type])
+        out.append(t.view(a.shape))
+        at += size
+    return out
+
+
+_TORCH_DTYPES = {np.uint8: torch.uint8, np.int32: torch.int32, np.int64: torch.int64}
+
+
 def triton_pow2(n: int) -> int:
     """The smallest power of two >= n (Triton's block sizes are powers of two)."""
     return 1 << max(0, int(n) - 1).bit_length()
@@ -137,13 +164,8 @@ class GpuAugment:
         strides = np.array([im.stride() for im in images], dtype=np.int64)
         params, row_image = image_params(crops, shapes, strides, out_rows)
         dev = out.device
-        table = torch.from_numpy(
-            np.array([im.data_ptr() for im in images], dtype=np.int64)
-        )  # fmt: skip
-        p = torch.from_numpy(params)
-        rows = torch.from_numpy(row_image)
-        if dev.type == "cuda":
-            table, p, rows = (t.pin_memory().to(dev, non_blocking=True) for t in (table, p, rows))
+        addresses = np.array([im.data_ptr() for im in images], dtype=np.int64)
+        table, p, rows = upload(out.device, addresses, params, row_image)
         h_out, w_out = self.size
         scratch = torch.empty((len(row_image), 3, w_out), dtype=torch.float32, device=dev)
         taps_x = _max_taps(crops[:, _P_W], crops[:, _P_RW], self.antialias)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from loader.augment import Transform
-from loader.augment_gpu import GpuAugment
+from loader.augment_gpu import GpuAugment, upload
 from loader.decode import get_decoder
 from loader.decode_nvjpeg import check_decoded
 from loader.encoded import EncodedBatches
@@ -104,11 +104,14 @@ class GpuStage:
             )  # fmt: skip
             self.augment(images, views["crops"][ok_rows], ok_rows, out)
             cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
-            if len(cpu_rows):
-                pixels = _to_device(views["pixels"][cpu_rows], self.device)
-                self.augment.pixels(pixels, _to_device(cpu_rows, self.device), out)
             indices = views["indices"][:n].copy()
-            labels = _to_device(self._labels[indices], self.device)
+            if len(cpu_rows):
+                pixels, rows, labels = upload(
+                    self.device, views["pixels"][cpu_rows], cpu_rows, self._labels[indices]
+                )
+                self.augment.pixels(pixels, rows, out)
+            else:
+                (labels,) = upload(self.device, self._labels[indices])
             done = _event(self.device)
         self.stats.add_gpu_time("augment", begin, done)
         self._account(report, len(ok_rows), len(cpu_rows), decode_s)
@@ -172,16 +175,6 @@ class GpuStage:
         return self.producer.cpu_share
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``array`` on ``device`` through a pinned buffer, without blocking the host: the
-    pinned block is recycled by torch only after the copy's stream has passed it."""
-    if device.type != "cuda":
-        return torch.from_numpy(np.ascontiguousarray(array))
-    host = torch.empty(array.shape, dtype=_TORCH[array.dtype.type], pin_memory=True)
-    host.numpy()[...] = array
-    return host.to(device, non_blocking=True)
-
-
 class _Done:
     """A completed event, where there is no CUDA stream (the CPU, in tests)."""
 
@@ -205,6 +198,3 @@ def _event(device: torch.device):
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
-
-
-_TORCH = {np.uint8: torch.uint8, np.int64: torch.int64, np.int32: torch.int32}

@@ -31,6 +31,7 @@ from loader.epoch import EpochIterator
 
 _JOIN_S = 30.0  # longest wait for the thread to finish the batch it is on
 _PUT_POLL_S = 0.1
+_MIN_GATHER_CHUNK = 64  # samples per worker task on the GPU path
 
 
 class GpuStageError(RuntimeError):
@@ -42,6 +43,9 @@ class GpuEpochIterator(EpochIterator):
 
     def __init__(self, loader) -> None:
         super().__init__(loader)
+        # Gathering bytes is cheap: fewer, larger tasks mean fewer pipe messages, each of
+        # which costs the thread a GIL hand-off from a busy training loop.
+        self._chunk = max(self._chunk, _MIN_GATHER_CHUNK)
         self._stage = loader._gpu_stage
         self._stats = loader._stats
         self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch_factor)

@@ -148,6 +148,10 @@ class Profile:
             while True:
                 t0 = time.perf_counter()
                 if self._seen >= self.warmup and self._span is None:
+                    cuda = _cuda() if self.warmup else None
+                    if cuda is not None:  # the warm-up's queued work is not counted
+                        cuda.synchronize()
+                        t0 = time.perf_counter()
                     self._span = (t0, _cpu_seconds())
                 try:
                     batch = next(it)

@@ -309,13 +309,14 @@ def test_every_pipeline_delivers_the_same_kind_of_batch(small, name, dtype, chan
         batches = list(pipe.epoch())
     finally:
         pipe.close()
-    assert [len(labels) for _, labels in batches] == [5, 5, 2]
+    # drop_last everywhere: one batch shape (a new shape re-tunes cuDNN in a training check)
+    assert [len(labels) for _, labels in batches] == [5, 5]
     for images, labels in batches:
         assert images.shape[1:] == (3, 224, 224) and images.dtype == getattr(torch, dtype)
         assert images.is_contiguous(memory_format=torch.channels_last) == channels_last
         assert labels.dtype == torch.int64 and set(labels.tolist()) <= {0, 1, 2}
-    labels = sorted(x for _, lab in batches for x in lab.tolist())
-    assert labels == [0] * 4 + [1] * 4 + [2] * 4  # each image once per epoch
+    labels = [x for _, lab in batches for x in lab.tolist()]
+    assert all(labels.count(c) <= 4 for c in (0, 1, 2))  # no image twice in an epoch
 
 
 def test_import_loader_leaves_the_bench_alone():

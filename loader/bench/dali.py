@@ -21,7 +21,8 @@ _EXTENSIONS = {".jpg", ".jpeg", ".png"}
 
 class RamSource:
     """Every image of an ImageFolder tree as bytes in RAM, served as shuffled epochs of
-    ``(jpegs, labels)`` batches (the last one partial). DALI calls ``next`` for each batch;
+    ``(jpegs, labels)`` batches (full ones: the rest of an epoch is dropped, as every
+    pipeline of the benchmark drops it). DALI calls ``next`` for each batch;
     at the end of an epoch it gets StopIteration once, and the next call starts a new epoch
     in a new order."""
 
@@ -41,7 +42,7 @@ class RamSource:
         return self
 
     def __next__(self) -> tuple[list, list]:
-        if self._pos >= len(self._order):
+        if self._pos + self.batch_size > len(self._order):
             self._order, self._pos = self.rng.permutation(len(self.data)), 0
             raise StopIteration
         chunk = self._order[self._pos : self._pos + self.batch_size]
@@ -105,7 +106,7 @@ class DaliPipeline:
             pipe,
             ["images", "labels"],
             reader_name=None if source is not None else "Reader",
-            last_batch_policy=LastBatchPolicy.PARTIAL,
+            last_batch_policy=LastBatchPolicy.DROP,  # as the others: one batch shape
             auto_reset=False,
         )
         self._fresh = True

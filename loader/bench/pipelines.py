@@ -154,6 +154,7 @@ class TorchPipeline:
             num_workers=s.workers,
             persistent_workers=s.workers > 0,
             pin_memory=s.device != "cpu",
+            drop_last=True,  # as DALI's readers: one batch shape (a new one re-tunes cuDNN)
         )
 
     def epoch(self) -> Iterator:
@@ -183,6 +184,7 @@ class OurPipeline:
             device=s.device,
             decoder=decoder,
             cpu_share=cpu_share,
+            drop_last=True,  # one batch shape for every pipeline (a new one re-tunes cuDNN)
         )
 
     def epoch(self) -> Iterator:
