@@ -265,14 +265,9 @@ def test_a_cpu_share_decodes_each_sample_on_one_side(store):
     assert 0 < stats["gpu_decoded"] < GPU_ELIGIBLE
     assert stats["gpu_decoded"] + stats["cpu_decoded"] == NUM_SAMPLES
     assert torch.equal(flat(batches, 2), flat(gpu_side, 2))
-    sides = same_as_one_of(batches, gpu_side, cpu_side)
-    assert "none" not in sides
-    assert sides.count("gpu") == stats["gpu_decoded"] or (
-        CUDA is False
-        and (
-            sides.count("gpu") >= stats["gpu_decoded"]  # a sample may be equal on both sides
-        )
-    )
+    # Each sample is exactly what one side makes of it (the PNG and the progressive JPEG
+    # are the workers' on both, so counting sides would not say which decoded what).
+    assert "none" not in same_as_one_of(batches, gpu_side, cpu_side)
 
 
 def test_auto_share_adapts_and_keeps_the_samples(store):
