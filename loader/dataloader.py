@@ -274,8 +274,11 @@ class DataLoader:
         decoder's wall time; ``augment_s``: GPU time of cropping, resizing and normalising
         (CUDA events); ``gpu_decoded``/``cpu_decoded`` and ``gpu_share``: samples decoded
         on each side; ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
-        ``cpu_share``: the workers' current share of the GPU-decodable samples. Worker
-        times add up over workers (CPU seconds, not wall time).
+        ``cpu_share``: the workers' current share of the GPU-decodable samples;
+        ``prefetch_cpu_s``: the GPU path's prefetch thread's own CPU time;
+        ``stage_wait_s``/``stage_busy_s``: that thread's time waiting for the workers and
+        working (what ``cpu_share="auto"`` balances). Worker times add up over workers
+        (CPU seconds, not wall time).
         """
         out = self._stats.snapshot()
         out["decoder"] = self.decoder
