@@ -332,7 +332,8 @@ def test_a_stored_jpeg_that_warns_fails_verify_and_is_replaced_in_training(tmp_p
     ) in verify.stderr
     script = (
         "import loader\n"
-        f"dl = loader.DataLoader({str(out)!r}, batch_size=7, transform='eval', device='cpu')\n"
+        f"dl = loader.DataLoader({str(out)!r}, batch_size=7, transform='eval', device='cpu', "
+        "seed=0)\n"  # a seed: the replacement drawn must not be the bad sample again
         "for epoch in range(2):\n"
         "    n = sum(len(labels) for _, labels in dl)\n"
         "print(n, dl.num_replaced, sorted(dl.bad_samples))\n"
@@ -387,7 +388,7 @@ def test_a_record_over_the_pixel_limit_is_refused_before_decoding(copy: Path):
     )
     with pytest.raises(fmt.RecordError, match=re.escape(message)):
         LMDBDataset(copy)[big]
-    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu")
+    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu", seed=0)
     assert sum(len(labels) for _, labels in dl) == 12
     assert list(dl.bad_samples) == [big] and dl.num_replaced == 1
     assert dl.bad_samples[big].endswith(message)
@@ -408,7 +409,7 @@ def test_a_truncated_shard_is_a_store_error_not_sigbus(copy: Path):
     with pytest.raises(fmt.StoreError, match=rf"^{re.escape(message)}$"):
         LMDBDataset(copy)[first]
     with pytest.raises(fmt.StoreError, match=r"shard-00001/data.mdb: \d+ bytes where"):
-        list(loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu"))
+        list(loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu", seed=0))
     result = run_ingest("verify", copy)
     assert result.returncode == 1  # not -SIGBUS
     assert f"ingest verify: {copy}/shard-00001/data.mdb: {size // 2} bytes where" in result.stderr
@@ -562,7 +563,7 @@ def test_flipped_bytes_fail_the_crc_and_are_replaced_counted(copy: Path, num_wor
     shard = fmt.shard_name(Store(copy).shard_of(9))
     with pytest.raises(fmt.RecordError, match=rf"{shard}: key 9: the record's bytes differ"):
         LMDBDataset(copy)[9]
-    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu",
+    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu", seed=0,
                            num_workers=num_workers, with_indices=True)  # fmt: skip
     got = [int(i) for _, _, indices in dl for i in indices]
     assert len(got) == 12 and 9 not in got
@@ -590,7 +591,7 @@ def test_a_malformed_record_is_a_bad_sample(copy: Path):
     (copy / fmt.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(fmt.RecordError, match=r"malformed record: field 'image' is int, not bytes"):
         LMDBDataset(copy)[2]
-    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu")
+    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu", seed=0)
     assert sum(len(labels) for _, labels in dl) == 12
     assert list(dl.bad_samples) == [2] and dl.num_replaced == 1
 
