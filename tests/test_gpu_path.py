@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import io
 import os
+import signal
 import threading
 import time
 
@@ -392,3 +393,42 @@ def test_gpu_memory_is_flat_across_epochs(store):
     # The caching allocator settles within the first epochs, then nothing grows.
     assert reserved[-1] == reserved[-2] == reserved[-3], reserved
     assert reserved[-1] <= reserved[0] + (8 << 20), reserved
+
+
+# -- the prefetch thread's life: errors, persistent workers, close ---------------------------
+
+
+def test_a_dead_worker_surfaces_through_the_prefetch_thread(store):
+    dl = make(store, num_workers=2, batch_size=2)  # 12 batches: more than the thread prefetches
+    it = iter(dl)
+    next(it)
+    os.kill(dl.worker_pids[0], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \d \(pid \d+\) died: killed by"):
+        for _ in it:
+            pass
+    assert "imfeed-gpu-prefetch" not in [t.name for t in threading.enumerate()]
+    assert len(epoch(dl)) == 12  # a new iteration starts new workers
+
+
+def test_persistent_workers_serve_every_epoch(store):
+    dl = make(store, num_workers=2, persistent_workers=True)
+    first = epoch(dl)
+    pids = dl.worker_pids
+    second = epoch(dl)
+    assert dl.worker_pids == pids and len(pids) == 2
+    for batches in (first, second):
+        assert sorted(flat(batches, 2).tolist()) == list(range(NUM_SAMPLES))
+    dl.close()
+    assert dl.worker_pids == []
+
+
+def test_close_mid_epoch_stops_the_thread_and_the_workers(store):
+    dl = make(store, num_workers=2, with_indices=False)
+    it = iter(dl)
+    images, labels = next(it)  # two tensors without with_indices
+    assert images.shape == (B, 3, SIZE, SIZE) and labels.shape == (B,)
+    dl.close()
+    assert dl.worker_pids == []
+    assert "imfeed-gpu-prefetch" not in [t.name for t in threading.enumerate()]
+    with pytest.raises(RuntimeError, match=r"this iterator was ended by close\(\)"):
+        next(it)
