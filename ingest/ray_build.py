@@ -1,0 +1,322 @@
+"""build_ray(): the build on a Ray cluster, giving the very store a local build gives.
+
+Where a shard starts depends on the sizes of all the records before it (shardplan.py),
+and a record's size is known only once its image is verified and normalised. So the
+build makes two passes, each over many tasks:
+
+1. check: a task per contiguous range of samples verifies and normalises them, and keeps
+   a plan of the range in OUT/.partial (each stored sample's record size and CRC-32,
+   whether it was re-encoded, the rejects, the format counts); no record is kept;
+2. write: from the sizes, the driver cuts the shards as a local build does; a task per
+   shard reads its files again, makes each record again, checks it against the plan
+   (size and CRC-32) and writes and seals the shard into OUT.
+
+Why two passes: a range can cut its shards right only from a known shard start. Ranges
+ending at the first boundary after a cut point would each wait for the one before (one
+range at a time, the pace of one core); keeping the records between the passes would
+write every byte twice to the shared filesystem. The second pass reads the files again
+instead, and does not decode the ones stored as they are (the first pass verified them;
+their CRC-32 must match). The driver writes the index, paths, rejects and the manifest
+last, as a local build does, and seals progress in OUT/.build-state.json after every
+shard: a driver killed mid-build resumes from the plans and shards already sealed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import lmdb
+import msgpack
+import numpy as np
+from tqdm import tqdm
+
+from ingest import format as fmt
+from ingest.build import (
+    BuildOptions,
+    Run,
+    default_map_size,
+    format_mix,
+    process_file,
+    seal_shard,
+    start,
+    write_failure,
+)
+from ingest.resume import OutputError, identity
+from ingest.scan import SourceError
+from ingest.shardplan import shard_starts
+from ingest.writer import ShardWriter
+
+log = logging.getLogger(__name__)
+
+INSTALL = "pip install 'imfeed[ray]'"
+RETRIES = 5  # attempts after the first, for a task whose worker or node died
+Fault = Callable[[str, int, int], None]  # tests: (pass, range or shard, item) in a task
+
+
+class ClusterError(RuntimeError):
+    """The Ray build cannot go on (Ray missing, a task that kept dying)."""
+
+
+def import_ray():
+    """Ray, imported on first use: it is an optional dependency."""
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError(f"--ray needs Ray, which is not installed: {INSTALL}") from None
+    return ray
+
+
+def build_ray(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    options: BuildOptions | None = None,
+    *,
+    address: str | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    map_size: int | None = None,
+    range_items: int | None = None,
+    fault: Fault | None = None,
+) -> dict:
+    """Convert the ImageFolder tree ``src`` into a store at ``out`` with Ray tasks; return
+    its manifest. Same inputs and options, same store as ``build``.
+
+    ``out`` must be on a filesystem that every node of the cluster sees at the same path.
+
+    Args:
+        options: what decides the store's content.
+        address: a Ray cluster to join (``HOST:PORT``); None: this process's Ray if it
+            has one, else a new local Ray instance, shut down at the end.
+        overwrite: replace a complete store at ``out``.
+        progress: show progress bars (default: when stderr is a terminal).
+        map_size: initial LMDB map size of a shard (default: 1.25 x shard_size).
+        range_items: samples per task of the first pass (default: from the sample count).
+        fault: for tests: called in the tasks before each sample (may kill the worker).
+    """
+    ray = import_ray()
+    options = options or BuildOptions()
+    out = Path(out).absolute()  # the tasks may run in another directory, on other nodes
+    src = Path(src).absolute()
+    tree, state = start(src, out, options, overwrite, mode="ray")
+    run = Run(tree, out, options, state, map_size or default_map_size(options))
+    started = _connect(ray, address)
+    try:
+        plans = _check_all(ray, run, src, range_items, progress, fault)
+        _write_all(ray, run, src, plans, progress, fault)
+        run.state["rejects"] = [r for p in plans for r in p["rejects"]]
+        run.state["stats"] = dict(sum((Counter(p["stats"]) for p in plans), Counter()))
+        run.state["shards"].sort(key=lambda s: s["first"])
+        run.stats = Counter(run.state["stats"])
+        return run.finish()
+    except (lmdb.Error, OSError) as e:
+        failure = write_failure(out, e)
+        if failure is None:
+            raise
+        raise failure from e
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _connect(ray, address: str | None) -> bool:
+    """Join ``address``, or start a local instance; True when this call connected."""
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address=address or "local", include_dashboard=False, log_to_driver=False,
+        logging_level=logging.ERROR,
+    )  # fmt: skip
+    return True
+
+
+# --- the first pass: check ---------------------------------------------------------------
+
+
+def check_range(src: Path, items: list, first: int, options: BuildOptions, plan: Path,
+                fault: Fault | None) -> dict:  # fmt: skip
+    """A Ray task: verify and normalise the samples ``first, first+1, ...`` (``items``)
+    and keep what the second pass needs in the file ``plan``; return it."""
+    kept, nbytes, crcs, reencoded, rejects = [], [], [], [], []
+    rows, stats = [], Counter()
+    for i, (rel, label) in enumerate(items):
+        if fault:
+            fault("check", first, i)
+        header, value = process_file((os.path.join(src, rel), rel, label), options)
+        if header[0] == "reject":
+            rejects.append({"path": fmt.path_text(header[1]), "reason": header[2]})
+            continue
+        _, row, fixes = header
+        kept.append(first + i)
+        nbytes.append(len(value))
+        crcs.append(row[4])
+        reencoded.append(bool(row[6] & fmt.FLAG_REENCODED))
+        rows.append((row[0], 0, *row[1:]))
+        stats.update("fix " + fix.split(":")[0] for fix in fixes)
+    stats.update(format_mix(np.array(rows, dtype=fmt.INDEX_DTYPE)))
+    result = {
+        "first": first, "end": first + len(items),
+        "kept": np.array(kept, "<u8").tobytes(), "nbytes": np.array(nbytes, "<u4").tobytes(),
+        "crc32": np.array(crcs, "<u4").tobytes(), "reencoded": np.array(reencoded, "u1").tobytes(),
+        "rejects": rejects, "stats": dict(stats),
+    }  # fmt: skip
+    tmp = plan.with_name(f"{plan.name}.{os.getpid()}.tmp")  # a retry may write it too
+    tmp.write_bytes(msgpack.packb(result, use_bin_type=True))
+    os.replace(tmp, plan)
+    return result
+
+
+def _ranges(n: int, range_items: int | None) -> list[tuple[int, int]]:
+    """Contiguous ranges of samples, a function of the sample count only (so that a rerun
+    finds the plans of the first run, whatever the cluster)."""
+    size = range_items or min(max(64, -(-n // 10_000)), 50_000)
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def _plan_path(run: Run, a: int, b: int) -> Path:
+    return run.partial / f"plan-{a:012d}-{b:012d}.msgpack"
+
+
+def _load_plan(path: Path, a: int, b: int) -> dict | None:
+    """The plan a task kept for samples a..b-1, or None when there is none (or a broken one)."""
+    try:
+        plan = msgpack.unpackb(path.read_bytes(), raw=False)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(plan, dict) and plan.get("first") == a and plan.get("end") == b
+    return plan if ok else None
+
+
+def _check_all(ray, run: Run, src: Path, range_items, progress, fault) -> list[dict]:
+    """Every range's plan, in sample order: those kept by an earlier run, the rest made."""
+    items = run.tree.items
+    ranges = _ranges(len(items), range_items)
+    plans = {(a, b): _load_plan(_plan_path(run, a, b), a, b) for a, b in ranges}
+    task = ray.remote(max_retries=RETRIES)(check_range)
+    todo = {
+        task.remote(src, items[a:b], a, run.options, _plan_path(run, a, b), fault): (a, b)
+        for (a, b), plan in plans.items()
+        if plan is None
+    }
+    done = sum(b - a for (a, b), plan in plans.items() if plan is not None)
+    with _bar(len(items), done, "ingest: check", progress) as bar:
+        for key, plan in _as_completed(ray, todo):
+            plans[key] = plan
+            bar.update(key[1] - key[0])
+    return [plans[r] for r in ranges]
+
+
+# --- the second pass: write --------------------------------------------------------------
+
+
+def write_shard(src: Path, out: Path, k: int, first: int, jobs: list, expect: list,
+                options: BuildOptions, map_size: int, build: str,
+                fault: Fault | None) -> dict:  # fmt: skip
+    """A Ray task: make the records of shard ``k`` (samples ``first, first+1, ...``) again,
+    check them against the plan, write and seal the shard; return its manifest entry."""
+    name = fmt.shard_name(k)
+    partial = out / fmt.PARTIAL_DIR
+    tmp = partial / f"{name}.{os.uname().nodename}-{os.getpid()}"  # one per attempt
+    writer = ShardWriter(tmp, out / name, first, map_size, build)
+    rows, paths = [], []
+    for i, (job, want) in enumerate(zip(jobs, expect, strict=True)):
+        if fault:
+            fault("write", k, i)
+        row, value = _again(job, want, options)
+        writer.put(first + i, value)
+        rows.append((row[0], k, *row[1:]))
+        paths.append(fmt.path_value(job[1]))
+    entry, _ = seal_shard(writer, rows, paths, partial)
+    return entry
+
+
+def _again(job: tuple, want: tuple, options: BuildOptions) -> tuple[list, bytes]:
+    """The record of ``job`` made again, as the first pass made it: (index row, record)."""
+    nbytes, crc, reencoded = want
+    # A file stored as it is was decoded once already; one to convert is made again whole.
+    light = dataclasses.replace(options, verify=options.verify and reencoded)
+    for opts in (light, options) if light != options else (options,):
+        header, value = process_file(job, opts)
+        if header[0] == "ok" and (header[1][1], header[1][4]) == (nbytes, crc):
+            return header[1], value
+    raise SourceError(
+        f"{job[0]} changed while the build ran (its record is not the one the first pass "
+        "made); run the same command again: it starts over with the file as it is now"
+    )
+
+
+def _cut(run: Run, src: Path, plans: list[dict]) -> list[tuple]:
+    """The shards, cut by the local build's rule: (k, first, jobs, expect) for each."""
+    kept = np.concatenate([np.frombuffer(p["kept"], "<u8") for p in plans])
+    nbytes = np.concatenate([np.frombuffer(p["nbytes"], "<u4") for p in plans])
+    crc = np.concatenate([np.frombuffer(p["crc32"], "<u4") for p in plans])
+    reenc = np.concatenate([np.frombuffer(p["reencoded"], "u1") for p in plans])
+    starts = shard_starts(nbytes.tolist(), run.options.shard_size)
+    shards = []
+    for k, (a, b) in enumerate(zip(starts, [*starts[1:], len(kept)], strict=True)):
+        jobs = [(os.path.join(src, rel), rel, label) for rel, label in
+                (run.tree.items[pos] for pos in kept[a:b].tolist())]  # fmt: skip
+        want = zip(nbytes[a:b].tolist(), crc[a:b].tolist(), reenc[a:b].tolist(), strict=True)
+        expect = [(n, c, bool(r)) for n, c, r in want]
+        shards.append((k, a, jobs, expect))
+    return shards
+
+
+def _write_all(ray, run: Run, src: Path, plans: list[dict], progress, fault) -> None:
+    """Write every shard not sealed yet, recording each in the build state as it seals."""
+    shards = _cut(run, src, plans)
+    sealed = {s["name"] for s in run.state["shards"]}
+    task = ray.remote(max_retries=RETRIES)(write_shard)
+    build = identity(run.state["fingerprint"])
+    todo = {}
+    for k, first, jobs, expect in shards:
+        if fmt.shard_name(k) not in sealed:
+            args = (src, run.out, k, first, jobs, expect, run.options, run.map_size, build, fault)
+            todo[task.remote(*args)] = len(jobs)
+    total = sum(len(jobs) for _, _, jobs, _ in shards)
+    done = sum(s["count"] for s in run.state["shards"])
+    with _bar(total, done, "ingest: write", progress) as bar:
+        for count, entry in _as_completed(ray, todo):
+            run.state["shards"].append(entry)
+            run.state["cursor"] += count
+            fmt.write_json_atomic(run.out / fmt.BUILD_STATE, run.state)
+            bar.update(count)
+
+
+# --- the driver's loop --------------------------------------------------------------------
+
+
+def _as_completed(ray, tasks: dict):
+    """(what ``tasks`` maps a task to, its result) as tasks end; a task's error is
+    raised here as the error the task raised (a full disk, a changed file...)."""
+    pending = list(tasks)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+        for ref in ready:
+            yield tasks[ref], _get(ray, ref)
+
+
+def _get(ray, ref):
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, (SourceError, OutputError, OSError, lmdb.Error)):
+            raise cause from None
+        raise
+    except ray.exceptions.RayError as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ClusterError(
+            f"a Ray task failed {RETRIES + 1} times ({first_line}); run the same command "
+            "again: it resumes from the shards already sealed"
+        ) from e
+
+
+def _bar(total: int, initial: int, desc: str, progress: bool | None) -> tqdm:
+    disable = None if progress is None else not progress
+    return tqdm(total=total, initial=initial, unit="img", desc=desc, disable=disable,
+                smoothing=0.05, mininterval=0.5)  # fmt: skip
