@@ -24,11 +24,14 @@ shard: a driver killed mid-build resumes from the plans and shards already seale
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import msgpack
@@ -141,6 +144,7 @@ def check_range(src: Path, items: list, first: int, options: BuildOptions, plan:
                 fault: Fault | None) -> dict:  # fmt: skip
     """A Ray task: verify and normalise the samples ``first, first+1, ...`` (``items``)
     and keep what the second pass needs in the file ``plan``; return it."""
+    _check_visible(src, plan.parent)
     kept, nbytes, crcs, reencoded, rejects = [], [], [], [], []
     rows, stats = [], Counter()
     for i, (rel, label) in enumerate(items):
@@ -197,16 +201,17 @@ def _check_all(ray, run: Run, src: Path, range_items, progress, fault) -> list[d
     ranges = _ranges(len(items), range_items)
     plans = {(a, b): _load_plan(_plan_path(run, a, b), a, b) for a, b in ranges}
     task = ray.remote(max_retries=RETRIES)(check_range)
-    todo = {
-        task.remote(src, items[a:b], a, run.options, _plan_path(run, a, b), fault): (a, b)
-        for (a, b), plan in plans.items()
-        if plan is None
-    }
+
+    def submit(a: int, b: int):
+        return task.remote(src, items[a:b], a, run.options, _plan_path(run, a, b), fault)
+
+    todo = (((a, b), functools.partial(submit, a, b)) for (a, b), p in plans.items() if p is None)
     done = sum(b - a for (a, b), plan in plans.items() if plan is not None)
     with _bar(len(items), done, "ingest: check", progress) as bar:
-        for key, plan in _as_completed(ray, todo):
-            plans[key] = plan
-            bar.update(key[1] - key[0])
+        for batch in _as_completed(ray, todo):
+            for key, plan in batch:
+                plans[key] = plan
+                bar.update(key[1] - key[0])
     return [plans[r] for r in ranges]
 
 
@@ -220,6 +225,7 @@ def write_shard(src: Path, out: Path, k: int, first: int, jobs: list, expect: li
     check them against the plan, write and seal the shard; return its manifest entry."""
     name = fmt.shard_name(k)
     partial = out / fmt.PARTIAL_DIR
+    _check_visible(src, partial)
     tmp = partial / f"{name}.{os.uname().nodename}-{os.getpid()}"  # one per attempt
     writer = ShardWriter(tmp, out / name, first, map_size, build)
     rows, paths = [], []
@@ -232,6 +238,17 @@ def write_shard(src: Path, out: Path, k: int, first: int, jobs: list, expect: li
         paths.append(fmt.path_value(job[1]))
     entry, _ = seal_shard(writer, rows, paths, partial)
     return entry
+
+
+def _check_visible(src: Path, partial: Path) -> None:
+    """Refuse to run on a node that does not see SRC and OUT: its files would all be
+    rejected as missing, its shards written where the driver never finds them."""
+    for path, shown, error in ((src, src, SourceError), (partial, partial.parent, OutputError)):
+        if not path.is_dir():
+            raise error(
+                f"{shown} is not there on node {os.uname().nodename}: put SRC and OUT on "
+                "storage every node of the Ray cluster sees at the same path"
+            )
 
 
 def _again(job: tuple, want: tuple, options: BuildOptions) -> tuple[list, bytes]:
@@ -249,55 +266,77 @@ def _again(job: tuple, want: tuple, options: BuildOptions) -> tuple[list, bytes]
     )
 
 
-def _cut(run: Run, src: Path, plans: list[dict]) -> list[tuple]:
-    """The shards, cut by the local build's rule: (k, first, jobs, expect) for each."""
+def _cut(run: Run, src: Path, plans: list[dict]) -> tuple[list[int], Callable]:
+    """The shards, cut by the local build's rule: the first sample of each, and a function
+    of shard ``k`` giving its (first, jobs, expect), made when its task is submitted."""
     kept = np.concatenate([np.frombuffer(p["kept"], "<u8") for p in plans])
     nbytes = np.concatenate([np.frombuffer(p["nbytes"], "<u4") for p in plans])
     crc = np.concatenate([np.frombuffer(p["crc32"], "<u4") for p in plans])
     reenc = np.concatenate([np.frombuffer(p["reencoded"], "u1") for p in plans])
     starts = shard_starts(nbytes.tolist(), run.options.shard_size)
-    shards = []
-    for k, (a, b) in enumerate(zip(starts, [*starts[1:], len(kept)], strict=True)):
+    ends = [*starts[1:], len(kept)]
+
+    def shard(k: int) -> tuple[int, list, list]:
+        a, b = starts[k], ends[k]
         jobs = [(os.path.join(src, rel), rel, label) for rel, label in
                 (run.tree.items[pos] for pos in kept[a:b].tolist())]  # fmt: skip
         want = zip(nbytes[a:b].tolist(), crc[a:b].tolist(), reenc[a:b].tolist(), strict=True)
-        expect = [(n, c, bool(r)) for n, c, r in want]
-        shards.append((k, a, jobs, expect))
-    return shards
+        return a, jobs, [(n, c, bool(r)) for n, c, r in want]
+
+    return [*starts, len(kept)], shard
 
 
 def _write_all(ray, run: Run, src: Path, plans: list[dict], progress, fault) -> None:
     """Write every shard not sealed yet, recording each in the build state as it seals."""
-    shards = _cut(run, src, plans)
+    bounds, shard = _cut(run, src, plans)
     sealed = {s["name"] for s in run.state["shards"]}
     task = ray.remote(max_retries=RETRIES)(write_shard)
     build = identity(run.state["fingerprint"])
-    todo = {}
-    for k, first, jobs, expect in shards:
-        if fmt.shard_name(k) not in sealed:
-            args = (src, run.out, k, first, jobs, expect, run.options, run.map_size, build, fault)
-            todo[task.remote(*args)] = len(jobs)
-    total = sum(len(jobs) for _, _, jobs, _ in shards)
+
+    def submit(k: int):
+        first, jobs, expect = shard(k)
+        opts = (run.options, run.map_size, build, fault)
+        return task.remote(src, run.out, k, first, jobs, expect, *opts)
+
+    todo = (
+        (bounds[k + 1] - bounds[k], functools.partial(submit, k))
+        for k in range(len(bounds) - 1)
+        if fmt.shard_name(k) not in sealed
+    )
     done = sum(s["count"] for s in run.state["shards"])
-    with _bar(total, done, "ingest: write", progress) as bar:
-        for count, entry in _as_completed(ray, todo):
-            run.state["shards"].append(entry)
-            run.state["cursor"] += count
+    with _bar(bounds[-1], done, "ingest: write", progress) as bar:
+        for batch in _as_completed(ray, todo):
+            for count, entry in batch:
+                if not (run.out / entry["name"] / "data.mdb").is_file():
+                    raise OutputError(
+                        f"{run.out / entry['name']} was written by a Ray task but is not "
+                        "there for this process: put OUT on storage every node sees"
+                    )
+                run.state["shards"].append(entry)
+                run.state["cursor"] += count
+                bar.update(count)
+            # Once a batch: a driver killed now redoes only the shards sealed since.
             fmt.write_json_atomic(run.out / fmt.BUILD_STATE, run.state)
-            bar.update(count)
 
 
 # --- the driver's loop --------------------------------------------------------------------
 
 
-def _as_completed(ray, tasks: dict):
-    """(what ``tasks`` maps a task to, its result) as tasks end; a task's error is
-    raised here as the error the task raised (a full disk, a changed file...)."""
-    pending = list(tasks)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
-        for ref in ready:
-            yield tasks[ref], _get(ray, ref)
+def _as_completed(ray, todo: Iterator[tuple[Any, Callable]]) -> Iterator[list[tuple]]:
+    """Submit the tasks of ``todo`` (key, submit) with a few per CPU of the cluster in
+    flight (their arguments, the sample paths, stay out of memory until then); yield
+    [(key, result)] as tasks end. A task's error is raised here as the error the task
+    raised (a full disk, a changed file...)."""
+    limit = 4 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+    keys: dict = {}
+    while True:
+        for key, submit in itertools.islice(todo, limit - len(keys)):
+            keys[submit()] = key
+        if not keys:
+            return
+        ready, _ = ray.wait(list(keys), num_returns=len(keys), timeout=0.2)
+        if ready:
+            yield [(keys.pop(ref), _get(ray, ref)) for ref in ready]
 
 
 def _get(ray, ref):
