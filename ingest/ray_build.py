@@ -17,13 +17,15 @@ range at a time, the pace of one core); keeping the records between the passes w
 write every byte twice to the shared filesystem. The second pass reads the files again
 instead, and does not decode the ones stored as they are (the first pass verified them;
 their CRC-32 must match). The driver writes the index, paths, rejects and the manifest
-last, as a local build does, and seals progress in OUT/.build-state.json after every
-shard: a driver killed mid-build resumes from the plans and shards already sealed.
+last, as a local build does, and records the sealed shards in OUT/.build-state.json as
+they come: a driver killed mid-build resumes from the plans and shards already sealed.
+
+The tasks themselves are in ray_tasks.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 import itertools
 import logging
@@ -43,22 +45,16 @@ from ingest.build import (
     BuildOptions,
     Run,
     default_map_size,
-    format_mix,
-    process_file,
-    seal_shard,
     start,
     write_failure,
 )
+from ingest.ray_tasks import Fault, check_range, write_shard
 from ingest.resume import OutputError, identity
 from ingest.scan import SourceError
 from ingest.shardplan import shard_starts
-from ingest.writer import ShardWriter
-
-log = logging.getLogger(__name__)
 
 INSTALL = "pip install 'imfeed[ray]'"
 RETRIES = 5  # attempts after the first, for a task whose worker or node died
-Fault = Callable[[str, int, int], None]  # tests: (pass, range or shard, item) in a task
 
 
 class ClusterError(RuntimeError):
@@ -140,40 +136,6 @@ def _connect(ray, address: str | None) -> bool:
 # --- the first pass: check ---------------------------------------------------------------
 
 
-def check_range(src: Path, items: list, first: int, options: BuildOptions, plan: Path,
-                fault: Fault | None) -> dict:  # fmt: skip
-    """A Ray task: verify and normalise the samples ``first, first+1, ...`` (``items``)
-    and keep what the second pass needs in the file ``plan``; return it."""
-    _check_visible(src, plan.parent)
-    kept, nbytes, crcs, reencoded, rejects = [], [], [], [], []
-    rows, stats = [], Counter()
-    for i, (rel, label) in enumerate(items):
-        if fault:
-            fault("check", first, i)
-        header, value = process_file((os.path.join(src, rel), rel, label), options)
-        if header[0] == "reject":
-            rejects.append({"path": fmt.path_text(header[1]), "reason": header[2]})
-            continue
-        _, row, fixes = header
-        kept.append(first + i)
-        nbytes.append(len(value))
-        crcs.append(row[4])
-        reencoded.append(bool(row[6] & fmt.FLAG_REENCODED))
-        rows.append((row[0], 0, *row[1:]))
-        stats.update("fix " + fix.split(":")[0] for fix in fixes)
-    stats.update(format_mix(np.array(rows, dtype=fmt.INDEX_DTYPE)))
-    result = {
-        "first": first, "end": first + len(items),
-        "kept": np.array(kept, "<u8").tobytes(), "nbytes": np.array(nbytes, "<u4").tobytes(),
-        "crc32": np.array(crcs, "<u4").tobytes(), "reencoded": np.array(reencoded, "u1").tobytes(),
-        "rejects": rejects, "stats": dict(stats),
-    }  # fmt: skip
-    tmp = plan.with_name(f"{plan.name}.{os.getpid()}.tmp")  # a retry may write it too
-    tmp.write_bytes(msgpack.packb(result, use_bin_type=True))
-    os.replace(tmp, plan)
-    return result
-
-
 def _ranges(n: int, range_items: int | None) -> list[tuple[int, int]]:
     """Contiguous ranges of samples, a function of the sample count only (so that a rerun
     finds the plans of the first run, whatever the cluster)."""
@@ -216,54 +178,6 @@ def _check_all(ray, run: Run, src: Path, range_items, progress, fault) -> list[d
 
 
 # --- the second pass: write --------------------------------------------------------------
-
-
-def write_shard(src: Path, out: Path, k: int, first: int, jobs: list, expect: list,
-                options: BuildOptions, map_size: int, build: str,
-                fault: Fault | None) -> dict:  # fmt: skip
-    """A Ray task: make the records of shard ``k`` (samples ``first, first+1, ...``) again,
-    check them against the plan, write and seal the shard; return its manifest entry."""
-    name = fmt.shard_name(k)
-    partial = out / fmt.PARTIAL_DIR
-    _check_visible(src, partial)
-    tmp = partial / f"{name}.{os.uname().nodename}-{os.getpid()}"  # one per attempt
-    writer = ShardWriter(tmp, out / name, first, map_size, build)
-    rows, paths = [], []
-    for i, (job, want) in enumerate(zip(jobs, expect, strict=True)):
-        if fault:
-            fault("write", k, i)
-        row, value = _again(job, want, options)
-        writer.put(first + i, value)
-        rows.append((row[0], k, *row[1:]))
-        paths.append(fmt.path_value(job[1]))
-    entry, _ = seal_shard(writer, rows, paths, partial)
-    return entry
-
-
-def _check_visible(src: Path, partial: Path) -> None:
-    """Refuse to run on a node that does not see SRC and OUT: its files would all be
-    rejected as missing, its shards written where the driver never finds them."""
-    for path, shown, error in ((src, src, SourceError), (partial, partial.parent, OutputError)):
-        if not path.is_dir():
-            raise error(
-                f"{shown} is not there on node {os.uname().nodename}: put SRC and OUT on "
-                "storage every node of the Ray cluster sees at the same path"
-            )
-
-
-def _again(job: tuple, want: tuple, options: BuildOptions) -> tuple[list, bytes]:
-    """The record of ``job`` made again, as the first pass made it: (index row, record)."""
-    nbytes, crc, reencoded = want
-    # A file stored as it is was decoded once already; one to convert is made again whole.
-    light = dataclasses.replace(options, verify=options.verify and reencoded)
-    for opts in (light, options) if light != options else (options,):
-        header, value = process_file(job, opts)
-        if header[0] == "ok" and (header[1][1], header[1][4]) == (nbytes, crc):
-            return header[1], value
-    raise SourceError(
-        f"{job[0]} changed while the build ran (its record is not the one the first pass "
-        "made); run the same command again: it starts over with the file as it is now"
-    )
 
 
 def _cut(run: Run, src: Path, plans: list[dict]) -> tuple[list[int], Callable]:
@@ -329,14 +243,19 @@ def _as_completed(ray, todo: Iterator[tuple[Any, Callable]]) -> Iterator[list[tu
     raised (a full disk, a changed file...)."""
     limit = 4 * max(1, int(ray.cluster_resources().get("CPU", 1)))
     keys: dict = {}
-    while True:
-        for key, submit in itertools.islice(todo, limit - len(keys)):
-            keys[submit()] = key
-        if not keys:
-            return
-        ready, _ = ray.wait(list(keys), num_returns=len(keys), timeout=0.2)
-        if ready:
-            yield [(keys.pop(ref), _get(ray, ref)) for ref in ready]
+    try:
+        while True:
+            for key, submit in itertools.islice(todo, limit - len(keys)):
+                keys[submit()] = key
+            if not keys:
+                return
+            ready, _ = ray.wait(list(keys), num_returns=len(keys), timeout=0.2)
+            if ready:
+                yield [(keys.pop(ref), _get(ray, ref)) for ref in ready]
+    finally:  # the build stopped (an error, Ctrl-C): no task of it writes on into OUT
+        for ref in keys:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
 
 
 def _get(ray, ref):

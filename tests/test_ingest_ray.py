@@ -29,7 +29,7 @@ from fixtures import (
 from ingest import cli
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
-from ingest.resume import fingerprint, fresh_state
+from ingest.resume import OutputError, fingerprint, fresh_state
 from ingest.scan import SourceError, scan
 from ingest.shardplan import shard_starts
 
@@ -225,3 +225,40 @@ def _sealed(out: Path) -> list[str]:
     except (OSError, ValueError):
         return []
     return [s["name"] for s in state["shards"]]
+
+
+def test_a_task_on_a_node_without_src_or_out_refuses_to_run(tmp_path: Path) -> None:
+    from ingest.ray_tasks import check_range
+
+    missing, out = tmp_path / "nowhere", tmp_path / "out"
+    (out / fmt.PARTIAL_DIR).mkdir(parents=True)
+    plan = out / fmt.PARTIAL_DIR / "plan.msgpack"
+    with pytest.raises(SourceError, match=f"^{missing} is not there on node .*: put SRC and OUT"):
+        check_range(missing, [], 0, AWKWARD_OPTIONS, plan, None)
+    with pytest.raises(OutputError, match=f"^{missing} is not there on node .*: put SRC and OUT"):
+        check_range(tmp_path, [], 0, AWKWARD_OPTIONS, missing / fmt.PARTIAL_DIR / "p", None)
+
+
+def test_a_rerun_takes_the_first_pass_from_its_plans(
+    tmp_path: Path, ray_address: str, awkward_tree: Tree, awkward_store: Path
+) -> None:
+    import ray
+
+    from ingest.ray_build import build_ray
+
+    def fail_writing(kind: str, where: int, item: int) -> None:
+        if kind == "write" and where == 5:
+            raise RuntimeError("injected failure")
+
+    def no_checking(kind: str, where: int, item: int) -> None:
+        if kind == "check":
+            raise RuntimeError("the first pass ran again")
+
+    out = tmp_path / "store"
+    with pytest.raises(ray.exceptions.RayTaskError, match="injected failure"):
+        build_ray(awkward_tree.root, out, AWKWARD_OPTIONS, progress=False, range_items=4,
+                  fault=fail_writing)  # fmt: skip
+    assert len(list((out / fmt.PARTIAL_DIR).glob("plan-*.msgpack"))) == 8
+    build_ray(awkward_tree.root, out, AWKWARD_OPTIONS, progress=False, range_items=4,
+              fault=no_checking)  # fmt: skip
+    assert_same_store(out, awkward_store)
