@@ -183,10 +183,11 @@ def _check_all(ray, run: Run, src: Path, range_items, progress, fault) -> list[d
 def _cut(run: Run, src: Path, plans: list[dict]) -> tuple[list[int], Callable]:
     """The shards, cut by the local build's rule: the first sample of each, and a function
     of shard ``k`` giving its (first, jobs, expect), made when its task is submitted."""
-    kept = np.concatenate([np.frombuffer(p["kept"], "<u8") for p in plans])
-    nbytes = np.concatenate([np.frombuffer(p["nbytes"], "<u4") for p in plans])
-    crc = np.concatenate([np.frombuffer(p["crc32"], "<u4") for p in plans])
-    reenc = np.concatenate([np.frombuffer(p["reencoded"], "u1") for p in plans])
+    columns = (("kept", "<u8"), ("nbytes", "<u4"), ("crc32", "<u4"), ("reencoded", "u1"))
+    kept, nbytes, crc, reenc = (
+        np.concatenate([np.zeros(0, dtype)] + [np.frombuffer(p[key], dtype) for p in plans])
+        for key, dtype in columns
+    )
     starts = shard_starts(nbytes.tolist(), run.options.shard_size)
     ends = [*starts[1:], len(kept)]
 

@@ -262,3 +262,17 @@ def test_a_rerun_takes_the_first_pass_from_its_plans(
     build_ray(awkward_tree.root, out, AWKWARD_OPTIONS, progress=False, range_items=4,
               fault=no_checking)  # fmt: skip
     assert_same_store(out, awkward_store)
+
+
+def test_no_valid_image_is_an_error_with_ray_too(tmp_path: Path, ray_address: str) -> None:
+    from ingest.ray_build import build_ray
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    for name in ("class_00", "class_01"):
+        (src / name).mkdir(parents=True)
+        (src / name / "bad.jpg").write_bytes(b"<html>404</html>")
+    with pytest.raises(SourceError, match=r"^no valid image in .*: 2 file\(s\) rejected"):
+        build_ray(src, out, AWKWARD_OPTIONS, progress=False)
+    assert not (out / fmt.MANIFEST).exists()
+    lines = (out / fmt.REJECTS).read_text().splitlines()
+    assert [json.loads(line)["path"] for line in lines] == ["class_00/bad.jpg", "class_01/bad.jpg"]
