@@ -107,7 +107,11 @@ def build_ray(
     try:
         plans = _check_all(ray, run, src, range_items, progress, fault)
         _write_all(ray, run, src, plans, progress, fault)
-        run.state["rejects"] = [r for p in plans for r in p["rejects"]]
+        run.state["rejects"] = [
+            {"path": fmt.path_text(path), "reason": reason}
+            for plan in plans
+            for path, reason in plan["rejects"]
+        ]
         run.state["stats"] = dict(sum((Counter(p["stats"]) for p in plans), Counter()))
         run.state["shards"].sort(key=lambda s: s["first"])
         run.stats = Counter(run.state["stats"])

@@ -37,7 +37,7 @@ def check_range(src: Path, items: list, first: int, options: BuildOptions, plan:
             fault("check", first, i)
         header, value = process_file((os.path.join(src, rel), rel, label), options)
         if header[0] == "reject":
-            rejects.append({"path": fmt.path_text(header[1]), "reason": header[2]})
+            rejects.append(header[1:])  # the path as stored: bytes when it is not UTF-8
             continue
         _, row, fixes = header
         kept.append(first + i)

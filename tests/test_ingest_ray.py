@@ -32,6 +32,7 @@ from ingest.build import BuildOptions, build
 from ingest.resume import OutputError, fingerprint, fresh_state
 from ingest.scan import SourceError, scan
 from ingest.shardplan import shard_starts
+from ingest.synth import make_image_folder
 
 KiB = 1 << 10
 
@@ -276,3 +277,23 @@ def test_no_valid_image_is_an_error_with_ray_too(tmp_path: Path, ray_address: st
     assert not (out / fmt.MANIFEST).exists()
     lines = (out / fmt.REJECTS).read_text().splitlines()
     assert [json.loads(line)["path"] for line in lines] == ["class_00/bad.jpg", "class_01/bad.jpg"]
+
+
+def test_names_that_are_not_utf8_with_ray(tmp_path: Path, ray_address: str) -> None:
+    from ingest.ray_build import build_ray
+
+    src = tmp_path / "src"
+    make_image_folder(src, 2, 2, short_side=(48, 72))
+    raw = os.fsencode(src)
+    os.mkdir(raw + b"/cl\xffass")
+    jpeg = (src / "class_01" / "img_00000.JPEG").read_bytes()
+    for name, data in ((b"/class_01/caf\xe9.jpg", jpeg), (b"/cl\xffass/x.jpg", jpeg),
+                       (b"/cl\xffass/bad\xfe.jpg", b"<html>404</html>")):  # fmt: skip
+        with open(raw + name, "wb") as f:
+            f.write(data)
+    manifest = build_ray(src, tmp_path / "ray", progress=False, range_items=2)
+    assert (manifest["num_samples"], manifest["num_rejected"]) == (6, 1)
+    build(src, tmp_path / "local", workers=1, progress=False)
+    assert_same_store(tmp_path / "ray", tmp_path / "local")
+    rejected = json.loads((tmp_path / "ray" / fmt.REJECTS).read_text())
+    assert rejected["path"] == os.fsdecode(b"cl\xffass/bad\xfe.jpg")
