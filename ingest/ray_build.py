@@ -30,6 +30,7 @@ import functools
 import itertools
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -192,7 +193,7 @@ def _cut(run: Run, src: Path, plans: list[dict]) -> tuple[list[int], Callable]:
         np.concatenate([np.zeros(0, dtype)] + [np.frombuffer(p[key], dtype) for p in plans])
         for key, dtype in columns
     )
-    starts = shard_starts(nbytes.tolist(), run.options.shard_size)
+    starts = shard_starts(nbytes, run.options.shard_size)
     ends = [*starts[1:], len(kept)]
 
     def shard(k: int) -> tuple[int, list, list]:
@@ -223,19 +224,28 @@ def _write_all(ray, run: Run, src: Path, plans: list[dict], progress, fault) -> 
         if fmt.shard_name(k) not in sealed
     )
     done = sum(s["count"] for s in run.state["shards"])
+    saved = float("-inf")
     with _bar(bounds[-1], done, "ingest: write", progress) as bar:
         for batch in _as_completed(ray, todo):
             for count, entry in batch:
-                if not (run.out / entry["name"] / "data.mdb").is_file():
-                    raise OutputError(
-                        f"{run.out / entry['name']} was written by a Ray task but is not "
-                        "there for this process: put OUT on storage every node sees"
-                    )
+                _check_sealed(run.out / entry["name"])
                 run.state["shards"].append(entry)
                 run.state["cursor"] += count
                 bar.update(count)
-            # Once a batch: a driver killed now redoes only the shards sealed since.
-            fmt.write_json_atomic(run.out / fmt.BUILD_STATE, run.state)
+            # At most every 2 s (the state grows with the shards): a driver killed now
+            # redoes only the shards sealed since.
+            if time.monotonic() - saved >= 2.0:
+                fmt.write_json_atomic(run.out / fmt.BUILD_STATE, run.state)
+                saved = time.monotonic()
+    fmt.write_json_atomic(run.out / fmt.BUILD_STATE, run.state)
+
+
+def _check_sealed(shard: Path) -> None:
+    if not (shard / "data.mdb").is_file():
+        raise OutputError(
+            f"{shard} was written by a Ray task but is not there for this process: put OUT "
+            "on storage every node of the Ray cluster sees at the same path"
+        )
 
 
 # --- the driver's loop --------------------------------------------------------------------

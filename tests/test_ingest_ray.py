@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fixtures import (
     AWKWARD_OPTIONS,
@@ -31,7 +32,7 @@ from ingest import format as fmt
 from ingest.build import BuildOptions, build
 from ingest.resume import OutputError, fingerprint, fresh_state
 from ingest.scan import SourceError, scan
-from ingest.shardplan import shard_starts
+from ingest.shardplan import rolls_over, shard_starts
 from ingest.synth import make_image_folder
 
 KiB = 1 << 10
@@ -43,6 +44,20 @@ def test_shard_starts_follow_the_record_sizes_only() -> None:
     assert shard_starts([5, 5, 5, 20, 1, 1, 9, 10], 10) == [0, 2, 3, 4, 6, 7]
     assert shard_starts([], 10) == []
     assert shard_starts([11], 10) == [0]
+    assert shard_starts([10, 10, 0, 3], 10) == [0, 1, 3]
+
+
+def test_shard_starts_cut_as_the_local_build_rolls_over() -> None:
+    rng = np.random.default_rng(0)
+    for shard_size in (1, 50, 1000, 10**6):
+        sizes = rng.integers(0, 300, size=2000)
+        cuts, nbytes, count = [], 0, 0  # the local build's writer, record by record
+        for i, size in enumerate(sizes.tolist()):
+            if count == 0 or rolls_over(nbytes, count, size, shard_size):
+                cuts.append(i)
+                nbytes = count = 0
+            nbytes, count = nbytes + size, count + 1
+        assert shard_starts(sizes, shard_size) == cuts
 
 
 def test_the_local_build_cuts_shards_by_the_rule(awkward_store: Path) -> None:
