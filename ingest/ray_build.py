@@ -30,6 +30,7 @@ import functools
 import itertools
 import logging
 import os
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -99,6 +100,8 @@ def build_ray(
         fault: for tests: called in the tasks before each sample (may kill the worker).
     """
     ray = import_ray()
+    if address:
+        _check_reachable(address)  # before OUT is touched or SRC scanned
     options = options or BuildOptions()
     out = Path(out).absolute()  # the tasks may run in another directory, on other nodes
     src = Path(src).absolute()
@@ -108,15 +111,7 @@ def build_ray(
     try:
         plans = _check_all(ray, run, src, range_items, progress, fault)
         _write_all(ray, run, src, plans, progress, fault)
-        run.state["rejects"] = [
-            {"path": fmt.path_text(path), "reason": reason}
-            for plan in plans
-            for path, reason in plan["rejects"]
-        ]
-        run.state["stats"] = dict(sum((Counter(p["stats"]) for p in plans), Counter()))
-        run.state["shards"].sort(key=lambda s: s["first"])
-        run.stats = Counter(run.state["stats"])
-        return run.finish()
+        return _finish(run, plans)
     except (lmdb.Error, OSError) as e:
         failure = write_failure(out, e)
         if failure is None:
@@ -125,6 +120,35 @@ def build_ray(
     finally:
         if started:
             ray.shutdown()
+
+
+def _finish(run: Run, plans: list[dict]) -> dict:
+    """The rejects and counts of the plans, the shards in order: then as a local build
+    ends (rejects, index, paths, the manifest last)."""
+    run.state["rejects"] = [
+        {"path": fmt.path_text(path), "reason": reason}
+        for plan in plans
+        for path, reason in plan["rejects"]
+    ]
+    run.state["stats"] = dict(sum((Counter(p["stats"]) for p in plans), Counter()))
+    run.state["shards"].sort(key=lambda s: s["first"])
+    run.stats = Counter(run.state["stats"])
+    return run.finish()
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in one line, at once, when nothing listens at a HOST:PORT address (Ray itself
+    would retry for minutes, logging from C++ on the terminal)."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return  # "auto", ray://..., or what Ray itself will judge
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ClusterError(
+            f"no Ray cluster answers at {address} ({e.strerror or e}): start one there with "
+            "`ray start --head --port 6379`, or check the address"
+        ) from None
 
 
 def _connect(ray, address: str | None) -> bool:

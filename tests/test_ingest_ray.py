@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -83,6 +84,22 @@ def test_workers_are_refused_with_ray(tmp_path: Path, awkward_tree: Tree, capsys
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("ingest build: error: --workers is for a local build; with --ray")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_address_where_no_cluster_answers_fails_at_once(
+    tmp_path: Path, awkward_tree: Tree, capsys
+) -> None:
+    pytest.importorskip("ray")
+    with socket.socket() as s:  # a port that nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["build", str(awkward_tree.root), str(tmp_path / "out"), "--ray", f"127.0.0.1:{port}"]
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err == (
+        f"ingest build: error: no Ray cluster answers at 127.0.0.1:{port} (Connection refused): "
+        "start one there with `ray start --head --port 6379`, or check the address\n"
+    )
     assert not (tmp_path / "out").exists()
 
 
