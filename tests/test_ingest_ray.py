@@ -329,3 +329,18 @@ def test_names_that_are_not_utf8_with_ray(tmp_path: Path, ray_address: str) -> N
     assert_same_store(tmp_path / "ray", tmp_path / "local")
     rejected = json.loads((tmp_path / "ray" / fmt.REJECTS).read_text())
     assert rejected["path"] == os.fsdecode(b"cl\xffass/bad\xfe.jpg")
+
+
+def test_an_interrupted_local_build_is_not_resumed_with_ray(
+    tmp_path: Path, ray_address: str, awkward_tree: Tree, awkward_store: Path, caplog
+) -> None:
+    from ingest.ray_build import build_ray
+
+    out = tmp_path / "store"
+    out.mkdir()
+    digest = fingerprint(scan(awkward_tree.root), AWKWARD_OPTIONS.output_affecting())
+    fmt.write_json_atomic(out / fmt.BUILD_STATE, {**fresh_state(digest), "cursor": 5})
+    with caplog.at_level(logging.WARNING, logger="ingest"):
+        build_ray(awkward_tree.root, out, AWKWARD_OPTIONS, progress=False)
+    assert f"{out} holds an interrupted build made without --ray; starting over" in caplog.text
+    assert_same_store(out, awkward_store)
