@@ -291,10 +291,15 @@ def _as_completed(ray, todo: Iterator[tuple[Any, Callable]]) -> Iterator[list[tu
             ready, _ = ray.wait(list(keys), num_returns=len(keys), timeout=0.2)
             if ready:
                 yield [(keys.pop(ref), _get(ray, ref)) for ref in ready]
-    finally:  # the build stopped (an error, Ctrl-C): no task of it writes on into OUT
-        for ref in keys:
-            with contextlib.suppress(Exception):
-                ray.cancel(ref, force=True)
+    except KeyboardInterrupt:
+        raise  # this process ends, and Ray ends its tasks with it
+    except BaseException:
+        # The build failed but this process may go on (the Python API): let the tasks
+        # in flight end first, so that none of them writes into OUT after build_ray
+        # raised. (Not ray.cancel: racing a task's end, it can abort this process.)
+        with contextlib.suppress(Exception):
+            ray.wait(list(keys), num_returns=len(keys))
+        raise
 
 
 def _get(ray, ref):
