@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import io
 import logging
 import os
 import shutil
@@ -33,6 +34,7 @@ from ingest.resume import (
 )
 from ingest.safeio import FileRefused, read_regular
 from ingest.scan import Scan, SourceError, scan
+from ingest.shardplan import rolls_over
 from ingest.writer import MiB, ShardWriter, sha256_file
 
 log = logging.getLogger(__name__)
@@ -76,25 +78,36 @@ def build(
         map_size: initial LMDB map size of a shard (default: 1.25 x shard_size); grows as needed.
     """
     options = options or BuildOptions()
-    src, out = Path(src), Path(out)
-    check_out_outside(src, out)
-    tree = scan(src)
-    for rel, reason in tree.skipped:
-        log.warning("ingest: skipped %s: %s", fmt.shown(rel), reason)
-    prepare_out(out, overwrite)
-    state = load_state(out, fingerprint(tree, options.output_affecting()))
-    run = _Run(tree, out, options, state, map_size or int(options.shard_size * 1.25) + MiB)
+    out = Path(out)
+    tree, state = start(src, out, options, overwrite, mode="local")
+    run = Run(tree, out, options, state, map_size or default_map_size(options))
     try:
-        _convert_all(run, src, options, workers or os.cpu_count() or 1, progress)
+        _convert_all(run, Path(src), options, workers or os.cpu_count() or 1, progress)
         return run.finish()
     except (lmdb.Error, OSError) as e:
-        failure = _write_failure(out, e)
+        failure = write_failure(out, e)
         if failure is None:
             raise
         raise failure from e
 
 
-def _convert_all(run: _Run, src: Path, options: BuildOptions, workers: int, progress) -> None:
+def start(src, out: Path, options: BuildOptions, overwrite: bool, mode: str) -> tuple[Scan, dict]:
+    """Scan SRC and make OUT ready: a fresh build, or the sealed progress of an
+    interrupted one of the same inputs, options and ``mode`` ("local" or "ray")."""
+    src = Path(src)
+    check_out_outside(src, out)
+    tree = scan(src)
+    for rel, reason in tree.skipped:
+        log.warning("ingest: skipped %s: %s", fmt.shown(rel), reason)
+    prepare_out(out, overwrite)
+    return tree, load_state(out, fingerprint(tree, options.output_affecting()), mode)
+
+
+def default_map_size(options: BuildOptions) -> int:
+    return int(options.shard_size * 1.25) + MiB
+
+
+def _convert_all(run: Run, src: Path, options: BuildOptions, workers: int, progress) -> None:
     cursor = run.state["cursor"]
     bar = tqdm(
         total=len(run.tree.items), initial=cursor, unit="img", disable=_no_bar(progress),
@@ -111,7 +124,7 @@ def _convert_all(run: _Run, src: Path, options: BuildOptions, workers: int, prog
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _write_failure(out: Path, e: Exception) -> OutputError | None:
+def write_failure(out: Path, e: Exception) -> OutputError | None:
     """A one-line OutputError for a failure to write OUT (a full disk, an I/O error), or
     None for an error that is not about writing (it keeps its traceback)."""
     if isinstance(e, OSError) and e.errno not in (*_FULL, errno.EIO, errno.EROFS):
@@ -137,9 +150,9 @@ def _no_bar(progress: bool | None) -> bool | None:
 
 
 def _results(src: Path, items: list, options: BuildOptions, workers: int) -> Iterator[Result]:
-    """``_process`` of every item, in item order, whatever the number of workers."""
+    """``process_file`` of every item, in item order, whatever the number of workers."""
     jobs = [(os.path.join(src, rel), rel, label) for rel, label in items]
-    fn = functools.partial(_process, options=options)
+    fn = functools.partial(process_file, options=options)
     if workers <= 1 or len(jobs) < 2:
         return map(fn, jobs)
     if not can_fork():
@@ -150,7 +163,7 @@ def _results(src: Path, items: list, options: BuildOptions, workers: int) -> Ite
     return ordered_map(fn, jobs, workers, chunk=8)
 
 
-def _process(job: tuple, options: BuildOptions) -> Result:
+def process_file(job: tuple, options: BuildOptions) -> Result:
     """One source file: (["ok", index row without shard, fixes], record) or
     (["reject", path, reason], b"")."""
     path, rel, label = job
@@ -196,7 +209,7 @@ def _process(job: tuple, options: BuildOptions) -> Result:
     return ["ok", row, conv.fixes], value
 
 
-class _Run:
+class Run:
     """The writing side of one build: assigns indices, rolls shards, seals progress."""
 
     def __init__(self, tree: Scan, out: Path, options: BuildOptions, state: dict, map_size: int):
@@ -217,11 +230,8 @@ class _Run:
             self.state["rejects"].append({"path": fmt.path_text(header[1]), "reason": header[2]})
             return
         _, row, fixes = header
-        if (
-            self.writer
-            and self.writer.count
-            and self.writer.nbytes + len(value) > self.options.shard_size
-        ):
+        w = self.writer
+        if w and rolls_over(w.nbytes, w.count, len(value), self.options.shard_size):
             self._seal(cursor=pos)
         if self.writer is None:
             n = len(self.state["shards"])
@@ -236,30 +246,9 @@ class _Run:
         for fix in fixes:
             self.stats["fix " + fix.split(":")[0]] += 1
 
-    def _count(self, rows: np.ndarray) -> None:
-        """Add a sealed shard's format mix to the stats."""
-        jpeg = rows["format"] == fmt.FORMAT_CODES["jpeg"]
-        progressive = (rows["flags"] & fmt.FLAG_PROGRESSIVE) != 0
-        counts = {
-            "jpeg baseline": jpeg & ~progressive,
-            "jpeg progressive": jpeg & progressive,
-            "png": rows["format"] == fmt.FORMAT_CODES["png"],
-            "re-encoded": (rows["flags"] & fmt.FLAG_REENCODED) != 0,
-        }
-        for name, mask in counts.items():
-            if mask.any():
-                self.stats[name] += int(mask.sum())
-
     def _seal(self, cursor: int) -> None:
-        entry = self.writer.seal()
-        rows = np.array(self.rows, dtype=fmt.INDEX_DTYPE)
-        entry["digest"] = fmt.records_digest(entry["first"], rows["crc32"], rows["nbytes"])
-        self._count(rows)
-        entry["map_growths"] = self.writer.map_growths
-        stem = self.partial / entry["name"]
-        np.save(f"{stem}.index.npy", rows)
-        with open(f"{stem}.paths.msgpack", "wb") as f:
-            f.write(msgpack.packb(self.paths, use_bin_type=True))
+        entry, rows = seal_shard(self.writer, self.rows, self.paths, self.partial)
+        self.stats.update(format_mix(rows))
         self.state["shards"].append(entry)
         self.state["cursor"] = cursor
         self.state["stats"] = dict(self.stats)
@@ -324,3 +313,41 @@ class _Run:
             "stats": dict(sorted(self.stats.items())),
             "options": self.options.output_affecting(),
         }
+
+
+def seal_shard(
+    writer: ShardWriter, rows: list[tuple], paths: list, partial: Path
+) -> tuple[dict, np.ndarray]:
+    """Seal a shard and keep its index rows and paths in ``partial`` for the index written
+    at the end; return its manifest entry and its rows."""
+    table = np.array(rows, dtype=fmt.INDEX_DTYPE)
+    stem = partial / writer.final_dir.name
+    buf = io.BytesIO()
+    np.save(buf, table)
+    _write_new(Path(f"{stem}.index.npy"), buf.getvalue())
+    _write_new(Path(f"{stem}.paths.msgpack"), msgpack.packb(paths, use_bin_type=True))
+    entry = writer.seal()
+    entry["digest"] = fmt.records_digest(entry["first"], table["crc32"], table["nbytes"])
+    entry["map_growths"] = writer.map_growths
+    return entry, table
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all: through a name of this process's own, since a
+    retried Ray task may write the same file while the attempt it replaces still runs."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def format_mix(rows: np.ndarray) -> Counter:
+    """The format mix of some index rows, as counted in the manifest's stats."""
+    jpeg = rows["format"] == fmt.FORMAT_CODES["jpeg"]
+    progressive = (rows["flags"] & fmt.FLAG_PROGRESSIVE) != 0
+    counts = {
+        "jpeg baseline": jpeg & ~progressive,
+        "jpeg progressive": jpeg & progressive,
+        "png": rows["format"] == fmt.FORMAT_CODES["png"],
+        "re-encoded": (rows["flags"] & fmt.FLAG_REENCODED) != 0,
+    }
+    return Counter({name: int(mask.sum()) for name, mask in counts.items() if mask.any()})

@@ -83,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="cap the longer side; larger images are resized, re-encoded")  # fmt: skip
     b.add_argument("--quality", type=_quality, default=95, metavar="Q",
                    help="JPEG quality of re-encoded images (default: %(default)s)")  # fmt: skip
+    b.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="build with Ray tasks: on a new local Ray instance, or on the cluster "
+                   "at ADDRESS (HOST:6379); OUT must be on storage every node sees; "
+                   "needs pip install 'imfeed[ray]'")  # fmt: skip
     b.add_argument("--overwrite", action="store_true", help="replace a complete store at OUT")
     b.add_argument("--strict", action="store_true", help="exit non-zero if any file is rejected")
     b.add_argument("--no-verify", action="store_true", help="do not decode images to check them")
@@ -131,7 +135,13 @@ def _build(args: argparse.Namespace) -> int:
     options = BuildOptions(args.shard_size, args.compression, args.max_size, args.quality,
                            not args.no_verify, max_pixels=args.max_pixels,
                            max_file_bytes=args.max_file_size)  # fmt: skip
-    manifest = build(args.src, args.out, options, workers=args.workers, overwrite=args.overwrite)
+    if args.ray is not None:
+        manifest = _build_ray(args, options)
+        if manifest is None:
+            return 2
+    else:
+        manifest = build(args.src, args.out, options, workers=args.workers,
+                         overwrite=args.overwrite)  # fmt: skip
     print(
         f"ingest: {args.out}: seen {manifest['num_seen']} = kept {manifest['num_samples']}"
         f" + rejected {manifest['num_rejected']} + ignored {manifest['num_ignored']}"
@@ -143,6 +153,22 @@ def _build(args: argparse.Namespace) -> int:
         print("ingest: error: no valid image was found; check SRC", file=sys.stderr)
         return 1
     return 1 if args.strict and manifest["num_rejected"] else 0
+
+
+def _build_ray(args: argparse.Namespace, options) -> dict | None:
+    """The build on Ray (``--ray``); None after printing why it could not run."""
+    from ingest.ray_build import ClusterError, build_ray
+
+    if args.workers is not None:
+        print("ingest build: error: --workers is for a local build; with --ray, the CPUs "
+              "of the Ray cluster decide (ray start --num-cpus N)", file=sys.stderr)  # fmt: skip
+        return None
+    address = None if args.ray == "local" else args.ray
+    try:
+        return build_ray(args.src, args.out, options, address=address, overwrite=args.overwrite)
+    except ClusterError as e:
+        print(f"ingest build: error: {e}", file=sys.stderr)
+        return None
 
 
 def summary(manifest: dict) -> dict:

@@ -76,6 +76,9 @@ def _start(fn: Callable, items: Sequence, k: int, workers: int, chunk: int):
 
 def _work(fn: Callable, items: Sequence, k: int, workers: int, chunk: int, wfd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    # The parent stops us with SIGTERM: die quietly, whatever handler the parent had
+    # installed (Ray's prints a stack trace from C++).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # The parent is the pipeline's single consumer: when all cores are busy, let it run
     # first, or every worker ends up blocked on a full pipe while it waits for a core.
     with contextlib.suppress(OSError):

@@ -115,13 +115,20 @@ def _flag(option: str, value) -> str:
     return f"--{option.replace('_', '-')} {value}"
 
 
-def fresh_state(digest: dict) -> dict:
-    return {"fingerprint": digest, "cursor": 0, "shards": [], "rejects": [], "stats": {}}
+def fresh_state(digest: dict, mode: str = "local") -> dict:
+    state = {"fingerprint": digest, "cursor": 0, "shards": [], "rejects": [], "stats": {}}
+    if mode != "local":  # a local build's state keeps the shape older versions wrote
+        state["mode"] = mode
+    return state
 
 
-def load_state(out: Path, digest: dict) -> dict:
+def load_state(out: Path, digest: dict, mode: str = "local") -> dict:
     """The sealed progress of an interrupted build of the same inputs, else a fresh start;
-    logs which one, and what differs when an interrupted build is discarded."""
+    logs which one, and what differs when an interrupted build is discarded.
+
+    ``mode`` is "local" or "ray": a local build seals shards in order and resumes from a
+    cursor, a Ray build seals them in any order; neither resumes the other's progress.
+    """
     path = out / fmt.BUILD_STATE
     state = None
     if path.exists():
@@ -131,6 +138,15 @@ def load_state(out: Path, digest: dict) -> dict:
             why = difference(state.get("fingerprint"), digest)
             log.warning("ingest: %s holds an interrupted build %s; starting over", out, why)
             state = None
+        elif state.get("mode", "local") != mode:
+            made = "with --ray" if mode == "local" else "without --ray"
+            log.warning("ingest: %s holds an interrupted build made %s; starting over", out, made)
+            state = None
+        elif mode == "ray" and state["shards"]:
+            log.warning(
+                "ingest: resuming the interrupted build in %s: %d sealed shard(s) of %d images",
+                out, len(state["shards"]), state["cursor"],
+            )  # fmt: skip
         elif state["cursor"]:
             log.warning(
                 "ingest: resuming the interrupted build in %s: %d of %d images were done, in "
@@ -139,7 +155,7 @@ def load_state(out: Path, digest: dict) -> dict:
     if state is None:
         for child in out.iterdir():  # only our own leftovers can be here (see _prepare_out)
             shutil.rmtree(child) if child.is_dir() else child.unlink()
-        state = fresh_state(digest)
+        state = fresh_state(digest, mode)
         fmt.write_json_atomic(path, state)
     sealed = {s["name"] for s in state["shards"]}
     for child in out.glob("shard-*"):

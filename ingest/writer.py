@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import os
@@ -90,9 +91,7 @@ class ShardWriter:
             lock.unlink()
         data = self.tmp_dir / "data.mdb"
         size = data.stat().st_size
-        if self.final_dir.exists():
-            shutil.rmtree(self.final_dir)
-        os.replace(self.tmp_dir, self.final_dir)
+        _replace_dir(self.tmp_dir, self.final_dir)
         fsync_path(self.final_dir.parent)
         return {
             "name": self.final_dir.name,
@@ -101,6 +100,21 @@ class ShardWriter:
             "record_bytes": self.nbytes,
             "file_bytes": size,
         }
+
+
+def _replace_dir(src: Path, dst: Path, attempts: int = 3) -> None:
+    """Rename the directory ``src`` to ``dst``, replacing any ``dst``. Another process may
+    seal the same shard meanwhile (a Ray task's attempt that its retry replaced): its
+    shard is the same, so drop it and try again."""
+    for attempt in range(attempts):
+        if dst.exists():
+            shutil.rmtree(dst, ignore_errors=True)
+        try:
+            os.replace(src, dst)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or attempt == attempts - 1:
+                raise
 
 
 def _quiet_fsync(path: Path) -> None:

@@ -1,0 +1,324 @@
+"""build_ray(): the build on a Ray cluster, giving the very store a local build gives.
+
+Where a shard starts depends on the sizes of all the records before it (shardplan.py),
+and a record's size is known only once its image is verified and normalised. So the
+build makes two passes, each over many tasks:
+
+1. check: a task per contiguous range of samples verifies and normalises them, and keeps
+   a plan of the range in OUT/.partial (each stored sample's record size and CRC-32,
+   whether it was re-encoded, the rejects, the format counts); no record is kept;
+2. write: from the sizes, the driver cuts the shards as a local build does; a task per
+   shard reads its files again, makes each record again, checks it against the plan
+   (size and CRC-32) and writes and seals the shard into OUT.
+
+Why two passes: a range can cut its shards right only from a known shard start. Ranges
+ending at the first boundary after a cut point would each wait for the one before (one
+range at a time, the pace of one core); keeping the records between the passes would
+write every byte twice to the shared filesystem. The second pass reads the files again
+instead, and does not decode the ones stored as they are (the first pass verified them;
+their CRC-32 must match). The driver writes the index, paths, rejects and the manifest
+last, as a local build does, and records the sealed shards in OUT/.build-state.json as
+they come: a driver killed mid-build resumes from the plans and shards already sealed.
+
+The tasks themselves are in ray_tasks.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgpack
+import numpy as np
+from tqdm import tqdm
+
+from ingest import format as fmt
+from ingest.build import (
+    BuildOptions,
+    Run,
+    default_map_size,
+    start,
+    write_failure,
+)
+from ingest.ray_tasks import Fault, check_range, write_shard
+from ingest.resume import OutputError, identity
+from ingest.scan import SourceError
+from ingest.shardplan import shard_starts
+
+INSTALL = "pip install 'imfeed[ray]'"
+RETRIES = 5  # attempts after the first, for a task whose worker or node died
+
+
+class ClusterError(RuntimeError):
+    """The Ray build cannot go on (Ray missing, a task that kept dying)."""
+
+
+def import_ray():
+    """Ray, imported on first use: it is an optional dependency."""
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError(f"--ray needs Ray, which is not installed: {INSTALL}") from None
+    return ray
+
+
+def build_ray(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    options: BuildOptions | None = None,
+    *,
+    address: str | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    map_size: int | None = None,
+    range_items: int | None = None,
+    fault: Fault | None = None,
+) -> dict:
+    """Convert the ImageFolder tree ``src`` into a store at ``out`` with Ray tasks; return
+    its manifest. Same inputs and options, same store as ``build``.
+
+    ``out`` must be on a filesystem that every node of the cluster sees at the same path.
+
+    Args:
+        options: what decides the store's content.
+        address: a Ray cluster to join (``HOST:PORT``); None: this process's Ray if it
+            has one, else a new local Ray instance, shut down at the end.
+        overwrite: replace a complete store at ``out``.
+        progress: show progress bars (default: when stderr is a terminal).
+        map_size: initial LMDB map size of a shard (default: 1.25 x shard_size).
+        range_items: samples per task of the first pass (default: from the sample count).
+        fault: for tests: called in the tasks before each sample (may kill the worker).
+    """
+    ray = import_ray()
+    if address:
+        _check_reachable(address)  # before OUT is touched or SRC scanned
+    options = options or BuildOptions()
+    out = Path(out).absolute()  # the tasks may run in another directory, on other nodes
+    src = Path(src).absolute()
+    tree, state = start(src, out, options, overwrite, mode="ray")
+    run = Run(tree, out, options, state, map_size or default_map_size(options))
+    started = _connect(ray, address)
+    try:
+        plans = _check_all(ray, run, src, range_items, progress, fault)
+        _write_all(ray, run, src, plans, progress, fault)
+        return _finish(run, plans)
+    except (lmdb.Error, OSError) as e:
+        failure = write_failure(out, e)
+        if failure is None:
+            raise
+        raise failure from e
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _finish(run: Run, plans: list[dict]) -> dict:
+    """The rejects and counts of the plans, the shards in order: then as a local build
+    ends (rejects, index, paths, the manifest last)."""
+    run.state["rejects"] = [
+        {"path": fmt.path_text(path), "reason": reason}
+        for plan in plans
+        for path, reason in plan["rejects"]
+    ]
+    run.state["stats"] = dict(sum((Counter(p["stats"]) for p in plans), Counter()))
+    run.state["shards"].sort(key=lambda s: s["first"])
+    run.stats = Counter(run.state["stats"])
+    return run.finish()
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in one line, at once, when nothing listens at a HOST:PORT address (Ray itself
+    would retry for minutes, logging from C++ on the terminal)."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return  # "auto", ray://..., or what Ray itself will judge
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ClusterError(
+            f"no Ray cluster answers at {address} ({e.strerror or e}): start one there with "
+            "`ray start --head --port 6379`, or check the address"
+        ) from None
+
+
+def _connect(ray, address: str | None) -> bool:
+    """Join ``address``, or start a local instance; True when this call connected."""
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address=address or "local", include_dashboard=False, log_to_driver=False,
+        logging_level=logging.ERROR,
+    )  # fmt: skip
+    return True
+
+
+# --- the first pass: check ---------------------------------------------------------------
+
+
+def _ranges(n: int, range_items: int | None) -> list[tuple[int, int]]:
+    """Contiguous ranges of samples, a function of the sample count only (so that a rerun
+    finds the plans of the first run, whatever the cluster)."""
+    size = range_items or min(max(64, -(-n // 10_000)), 50_000)
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def _plan_path(run: Run, a: int, b: int) -> Path:
+    return run.partial / f"plan-{a:012d}-{b:012d}.msgpack"
+
+
+def _load_plan(path: Path, a: int, b: int) -> dict | None:
+    """The plan a task kept for samples a..b-1, or None when there is none (or a broken one)."""
+    try:
+        plan = msgpack.unpackb(path.read_bytes(), raw=False)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(plan, dict) and plan.get("first") == a and plan.get("end") == b
+    return plan if ok else None
+
+
+def _check_all(ray, run: Run, src: Path, range_items, progress, fault) -> list[dict]:
+    """Every range's plan, in sample order: those kept by an earlier run, the rest made."""
+    items = run.tree.items
+    ranges = _ranges(len(items), range_items)
+    plans = {(a, b): _load_plan(_plan_path(run, a, b), a, b) for a, b in ranges}
+    task = ray.remote(max_retries=RETRIES)(check_range)
+
+    def submit(a: int, b: int):
+        return task.remote(src, items[a:b], a, run.options, _plan_path(run, a, b), fault)
+
+    todo = (((a, b), functools.partial(submit, a, b)) for (a, b), p in plans.items() if p is None)
+    done = sum(b - a for (a, b), plan in plans.items() if plan is not None)
+    with _bar(len(items), done, "ingest: check", progress) as bar:
+        for batch in _as_completed(ray, todo):
+            for key, plan in batch:
+                plans[key] = plan
+                bar.update(key[1] - key[0])
+    return [plans[r] for r in ranges]
+
+
+# --- the second pass: write --------------------------------------------------------------
+
+
+def _cut(run: Run, src: Path, plans: list[dict]) -> tuple[list[int], Callable]:
+    """The shards, cut by the local build's rule: the first sample of each, and a function
+    of shard ``k`` giving its (first, jobs, expect), made when its task is submitted."""
+    columns = (("kept", "<u8"), ("nbytes", "<u4"), ("crc32", "<u4"), ("reencoded", "u1"))
+    kept, nbytes, crc, reenc = (
+        np.concatenate([np.zeros(0, dtype)] + [np.frombuffer(p[key], dtype) for p in plans])
+        for key, dtype in columns
+    )
+    starts = shard_starts(nbytes, run.options.shard_size)
+    ends = [*starts[1:], len(kept)]
+
+    def shard(k: int) -> tuple[int, list, list]:
+        a, b = starts[k], ends[k]
+        jobs = [(os.path.join(src, rel), rel, label) for rel, label in
+                (run.tree.items[pos] for pos in kept[a:b].tolist())]  # fmt: skip
+        want = zip(nbytes[a:b].tolist(), crc[a:b].tolist(), reenc[a:b].tolist(), strict=True)
+        return a, jobs, [(n, c, bool(r)) for n, c, r in want]
+
+    return [*starts, len(kept)], shard
+
+
+def _write_all(ray, run: Run, src: Path, plans: list[dict], progress, fault) -> None:
+    """Write every shard not sealed yet, recording each in the build state as it seals."""
+    bounds, shard = _cut(run, src, plans)
+    sealed = {s["name"] for s in run.state["shards"]}
+    task = ray.remote(max_retries=RETRIES)(write_shard)
+    build = identity(run.state["fingerprint"])
+
+    def submit(k: int):
+        first, jobs, expect = shard(k)
+        opts = (run.options, run.map_size, build, fault)
+        return task.remote(src, run.out, k, first, jobs, expect, *opts)
+
+    todo = (
+        (bounds[k + 1] - bounds[k], functools.partial(submit, k))
+        for k in range(len(bounds) - 1)
+        if fmt.shard_name(k) not in sealed
+    )
+    done = sum(s["count"] for s in run.state["shards"])
+    saved = float("-inf")
+    with _bar(bounds[-1], done, "ingest: write", progress) as bar:
+        for batch in _as_completed(ray, todo):
+            for count, entry in batch:
+                _check_sealed(run.out / entry["name"])
+                run.state["shards"].append(entry)
+                run.state["cursor"] += count
+                bar.update(count)
+            # At most every 2 s (the state grows with the shards): a driver killed now
+            # redoes only the shards sealed since.
+            if time.monotonic() - saved >= 2.0:
+                fmt.write_json_atomic(run.out / fmt.BUILD_STATE, run.state)
+                saved = time.monotonic()
+    fmt.write_json_atomic(run.out / fmt.BUILD_STATE, run.state)
+
+
+def _check_sealed(shard: Path) -> None:
+    if not (shard / "data.mdb").is_file():
+        raise OutputError(
+            f"{shard} was written by a Ray task but is not there for this process: put OUT "
+            "on storage every node of the Ray cluster sees at the same path"
+        )
+
+
+# --- the driver's loop --------------------------------------------------------------------
+
+
+def _as_completed(ray, todo: Iterator[tuple[Any, Callable]]) -> Iterator[list[tuple]]:
+    """Submit the tasks of ``todo`` (key, submit) with a few per CPU of the cluster in
+    flight (their arguments, the sample paths, stay out of memory until then); yield
+    [(key, result)] as tasks end. A task's error is raised here as the error the task
+    raised (a full disk, a changed file...)."""
+    limit = 4 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+    keys: dict = {}
+    try:
+        while True:
+            for key, submit in itertools.islice(todo, limit - len(keys)):
+                keys[submit()] = key
+            if not keys:
+                return
+            ready, _ = ray.wait(list(keys), num_returns=len(keys), timeout=0.2)
+            if ready:
+                yield [(keys.pop(ref), _get(ray, ref)) for ref in ready]
+    except KeyboardInterrupt:
+        raise  # this process ends, and Ray ends its tasks with it
+    except BaseException:
+        # The build failed but this process may go on (the Python API): let the tasks
+        # in flight end first, so that none of them writes into OUT after build_ray
+        # raised. (Not ray.cancel: racing a task's end, it can abort this process.)
+        with contextlib.suppress(Exception):
+            ray.wait(list(keys), num_returns=len(keys))
+        raise
+
+
+def _get(ray, ref):
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, (SourceError, OutputError, OSError, lmdb.Error)):
+            raise cause from None
+        raise
+    except ray.exceptions.RayError as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ClusterError(
+            f"a Ray task failed {RETRIES + 1} times ({first_line}); run the same command "
+            "again: it resumes from the shards already sealed"
+        ) from e
+
+
+def _bar(total: int, initial: int, desc: str, progress: bool | None) -> tqdm:
+    disable = None if progress is None else not progress
+    return tqdm(total=total, initial=initial, unit="img", desc=desc, disable=disable,
+                smoothing=0.05, mininterval=0.5)  # fmt: skip
