@@ -141,6 +141,7 @@ class GpuAugment:
         std64 = np.asarray(std, dtype=np.float64)
         self._scale = [float(v) for v in 1.0 / (255.0 * std64)]
         self._bias = [float(v) for v in -np.asarray(mean, dtype=np.float64) / std64]
+        self._affine_on: tuple | None = None  # (device, (scale, bias))
 
     def __call__(
         self,
@@ -199,6 +200,15 @@ class GpuAugment:
         bias = torch.tensor(self._bias, dtype=torch.float64).view(3, 1, 1)
         return v * scale + bias
 
+    def _affine(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalisation as (scale, bias) tensors on ``device``, made once: building them
+        from Python lists each batch would synchronise the stream."""
+        if self._affine_on is None or self._affine_on[0] != device:
+            scale = torch.tensor(self._scale, device=device).view(1, 3, 1, 1)
+            bias = torch.tensor(self._bias, device=device).view(1, 3, 1, 1)
+            self._affine_on = (device, (scale, bias))
+        return self._affine_on[1]
+
     def pixels(self, pixels: torch.Tensor, out_rows: torch.Tensor, out: torch.Tensor) -> None:
         """Write ready-made uint8 pixels ([K, H, W, 3], decoded and cropped on the CPU) into
         ``out[out_rows]``, normalised and cast like the rest of the batch."""
@@ -206,7 +216,6 @@ class GpuAugment:
             return
         x = pixels.permute(0, 3, 1, 2)
         if out.dtype != torch.uint8:
-            scale = torch.tensor(self._scale, device=out.device).view(1, 3, 1, 1)
-            bias = torch.tensor(self._bias, device=out.device).view(1, 3, 1, 1)
+            scale, bias = self._affine(out.device)
             x = torch.addcmul(bias, x.float(), scale)
         out.index_copy_(0, out_rows, x.to(out.dtype))

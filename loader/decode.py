@@ -26,6 +26,21 @@ class DecodeError(ValueError):
     """The bytes of one record could not be decoded into the expected image."""
 
 
+_IN_WORKER = False  # set in the loader's worker processes (``loader.workers``)
+
+
+def mark_worker_process() -> None:
+    """Called first in each worker process: decoders may then take over the process's
+    stderr around a decode (nothing else of the process writes there)."""
+    global _IN_WORKER
+    _IN_WORKER = True
+
+
+def in_worker_process() -> bool:
+    """True in a loader worker process; False in the training process."""
+    return _IN_WORKER
+
+
 class Decoder(Protocol):
     """What a decoder backend provides.
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import cv2
 import numpy as np
 
 from ingest.cstderr import captured
-from loader.decode import DecodeError
+from ingest.normalize import Reject, check_jpeg
+from loader.decode import DecodeError, in_worker_process
 
 _BASE = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # stored images are upright
 # IMREAD_REDUCED_GRAYSCALE_f is the bare "reduce by f" bit; with COLOR_RGB it gives RGB.
@@ -43,8 +46,10 @@ class CpuDecoder:
     devices = ("cpu", "cuda")  # decodes on the CPU, delivers anywhere
 
     def __init__(self, antialias: bool = True) -> None:
-        # Workers are the parallelism; OpenCV's own threads would oversubscribe the cores.
-        cv2.setNumThreads(1)
+        if in_worker_process():
+            # Workers are the parallelism; OpenCV's threads would oversubscribe the cores.
+            # (In the training process the user's OpenCV setting is left alone.)
+            cv2.setNumThreads(1)
         self.antialias = antialias
 
     def decode_into(
@@ -53,7 +58,7 @@ class CpuDecoder:
         """See ``loader.decode.Decoder.decode_into``."""
         f = reduction(kind, crop)
         try:
-            with captured() as warnings:  # libjpeg prints warnings itself: not on the terminal
+            with _quietly(data, kind) as warnings:
                 img = cv2.imdecode(np.frombuffer(data, np.uint8), _FLAGS[f])
         except cv2.error as e:  # some corrupt streams raise instead of returning None
             raise DecodeError(f"OpenCV could not decode the {kind}: {e}") from None
@@ -70,6 +75,24 @@ class CpuDecoder:
         if img.ndim == 2:  # a decoder that ignored the colour flag
             img = cv2.cvtColor(img, cv2.COLOR_GRAY2RGB)
         _crop_resize(img, crop, f, out, self.antialias)
+
+
+def _quietly(data: bytes, kind: str) -> contextlib.AbstractContextManager:
+    """Keep libjpeg's warnings off the terminal and turn them into a DecodeError.
+
+    In a worker process fd 2 is taken over around the decode (``captured``). The training
+    process (``num_workers=0``, the GPU path's retries) may have other threads writing to
+    stderr, so there a JPEG is first decoded in libjpeg-turbo's stop-on-warning mode at
+    1/8 scale instead, and one that would warn is refused before OpenCV can print.
+    """
+    if in_worker_process():
+        return captured()
+    if kind == "jpeg":
+        try:
+            check_jpeg(data)
+        except Reject as e:
+            raise DecodeError(str(e)) from None
+    return contextlib.nullcontext([])
 
 
 def _window(crop: np.ndarray, f: int, shape: tuple[int, int]) -> tuple[int, int, int, int]:

@@ -57,15 +57,27 @@ class NvjpegDecoder:
             return []
         try:
             return list(self._decode(encoded, mode=self._mode, device=self.device))
-        except RuntimeError:
+        except RuntimeError as e:
+            _raise_if_not_the_data(e)
             # One bad stream fails the whole batched call: find it by decoding one by one.
             return [self._one(data) for data in encoded]
 
     def _one(self, data: torch.Tensor) -> torch.Tensor | None:
         try:
             return self._decode(data, mode=self._mode, device=self.device)
-        except RuntimeError:
+        except RuntimeError as e:
+            _raise_if_not_the_data(e)
             return None
+
+
+# torchvision reports every failure as a RuntimeError; these words mean the device, not
+# the image, failed: raising beats decoding everything slowly on the CPU from then on.
+_DEVICE_TROUBLE = ("out of memory", "CUDA error", "cudaError", "ALLOCATOR", "allocat")
+
+
+def _raise_if_not_the_data(e: RuntimeError) -> None:
+    if any(word in str(e) for word in _DEVICE_TROUBLE):
+        raise e
 
 
 def check_decoded(image: torch.Tensor, shape: tuple[int, int]) -> None:

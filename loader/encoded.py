@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import simplejpeg
 
 from ingest import format as fmt
 from loader.augment import CROP_COLUMNS, Transform
@@ -126,6 +127,12 @@ class EncodedBatches(PixelBatches):
         except DecodeError:  # the CPU path reports it with its reason
             return False
         if kind != "jpeg" or len(data) > room:
+            return False
+        try:  # the header, not only the index, must have the size: the GPU allocates by it
+            h, w = simplejpeg.decode_jpeg_header(data)[:2]
+        except ValueError:
+            return False
+        if (h, w) != (int(self.store.index["height"][i]), int(self.store.index["width"][i])):
             return False
         slot["data"][start : start + len(data)] = np.frombuffer(data, np.uint8)
         slot["starts"][at], slot["lengths"][at], slot["indices"][at] = start, len(data), i

@@ -76,6 +76,7 @@ class GpuStage:
         producer.cpu_share = 0.0 if cpu_share == "auto" else cpu_share
         self._labels = producer.store.labels
         self._index = producer.store.index
+        self._last_done = None  # the previous batch's event (see process)
 
     def process(self, slot: dict[str, torch.Tensor], report, waited: float = 0.0) -> tuple:
         """The batch in ``slot`` (``report.n`` samples) as (images, labels, indices, event).
@@ -93,6 +94,11 @@ class GpuStage:
         spans = zip(starts[gpu_rows].tolist(), lengths[gpu_rows].tolist(), strict=True)
         encoded = [data[s : s + m] for s, m in spans]
         with self._on_side_stream():
+            # The decoder writes its output on a stream of its own into memory allocated on
+            # ours, which may be the previous batch's decoded images, freed to the allocator
+            # while our kernels may still be reading them: let those kernels finish first.
+            if self._last_done is not None:
+                self._last_done.synchronize()
             t0 = time.perf_counter()
             decoded = self.decoder.decode_batch(encoded)
             decode_s = time.perf_counter() - t0
@@ -113,6 +119,7 @@ class GpuStage:
             else:
                 (labels,) = upload(self.device, self._labels[indices])
             done = _event(self.device)
+        self._last_done = done
         self.stats.add_gpu_time("augment", begin, done)
         self._account(report, len(ok_rows), len(cpu_rows), decode_s)
         self._steer(waited, time.perf_counter() - started)

@@ -59,7 +59,7 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
         ValueError: an unknown device, or a CUDA device on a machine without one.
     """
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -74,6 +74,8 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
             raise ValueError(
                 f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
             )
+        if dev.index is None:  # "cuda" is the current device now (torch.cuda.set_device)
+            dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type != "cpu":
         raise ValueError(f"device={device!r} is not supported; use 'cpu' or a CUDA device")
     return dev

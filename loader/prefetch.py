@@ -57,12 +57,17 @@ class GpuEpochIterator(EpochIterator):
             return super().__next__()  # raises as the CPU path does
         if self._thread is None:
             self._thread = threading.Thread(
-                target=_run, args=(weakref.ref(self), self._queue, self._stop),
+                target=_run,
+                args=(weakref.ref(self), self._queue, self._stop, self._stage.device),
                 name="imfeed-gpu-prefetch", daemon=True,
             )  # fmt: skip
             self._thread.start()
         t0 = time.perf_counter()
-        kind, payload = self._take_finished()
+        try:
+            kind, payload = self._take_finished()
+        except BaseException:  # Ctrl-C while waiting: stop the thread and the workers now
+            self._close(finished=False, failed=True)
+            raise
         self._stats.add(wait_s=time.perf_counter() - t0)
         if kind == "end":
             self._close(finished=True)
@@ -113,16 +118,31 @@ class GpuEpochIterator(EpochIterator):
         self._stats.add(prefetch_cpu_s=time.thread_time() - cpu0)
         return images, labels, indices, event, report.bad
 
+    def _take(self, results) -> None:
+        """Thread side, on every poll of the workers: leave promptly once told to stop."""
+        if self._stop.is_set():
+            raise _Stopped
+        super()._take(results)
+
     def _close(self, finished: bool, failed: bool = False) -> None:
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(_JOIN_S)
+            # A thread still inside a hung call must not share the workers' pipes with a
+            # drain: stop the workers without waiting for them.
+            failed = failed or thread.is_alive()
         super()._close(finished, failed)
 
 
-def _run(ref: weakref.ref, out: queue.Queue, stop: threading.Event) -> None:
+class _Stopped(Exception):
+    """The prefetch thread was told to stop while it waited for the workers."""
+
+
+def _run(ref: weakref.ref, out: queue.Queue, stop: threading.Event, device) -> None:
     """The prefetch thread: produce batches into ``out`` until the epoch ends or ``stop``."""
+    if device.type == "cuda":  # as torch's pin-memory thread: its own current device
+        torch.cuda.set_device(device)
     while not stop.is_set():
         it = ref()
         if it is None:

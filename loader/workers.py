@@ -21,6 +21,8 @@ from multiprocessing.connection import wait
 import numpy as np
 import torch
 
+from loader.decode import mark_worker_process
+
 _PARENT_CHECK_S = 2.0  # how often an idle worker checks that the main process still exists
 _JOIN_TIMEOUT_S = 5.0
 
@@ -49,6 +51,7 @@ class Ring:
 def _worker_loop(wid: int, producer, tensors: dict, conn, init_fn, parent: int) -> None:
     """Body of worker ``wid``: run tasks from ``conn`` until told to stop or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    mark_worker_process()
     torch.set_num_threads(1)  # the workers are the parallelism
     views = {name: t.numpy() for name, t in tensors.items()}
     try:

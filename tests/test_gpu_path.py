@@ -432,3 +432,44 @@ def test_close_mid_epoch_stops_the_thread_and_the_workers(store):
     assert "imfeed-gpu-prefetch" not in [t.name for t in threading.enumerate()]
     with pytest.raises(RuntimeError, match=r"this iterator was ended by close\(\)"):
         next(it)
+
+
+def test_ctrl_c_while_waiting_stops_the_thread_and_the_workers(store, monkeypatch):
+    dl = make(store, num_workers=2)
+    it = iter(dl)
+    next(it)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(it, "_take_finished", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    assert dl.worker_pids == []
+    assert "imfeed-gpu-prefetch" not in [t.name for t in threading.enumerate()]
+
+
+def test_close_with_stopped_workers_returns_promptly(store):
+    dl = make(store, num_workers=2, batch_size=2)
+    it = iter(dl)
+    next(it)
+    for pid in dl.worker_pids:
+        os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    dl.close()
+    assert time.monotonic() - start < 5.0  # the thread leaves at its next poll of the workers
+    assert dl.worker_pids == [] and "imfeed-gpu-prefetch" not in [
+        t.name for t in threading.enumerate()
+    ]
+
+
+def test_the_training_process_never_takes_over_stderr(store, monkeypatch):
+    import loader.decode_cpu
+
+    def no(*args):
+        raise AssertionError("fd 2 redirected in the training process")
+
+    monkeypatch.setattr(loader.decode_cpu, "captured", no)
+    # Every sample through the CPU decoder, in the main process (num_workers=0).
+    got = epoch(make(store, num_workers=0, cpu_share=1.0))
+    assert sorted(flat(got, 2).tolist()) == list(range(NUM_SAMPLES))
