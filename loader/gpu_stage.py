@@ -163,7 +163,7 @@ class GpuStage:
 
     def _account(self, report, on_gpu: int, on_cpu: int, decode_s: float) -> None:
         self.stats.add(
-            batches=1, samples=report.n, gpu_decoded=on_gpu, cpu_decoded=on_cpu,
+            gpu_decoded=on_gpu, cpu_decoded=on_cpu,
             gpu_decode_s=decode_s, cpu_decode_s=report.decode_s,
             worker_read_s=max(0.0, report.worker_s - report.decode_s),
         )  # fmt: skip

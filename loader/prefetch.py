@@ -82,18 +82,27 @@ class GpuEpochIterator(EpochIterator):
             images.record_stream(stream)
             labels.record_stream(stream)
         self._loader._note_bad(bad)
+        self._stats.add(batches=1, samples=len(indices))  # counted as delivered
         next(self._official)
         if self._loader.with_indices:
             return images, labels, torch.from_numpy(indices)
         return images, labels
 
     def _take_finished(self) -> tuple[str, object]:
+        timeout = self._loader.timeout
+        deadline = time.monotonic() + timeout if timeout > 0 else None
         while True:
+            wait = 1.0 if deadline is None else min(1.0, max(deadline - time.monotonic(), 0))
             try:
-                return self._queue.get(timeout=1.0)
+                return self._queue.get(timeout=wait)
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     return "error", GpuStageError("the GPU prefetch thread ended unexpectedly")
+                if deadline is not None and time.monotonic() >= deadline:
+                    return "error", RuntimeError(
+                        f"DataLoader timed out after {timeout} seconds waiting for a batch "
+                        f"(timeout={timeout}; the GPU path: the workers or the GPU stage)"
+                    )
 
     def _produce_one(self) -> tuple:
         """Thread side: the next finished batch, or raise StopIteration at the epoch's end."""

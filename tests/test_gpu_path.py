@@ -473,3 +473,18 @@ def test_the_training_process_never_takes_over_stderr(store, monkeypatch):
     # Every sample through the CPU decoder, in the main process (num_workers=0).
     got = epoch(make(store, num_workers=0, cpu_share=1.0))
     assert sorted(flat(got, 2).tolist()) == list(range(NUM_SAMPLES))
+
+
+def test_timeout_covers_the_gpu_stage(store, monkeypatch):
+    dl = make(store, num_workers=2, timeout=0.5)
+    real = dl._gpu_stage.process
+
+    def hung(*args, **kwargs):
+        time.sleep(3)  # a GPU call that does not return
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dl._gpu_stage, "process", hung)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"timed out after 0.5 seconds waiting for a batch"):
+        next(iter(dl))
+    assert time.monotonic() - start < 5.0
