@@ -75,8 +75,8 @@ class DataLoader:
             batches on the GPU (torchvision's nvjpeg) and augments them there, the workers
             only gathering encoded bytes (and decoding ``cpu_share`` of them).
         cpu_share: GPU path: fraction of the JPEGs the workers decode on the CPU beside the
-            GPU decoder; "auto" (default) sizes it from measured rates as it runs.
-        decoder: decoder backend (``loader.decode.decoders()``), default "cpu".
+            GPU decoder (default 0: all on the GPU, which measured fastest on an H200 and
+            gives bit-for-bit reproducible pixels); "auto" steers it as it runs.
         cache, cache_limit, cache_root: a node-wide RAM copy of the shards, shared by all
             processes and workers (``cache="shm"`` or ``"shm:keep"``): as on ``LMDBDataset``.
         verbose: print which path was taken and why (it is always logged at INFO).
@@ -135,7 +135,7 @@ class DataLoader:
         world_size: int | None = None,
         with_indices: bool = False,
         decoder: str = "auto",
-        cpu_share: float | str = "auto",
+        cpu_share: float | str = 0.0,
         cache: str | None = None,
         cache_limit: int | str | None = None,
         cache_root: str | os.PathLike | None = None,

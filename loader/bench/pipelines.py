@@ -51,10 +51,10 @@ def specs() -> list[Spec]:
         Spec("torch-lmdb", "torch DataLoader + LMDBDataset (PIL)", "peer"),
     ]
     found += [Spec(f"loader-{d}", f"loader.DataLoader, decoder={d!r}", "ours") for d in decoders()]
-    # A GPU decoder also runs alone, without the workers' CPU share, to show what the share
-    # adds (the plain name runs with cpu_share="auto", the default).
+    # A GPU decoder also runs with the workers decoding a share beside it, steered by
+    # feedback, to show what that share does (the plain name runs the default, cpu_share=0).
     found += [
-        Spec(f"loader-{d}-gpuonly", f"loader.DataLoader, decoder={d!r}, cpu_share=0", "ours")
+        Spec(f"loader-{d}-auto", f"loader.DataLoader, decoder={d!r}, cpu_share='auto'", "ours")
         for d in decoders()
         if not runs_in_workers(d)
     ]
@@ -99,7 +99,7 @@ def build(name: str, s: Settings):
         return TorchPipeline(LMDBDataset(s.store, transform=torch_transform(s)), s)
     if name.startswith("loader-"):
         decoder, _, variant = name.removeprefix("loader-").partition("-")
-        return OurPipeline(decoder, s, cpu_share=0.0 if variant == "gpuonly" else "auto")
+        return OurPipeline(decoder, s, cpu_share="auto" if variant == "auto" else 0.0)
     if name == "synthetic":
         from loader.bench.train import Synthetic
 
@@ -168,7 +168,7 @@ class TorchPipeline:
 class OurPipeline:
     """``loader.DataLoader`` on the store with decoder backend ``decoder``."""
 
-    def __init__(self, decoder: str, s: Settings, cpu_share: float | str = "auto") -> None:
+    def __init__(self, decoder: str, s: Settings, cpu_share: float | str = 0.0) -> None:
         import loader
 
         self.dl = loader.DataLoader(
