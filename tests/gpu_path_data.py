@@ -8,6 +8,8 @@ images are small, because the interpreter is slow.
 
 from __future__ import annotations
 
+import warnings
+
 import cv2
 import numpy as np
 import torch
@@ -60,7 +62,9 @@ class TorchvisionCpuBatchDecoder:
         out = []
         for data in encoded:
             try:
-                out.append(self._decode(data, mode=self._mode))
+                with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    out.append(self._decode(data, mode=self._mode))
             except RuntimeError:
                 out.append(None)
         return out
@@ -70,6 +74,6 @@ def pil_resized_crop(rgb: np.ndarray, crop, size: tuple[int, int]) -> np.ndarray
     """Reference: PIL's antialiased bilinear resize of the crop window, cropped, flipped."""
     y, x, h, w, rh, rw, oy, ox, flip = (int(v) for v in crop[:9])
     img = Image.fromarray(rgb).crop((x, y, x + w, y + h))
-    out = np.asarray(img.resize((rw, rh), Image.BILINEAR, reducing_gap=None))
+    out = np.array(img.resize((rw, rh), Image.BILINEAR, reducing_gap=None))
     out = out[oy : oy + size[0], ox : ox + size[1]]
     return np.ascontiguousarray(out[:, ::-1] if flip else out)
