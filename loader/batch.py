@@ -11,6 +11,7 @@ contiguous byte buffer plus offsets) plugs into the same workers and ring.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import cv2
@@ -105,15 +106,18 @@ class PixelBatches:
 
         ``seed`` (the batch's) seeds the choice of replacements for records that fail.
         """
+        started = time.perf_counter()
         self._ensure_decoder()
         report = BatchReport(len(indices))
         images = slot["images"]
         for k, (i, crop) in enumerate(zip(indices.tolist(), crops, strict=True)):
             row = lo + k
             out = self._scratch if self.planar else images[row]
-            slot["indices"][row] = self._one(i, crop, out, (seed, row), report)
+            slot["indices"][row] = self.decode_sample(i, crop, out, (seed, row), report)
             if self.planar:
                 cv2.split(out, list(images[row]))  # straight into the slot's three planes
+        report.cpu_decoded = len(indices)
+        report.decode_s = report.worker_s = time.perf_counter() - started  # reads included
         return report
 
     def _ensure_decoder(self) -> None:
@@ -122,8 +126,11 @@ class PixelBatches:
             self._decoder = get_decoder(self.decoder_name, antialias=self.spec.antialias)
             self._scratch = np.empty((*self.spec.size, 3), np.uint8) if self.planar else None
 
-    def _one(self, i: int, crop, out: np.ndarray, key: tuple, report: BatchReport) -> int:
-        """Decode sample ``i`` into ``out``, or a replacement; return the index written."""
+    def decode_sample(self, i: int, crop, out: np.ndarray, key: tuple, report: BatchReport) -> int:
+        """Decode sample ``i`` into ``out`` (uint8 HWC of the output size), or a replacement
+        drawn from ``key`` (the batch seed and row) when its record fails; report the
+        failures; return the index written."""
+        self._ensure_decoder()
         rng = None
         for _ in range(MAX_REPLACEMENTS):
             try:

@@ -313,8 +313,9 @@ class DataLoader:
     def _deliver(self, slot: dict[str, torch.Tensor], report) -> tuple:
         self._note_bad(report.bad)
         self._stats.add(
-            batches=1, samples=report.n, cpu_decoded=report.n, cpu_decode_s=report.decode_s
-        )
+            batches=1, samples=report.n, cpu_decoded=report.cpu_decoded,
+            cpu_decode_s=report.decode_s,
+        )  # fmt: skip
         indices = slot["indices"][: report.n].numpy().copy()
         images = self._output.images(slot["images"][: report.n])
         labels = self._output.labels(self._labels[indices])

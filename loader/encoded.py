@@ -101,7 +101,6 @@ class EncodedBatches(PixelBatches):
     ) -> BatchReport:
         """Copy the bytes of GPU-routed samples into the slot; decode the others into
         their pixel rows (a record that cannot be read is replaced, as on the CPU path)."""
-        self._ensure_decoder()
         report = BatchReport(len(indices))
         started = time.perf_counter()
         slot["seed"][0] = seed
@@ -112,7 +111,7 @@ class EncodedBatches(PixelBatches):
                 continue
             t0 = time.perf_counter()
             key = (seed, at)
-            slot["indices"][at] = self._one(i, row, slot["pixels"][at], key, report)
+            slot["indices"][at] = self.decode_sample(i, row, slot["pixels"][at], key, report)
             slot["lengths"][at] = -1
             report.cpu_decoded += 1
             report.decode_s += time.perf_counter() - t0

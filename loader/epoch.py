@@ -80,7 +80,9 @@ class EpochIterator:
         try:
             if self._failure is not None:
                 raise self._failure
+            t0 = time.perf_counter()
             slot, report = self._produce()
+            self._loader._stats.add(wait_s=time.perf_counter() - t0)
             try:  # a failure here loses the batch: end the iteration, not only this call
                 batch = self._loader._deliver(self._ring.slot(slot), report)
             finally:

@@ -47,7 +47,7 @@ class GpuStage:
         device: the CUDA device.
         decoder: registry name of the GPU decoder.
         cpu_share: "auto" or a fixed fraction of GPU-decodable samples the workers decode.
-        num_workers: worker processes (the CPU side's parallelism, for "auto").
+        num_workers: worker processes (without any, "auto" keeps everything on the GPU).
         stats: where stage timings go.
     """
 
@@ -71,8 +71,7 @@ class GpuStage:
         # Data before training work; the device may be the CPU only in tests.
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device, priority=-1) if cuda else None
-        self.auto = cpu_share == "auto" and num_workers > 0
-        self.num_workers = num_workers
+        self.auto = cpu_share == "auto" and num_workers > 0  # no workers: nothing to share
         producer.cpu_share = 0.0 if cpu_share == "auto" else cpu_share
         self._labels = producer.store.labels
         self._index = producer.store.index
@@ -152,11 +151,10 @@ class GpuStage:
         return np.asarray(ok_rows, dtype=np.int64), images
 
     def _cpu_retry(self, views: dict, row: int, report) -> None:
-        self.producer._ensure_decoder()
         i = int(views["indices"][row])
         crop = views["crops"][row]
         key = (int(views["seed"][0]), row)  # as the workers key their replacements
-        written = self.producer._one(i, crop, views["pixels"][row], key, report)
+        written = self.producer.decode_sample(i, crop, views["pixels"][row], key, report)
         views["indices"][row] = written
         views["lengths"][row] = -1
         self.stats.add(gpu_rejected=1)

@@ -431,3 +431,12 @@ def test_not_a_store(tmp_path, store):
     (partial / fmt.MANIFEST).unlink()
     with pytest.raises(ValueError, match=r"not a complete store, manifest.json is missing"):
         make(partial)
+
+
+def test_stats_of_the_cpu_path(store):
+    dl = make(store, num_workers=2)
+    epoch(dl)
+    stats = dl.stats()
+    assert stats["decoder"] == "cpu"
+    assert stats["samples"] == stats["cpu_decoded"] == NUM_SAMPLES and stats["batches"] == 8
+    assert stats["cpu_decode_s"] > 0 and stats["wait_s"] >= 0  # worker time was counted
