@@ -7,13 +7,15 @@ and what was written comes back as text, for the caller to turn into an outcome 
 reject, a replaced sample) instead of noise on the user's terminal.
 
 Another thread of the same process that writes to stderr during the call is captured
-too: decoders run in worker processes, where nothing else writes to stderr.
+too: ``captured`` is for worker processes, where nothing else writes to stderr;
+``filtered`` keeps only a library's own lines and writes the rest back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -35,10 +37,10 @@ def _scratch() -> int:
 
 
 @contextlib.contextmanager
-def captured() -> Iterator[list[str]]:
-    """Run the body with fd 2 redirected; the yielded list then holds what was written
-    (one string, stripped; empty list when nothing was)."""
-    out: list[str] = []
+def _redirected(limit: int | None) -> Iterator[list[bytes]]:
+    """Run the body with fd 2 pointing at this process's scratch file; the yielded list
+    then holds what was written (at most ``limit`` bytes; all when None)."""
+    out: list[bytes] = []
     with contextlib.suppress(Exception):
         sys.stderr.flush()
     scratch = _scratch()
@@ -51,8 +53,34 @@ def captured() -> Iterator[list[str]]:
         os.close(saved)
         size = os.lseek(scratch, 0, os.SEEK_CUR)
         if size:
-            text = os.pread(scratch, min(size, _MAX_TEXT), 0).decode("utf-8", "replace")
+            out.append(os.pread(scratch, size if limit is None else min(size, limit), 0))
             os.ftruncate(scratch, 0)
             os.lseek(scratch, 0, os.SEEK_SET)
-            if text.strip():
-                out.append(" ".join(text.split()))
+
+
+@contextlib.contextmanager
+def captured() -> Iterator[list[str]]:
+    """Run the body with fd 2 redirected; the yielded list then holds what was written
+    (one string, stripped; empty list when nothing was)."""
+    out: list[str] = []
+    with _redirected(_MAX_TEXT) as raw:
+        yield out
+    text = b"".join(raw).decode("utf-8", "replace")
+    if text.strip():
+        out.append(" ".join(text.split()))
+
+
+@contextlib.contextmanager
+def filtered(noise: re.Pattern[str]) -> Iterator[list[str]]:
+    """Like ``captured``, for a library called in a process whose other threads may write
+    to stderr too (the training process): the lines that match ``noise`` are kept in the
+    yielded list, every other line is written back to stderr afterwards, late but intact."""
+    out: list[str] = []
+    with _redirected(None) as raw:
+        yield out
+    keep = []
+    for line in b"".join(raw).decode("utf-8", "replace").splitlines(keepends=True):
+        (out if noise.search(line) else keep).append(line)
+    if keep:
+        os.write(2, "".join(keep).encode())
+    out[:] = [" ".join(line.split()) for line in out]

@@ -19,6 +19,7 @@ import numpy as np
 _BACKENDS = {
     "cpu": "loader.decode_cpu:CpuDecoder",
     "nvjpeg": "loader.decode_nvjpeg:NvjpegDecoder",
+    "dali": "loader.decode_dali:DaliDecoder",
 }
 
 

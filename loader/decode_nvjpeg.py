@@ -20,7 +20,7 @@ class NvjpegDecoder:
 
     Args:
         device: the CUDA device to decode on.
-        antialias: accepted for the registry's common signature; resizing is not done here.
+        antialias, batch_size: accepted for the registry's common signature.
 
     Raises:
         ValueError: no CUDA device, or a torchvision without nvjpeg support.
@@ -30,8 +30,10 @@ class NvjpegDecoder:
     in_workers = False
     devices = ("cuda",)
 
-    def __init__(self, device: torch.device | str | None = None, antialias: bool = True) -> None:
-        del antialias
+    def __init__(
+        self, device: torch.device | str | None = None, antialias: bool = True, batch_size=None
+    ) -> None:
+        del antialias, batch_size
         device = torch.device(device if device is not None else "cuda")
         if device.type != "cuda" or not torch.cuda.is_available():
             raise ValueError(
@@ -58,7 +60,7 @@ class NvjpegDecoder:
         try:
             return list(self._decode(encoded, mode=self._mode, device=self.device))
         except RuntimeError as e:
-            _raise_if_not_the_data(e)
+            raise_if_not_the_data(e)
             # One bad stream fails the whole batched call: find it by decoding one by one.
             return [self._one(data) for data in encoded]
 
@@ -66,7 +68,7 @@ class NvjpegDecoder:
         try:
             return self._decode(data, mode=self._mode, device=self.device)
         except RuntimeError as e:
-            _raise_if_not_the_data(e)
+            raise_if_not_the_data(e)
             return None
 
 
@@ -75,7 +77,7 @@ class NvjpegDecoder:
 _DEVICE_TROUBLE = ("out of memory", "CUDA error", "cudaError", "ALLOCATOR", "allocat")
 
 
-def _raise_if_not_the_data(e: RuntimeError) -> None:
+def raise_if_not_the_data(e: RuntimeError) -> None:
     if any(word in str(e) for word in _DEVICE_TROUBLE):
         raise e
 

@@ -66,7 +66,9 @@ class GpuStage:
         self.producer, self.device, self.dtype, self.stats = producer, device, dtype, stats
         self.size = spec.size
         self.format = torch.channels_last if channels_last else torch.contiguous_format
-        self.decoder = get_decoder(decoder, device=device)
+        self.decoder = get_decoder(decoder, device=device, batch_size=producer.batch_size)
+        # A decoder that decodes only the crop windows (DALI) gets them with the bytes.
+        self.windows = bool(getattr(self.decoder, "crop_windows", False))
         self.augment = GpuAugment(spec.size, spec.mean, spec.std, spec.antialias)
         # Data before training work; the device may be the CPU only in tests.
         cuda = device.type == "cuda"
@@ -99,15 +101,24 @@ class GpuStage:
             if self._last_done is not None:
                 self._last_done.synchronize()
             t0 = time.perf_counter()
-            decoded = self.decoder.decode_batch(encoded)
+            crops = views["crops"][gpu_rows]
+            if self.windows:
+                decoded = self.decoder.decode_batch(encoded, crops[:, 0:4])
+                expected = crops[:, [2, 3]]  # the windows' heights and widths
+                crops = crops.copy()
+                crops[:, 0:2] = 0  # each decoded image is its window
+            else:
+                decoded = self.decoder.decode_batch(encoded)
+                at = views["indices"][gpu_rows]
+                expected = np.stack([self._index["height"][at], self._index["width"][at]], 1)
             decode_s = time.perf_counter() - t0
-            ok_rows, images = self._keep_decoded(views, gpu_rows, decoded, report)
+            ok, images = self._keep_decoded(views, gpu_rows, decoded, expected, report)
             begin = _event(self.device)
             out = torch.empty(
                 (n, 3, *self.size), dtype=self.dtype, device=self.device,
                 memory_format=self.format,
             )  # fmt: skip
-            self.augment(images, views["crops"][ok_rows], ok_rows, out)
+            self.augment(images, crops[ok], gpu_rows[ok], out)
             cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
             indices = views["indices"][:n].copy()
             if len(cpu_rows):
@@ -120,7 +131,7 @@ class GpuStage:
             done = _event(self.device)
         self._last_done = done
         self.stats.add_gpu_time("augment", begin, done)
-        self._account(report, len(ok_rows), len(cpu_rows), decode_s)
+        self._account(report, len(images), len(cpu_rows), decode_s)
         self._steer(waited, time.perf_counter() - started)
         return out, labels, indices, done
 
@@ -132,23 +143,23 @@ class GpuStage:
         stack.enter_context(torch.cuda.stream(self.stream))
         return stack
 
-    def _keep_decoded(self, views, gpu_rows, decoded, report) -> tuple[np.ndarray, list]:
-        """The rows whose GPU decode is usable, and their images; the others are decoded
-        (or replaced) on the CPU into their pixel rows, here, before the slot is let go."""
-        heights = self._index["height"][views["indices"][gpu_rows]]
-        widths = self._index["width"][views["indices"][gpu_rows]]
-        ok_rows, images = [], []
-        for row, image, h, w in zip(gpu_rows.tolist(), decoded, heights, widths, strict=True):
+    def _keep_decoded(self, views, gpu_rows, decoded, expected, report) -> tuple[np.ndarray, list]:
+        """Which of ``gpu_rows`` decoded usably (a mask) and their images; the others are
+        decoded (or replaced) on the CPU into their pixel rows, here, before the slot is
+        let go. ``expected``: the (height, width) each decoded image must have."""
+        ok, images = np.ones(len(gpu_rows), dtype=bool), []
+        rows = zip(gpu_rows.tolist(), decoded, expected.tolist(), strict=True)
+        for k, (row, image, shape) in enumerate(rows):
             try:
                 if image is None:
                     raise ValueError("rejected by the GPU decoder")
-                check_decoded(image, (int(h), int(w)))
+                check_decoded(image, shape)
             except ValueError:  # DecodeError too: retry on the CPU, as the issue promises
                 self._cpu_retry(views, row, report)
+                ok[k] = False
                 continue
-            ok_rows.append(row)
             images.append(image)
-        return np.asarray(ok_rows, dtype=np.int64), images
+        return ok, images
 
     def _cpu_retry(self, views: dict, row: int, report) -> None:
         i = int(views["indices"][row])

@@ -53,7 +53,7 @@ class TorchvisionCpuBatchDecoder:
     in_workers = False
     devices = ("cpu",)
 
-    def __init__(self, device=None, antialias: bool = True) -> None:
+    def __init__(self, device=None, antialias: bool = True, batch_size=None) -> None:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         self._decode, self._mode = decode_jpeg, ImageReadMode.RGB
@@ -77,3 +77,27 @@ def pil_resized_crop(rgb: np.ndarray, crop, size: tuple[int, int]) -> np.ndarray
     out = np.array(img.resize((rw, rh), Image.BILINEAR, reducing_gap=None))
     out = out[oy : oy + size[0], ox : ox + size[1]]
     return np.ascontiguousarray(out[:, ::-1] if flip else out)
+
+
+def dali_backend() -> str:
+    """The DALI decoder's registry name here: "dali" on CUDA; without CUDA a stand-in
+    running DALI's CPU decoder ("dalicpu", registered by the tests that use it)."""
+    return "dali" if CUDA else "dalicpu"
+
+
+def _dali_cpu_decoder():
+    from loader.decode_dali import DaliDecoder
+
+    class DaliCpuDecoder(DaliDecoder):
+        """The DALI decoder with DALI's CPU operators, where there is no GPU."""
+
+        name = "dalicpu"
+        devices = ("cpu",)
+
+    return DaliCpuDecoder
+
+
+def __getattr__(name: str):  # "gpu_path_data:DaliCpuDecoder" for the decoder registry
+    if name == "DaliCpuDecoder":
+        return _dali_cpu_decoder()
+    raise AttributeError(name)

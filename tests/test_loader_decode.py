@@ -43,10 +43,10 @@ def special(store: Store, name: str) -> int:
 
 
 def test_registry():
-    assert decoders() == ["cpu", "nvjpeg"]
+    assert decoders() == ["cpu", "dali", "nvjpeg"]
     assert get_decoder("cpu").in_workers
-    with pytest.raises(ValueError, match=r"decoder='dali' is unknown; known decoders: cpu, nvj"):
-        get_decoder("dali")
+    with pytest.raises(ValueError, match=r"decoder='pil' is unknown; known decoders: cpu, dali"):
+        get_decoder("pil")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"decoder='nvjpeg' decodes on a CUDA device"):
             get_decoder("nvjpeg", device="cpu")

@@ -71,7 +71,7 @@ def unavailable(spec: Spec, s: Settings) -> str | None:
     dali = spec.name.startswith("dali-")
     if spec.name.startswith("torch-") and importlib.util.find_spec("torchvision") is None:
         return "torchvision is not installed (pip install torchvision)"
-    if dali and not _has_dali():
+    if (dali or spec.name.startswith("loader-dali")) and not _has_dali():
         return "DALI is not installed (pip install 'imfeed[dali]')"
     if (dali or spec.name == BASELINE) and s.folder is None:
         return "needs an image folder: give --data a folder rather than a store"

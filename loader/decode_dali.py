@@ -1,0 +1,184 @@
+"""The DALI decoder: batched JPEG decode of only each sample's crop window, through DALI.
+
+``nvidia.dali.fn.decoders.image_slice`` on DALI's "mixed" device decodes a batch with the
+GPU's hardware JPEG engines and nvjpeg's CUDA decoder side by side, and decodes only the
+region it is given (ROI decode): RandomResizedCrop keeps 8-100% of an image, so most of a
+full decode's pixels would be thrown away. The regions are the sampler's crop windows, so
+the samples are the same on every backend; the rest of the augmentation (resize, flip,
+normalise) is the loader's own kernels, as for the other GPU decoders.
+
+DALI is an optional extra (``pip install 'imfeed[dali]'``), imported when this decoder is
+made. The pipeline is fed by the loader (``external_source``), runs synchronously in the
+calling thread (the loader's prefetch thread) and its output is copied, on the caller's
+stream, into one tensor of the caller's allocator, so DALI's buffers are free again when
+the copy is done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import re
+
+import numpy as np
+import torch
+
+from ingest.cstderr import filtered
+from loader.decode_nvjpeg import raise_if_not_the_data
+
+# nvImageCodec (inside DALI) prints "[ERROR] [jpeg_parser] ..." (colour codes around the
+# level) to stderr for each stream it cannot parse, whatever DALI's log level.
+_LIBRARY_LINES = re.compile(r"^\s*(\x1b\[[0-9;]*m)?\[(FATAL|ERROR|WARNING|INFO|DEBUG|TRACE)\]")
+
+# The share of the JPEGs DALI gives its hardware engines (the rest go to nvjpeg's CUDA
+# decoder, whose Huffman stage runs on DALI's CPU threads).
+HW_DECODER_LOAD = 0.75
+MAX_THREADS = 4  # DALI's CPU threads: they share the cores with the training process
+
+
+class DaliDecoder:
+    """Decodes the crop windows of lists of JPEG byte tensors into uint8 [3, h, w] tensors.
+
+    Args:
+        device: the CUDA device to decode on (the CPU only in tests: DALI's CPU decoder).
+        antialias: accepted for the registry's common signature; resizing is not done here.
+        batch_size: the most images one call decodes.
+        threads: DALI's CPU threads (default: ``MAX_THREADS``, fewer on a small machine).
+        hw_decoder_load: share of the JPEGs for the hardware engines.
+
+    Raises:
+        ValueError: DALI is not installed, or no CUDA device.
+    """
+
+    name = "dali"
+    in_workers = False
+    devices = ("cuda",)
+    crop_windows = True  # decode_batch takes each image's window and decodes only that
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        antialias: bool = True,
+        batch_size: int = 256,
+        threads: int | None = None,
+        hw_decoder_load: float = HW_DECODER_LOAD,
+    ) -> None:
+        del antialias
+        self.device = torch.device(device if device is not None else "cuda")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("decoder='dali' decodes on a CUDA device; use decoder='cpu'")
+        try:
+            importlib.import_module("nvidia.dali")
+        except ImportError:
+            raise ValueError(
+                "decoder='dali' needs NVIDIA DALI: pip install 'imfeed[dali]', or use "
+                "decoder='nvjpeg'"
+            ) from None
+        self.batch_size = int(batch_size)
+        self.threads = threads or max(1, min(MAX_THREADS, (os.cpu_count() or 1) // 2))
+        self.hw_decoder_load = float(hw_decoder_load)
+        self._pipe = None
+
+    def _build(self):
+        from nvidia.dali import fn, pipeline_def, types
+
+        cuda = self.device.type == "cuda"
+        mixed = {"hw_decoder_load": self.hw_decoder_load} if cuda else {}
+
+        @pipeline_def(
+            batch_size=self.batch_size,
+            num_threads=self.threads,
+            device_id=(self.device.index or 0) if cuda else None,
+            prefetch_queue_depth=1,
+            exec_async=False,  # run() decodes the batch it is given, in the caller's thread
+            exec_pipelined=False,
+        )
+        def graph():
+            jpegs = fn.external_source(name="jpegs", dtype=types.UINT8, ndim=1)
+            anchor = fn.external_source(name="anchor", dtype=types.FLOAT, ndim=1)
+            shape = fn.external_source(name="shape", dtype=types.FLOAT, ndim=1)
+            return fn.decoders.image_slice(
+                jpegs, anchor, shape, device="mixed" if cuda else "cpu",
+                output_type=types.RGB, axis_names="WH",
+                normalized_anchor=False, normalized_shape=False, **mixed,
+            )  # fmt: skip
+
+        pipe = graph()
+        pipe.build()
+        return pipe
+
+    def decode_batch(
+        self, encoded: list[torch.Tensor], windows: np.ndarray
+    ) -> list[torch.Tensor | None]:
+        """Decode window ``windows[k]`` (y, x, h, w) of every JPEG of ``encoded``.
+
+        Returns:
+            One RGB tensor [3, h, w] per input (views of one buffer allocated on the
+            current stream, ready in stream order), or None where that input could not be
+            decoded (the caller retries those on the CPU).
+
+        Raises:
+            RuntimeError: the device failed (out of memory, a CUDA error).
+        """
+        if not encoded:
+            return []
+        windows = np.asarray(windows, dtype=np.int64)[:, :4]
+        try:
+            return self._decode(encoded, windows)
+        except RuntimeError as e:
+            raise_if_not_the_data(e)
+            self._pipe = None  # start afresh after a failed run
+            # One bad stream fails the whole batch: find it by decoding one by one.
+            return [self._one(data, w) for data, w in zip(encoded, windows, strict=True)]
+
+    def _one(self, data: torch.Tensor, window: np.ndarray) -> torch.Tensor | None:
+        try:
+            return self._decode([data], window[None])[0]
+        except RuntimeError as e:
+            raise_if_not_the_data(e)
+            self._pipe = None
+            return None
+
+    def _decode(self, encoded: list[torch.Tensor], windows: np.ndarray) -> list:
+        if self._pipe is None:
+            self._pipe = self._build()
+        pipe = self._pipe
+        pipe.feed_input("jpegs", [t.numpy() for t in encoded])
+        pipe.feed_input("anchor", np.ascontiguousarray(windows[:, [1, 0]], dtype=np.float32))
+        pipe.feed_input("shape", np.ascontiguousarray(windows[:, [3, 2]], dtype=np.float32))
+        with filtered(_LIBRARY_LINES):  # its complaints about a bad stream: a None here
+            (out,) = pipe.run()
+        return self._to_torch(out, windows)
+
+    def _to_torch(self, out, windows: np.ndarray) -> list[torch.Tensor | None]:
+        """Copy DALI's ragged output into one tensor; a sample of the wrong shape is None."""
+        shapes = [tuple(s) for s in out.shape()]
+        sizes = [int(np.prod(s)) for s in shapes]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+        target = ctypes.c_void_p(buffer.data_ptr())
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            _wait_for(out, stream, self.device)
+            out.copy_to_external(target, stream.cuda_stream, non_blocking=True)
+        else:
+            out.copy_to_external(target)
+        images, at = [], 0
+        for shape, size, (_, _, h, w) in zip(shapes, sizes, windows.tolist(), strict=True):
+            view = buffer[at : at + size]
+            at += size
+            ok = shape == (h, w, 3)
+            images.append(view.view(h, w, 3).permute(2, 0, 1) if ok else None)
+        return images
+
+
+def _wait_for(out, stream: torch.cuda.Stream, device: torch.device) -> None:
+    """Make ``stream`` wait for the work DALI did on its own stream to produce ``out``."""
+    handle = getattr(out, "stream", None)
+    if callable(handle):
+        handle = handle()
+    if not handle:
+        return  # DALI finished its work before returning (or used the legacy stream)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.ExternalStream(int(handle), device=device))
+    stream.wait_event(event)

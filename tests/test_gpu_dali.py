@@ -1,0 +1,156 @@
+"""The DALI decoder (``decoder="dali"``): it decodes only each sample's crop window, and the
+loader's kernels do the rest, so the samples, labels, windows and pixels are those of the
+other GPU decoder within the tolerances of ``test_gpu_path``.
+
+On CUDA these run DALI's mixed decoder; without one, DALI's CPU decoder stands in (the
+same pipeline, fed the same way). Without DALI installed (CI) only the error test runs.
+Against the full-decode GPU backend: without CUDA the pixels are equal (libjpeg on both
+sides decodes the window's pixels exactly as the whole image's); on CUDA within a mean of
+2.0 uint8 levels per sample (DALI's hardware engines against torchvision's nvjpeg).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gpu_path_data import BACKEND, CUDA, DEVICE, NUM_SAMPLES, dali_backend, make_small_store
+from loader_data import corrupt
+
+if not CUDA:  # before Triton is first imported: run the kernels in its CPU interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from test_gpu_path import SIZE, B, epoch, flat, mean_diff, pil_reference
+
+import loader
+import loader.decode as decode_registry
+from ingest import format as fmt
+from loader.augment import Transform
+from loader.store import Store
+
+TRAIN, EVAL = Transform("train", SIZE), Transform("eval", SIZE)
+DALI = dali_backend()
+TOL = 2.0 if CUDA else 0.0
+
+
+def _has_dali() -> bool:
+    try:
+        from nvidia import dali  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_dali = pytest.mark.skipif(not _has_dali(), reason="needs NVIDIA DALI (imfeed[dali])")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_small_store(tmp_path_factory.mktemp("gpu_dali"))
+
+
+@pytest.fixture(autouse=True)
+def backends(monkeypatch):  # the CPU stand-ins of the GPU decoders, without CUDA
+    if not CUDA:
+        for name, cls in [("tvcpu", "TorchvisionCpuBatchDecoder"), ("dalicpu", "DaliCpuDecoder")]:
+            monkeypatch.setitem(decode_registry._BACKENDS, name, f"gpu_path_data:{cls}")
+
+
+def make(store, **kwargs) -> loader.DataLoader:
+    args = {
+        "batch_size": B, "transform": TRAIN, "device": DEVICE, "decoder": DALI,
+        "with_indices": True, "num_workers": 2, "shuffle": True, "seed": 5,
+        "dtype": torch.uint8,
+    }  # fmt: skip
+    return loader.DataLoader(store, **{**args, **kwargs})
+
+
+def test_without_dali_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"decoder='dali' needs NVIDIA DALI: pip install 'imf"):
+        decode_registry.get_decoder("dali", device="cpu")
+
+
+@needs_dali
+@pytest.mark.parametrize("spec", [TRAIN, EVAL], ids=["train", "eval"])
+def test_same_samples_windows_and_pixels_as_the_full_decode(store, spec):
+    full = epoch(make(store, transform=spec, decoder=BACKEND))
+    dl = make(store, transform=spec)
+    windowed = epoch(dl)
+    assert torch.equal(flat(windowed, 2), flat(full, 2))  # the same samples, in order
+    assert torch.equal(flat(windowed, 1), flat(full, 1))  # and labels
+    stats = dl.stats()
+    assert stats["decoder"] == DALI and stats["gpu_decoded"] == NUM_SAMPLES - 2
+    assert stats.get("gpu_rejected", 0) == 0
+    if not CUDA:
+        assert torch.equal(flat(windowed, 0), flat(full, 0))
+        return
+    reference = pil_reference(store, spec, windowed, seed=5)
+    for got, other, ref in zip(flat(windowed, 0), flat(full, 0), reference, strict=True):
+        assert mean_diff(got, other) <= TOL
+        assert mean_diff(got, ref) <= TOL + 1.0  # the CPU side's rows: the CPU path's filter
+
+
+@needs_dali
+def test_float_output_and_a_cpu_share(store):
+    half = make(store, dtype=torch.float16, channels_last=True, cpu_share=0.5)
+    batches = epoch(half)
+    stats = half.stats()
+    assert 0 < stats["gpu_decoded"] < NUM_SAMPLES - 2
+    assert stats["gpu_decoded"] + stats["cpu_decoded"] == NUM_SAMPLES
+    images = flat(batches, 0)
+    assert images.dtype == torch.float16 and images.is_contiguous(memory_format=torch.channels_last)
+    raw = flat(epoch(make(store, cpu_share=0.5)), 0).float() / 255  # same split, uint8
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (TRAIN.mean, TRAIN.std))
+    assert sorted(flat(batches, 2).tolist()) == list(range(NUM_SAMPLES))
+    # Per sample what the uint8 run gives, normalised and cast (float16: 0.5 levels).
+    diff = (images.float() * std + mean - raw).abs().amax(dim=(1, 2, 3)) * 255
+    assert float(diff.max()) <= 0.5
+
+
+@needs_dali
+def test_a_corrupt_record_is_replaced_and_counted(store, tmp_path):
+    _, damaged = corrupt(store, tmp_path, 3)
+    dl = make(damaged, shuffle=False)
+    batches = epoch(dl)
+    got = flat(batches, 2).tolist()
+    assert 3 not in got and len(got) == NUM_SAMPLES
+    assert list(dl.bad_samples) == [3] and dl.num_replaced == 1
+    reference = make(damaged, shuffle=False, decoder=BACKEND)
+    assert flat(epoch(reference), 2).tolist() == got  # replaced as the other backend does
+
+
+@needs_dali
+def test_the_decoder_rejects_only_the_bad_stream_and_goes_on(store):
+    st = Store(store)
+    jpegs = [k for k in range(NUM_SAMPLES) if st.index["format"][k] == fmt.FORMAT_CODES["jpeg"]][:3]
+    data = [torch.frombuffer(bytearray(st.image(k)[0]), dtype=torch.uint8) for k in jpegs]
+    windows = np.array([[1, 2, 10, 12]] * 4)
+    decoder = decode_registry.get_decoder(DALI, device=DEVICE, batch_size=4)
+    garbage = data[1].clone()
+    garbage[len(garbage) // 3 :] = 0  # the scan, zeroed: no decoder takes it
+    garbage = garbage[:200]
+    clean = decoder.decode_batch(data[:3], windows[:3])
+    out = decoder.decode_batch([data[0], garbage, data[1], data[2]], windows)
+    assert out[1] is None
+    for got, want in zip([out[0], out[2], out[3]], clean, strict=True):
+        assert got.shape == (3, 10, 12) and torch.equal(got.cpu(), want.cpu())
+    again = decoder.decode_batch(data[:3], windows[:3])  # a fresh pipeline, same results
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(again, clean, strict=True))
+
+
+@needs_dali
+def test_every_sample_once_per_epoch_and_resume(store):
+    dl = make(store, drop_last=False)
+    it = iter(dl)
+    head = [tuple(t.cpu() for t in next(it))]
+    state = dl.state_dict()
+    resumed = make(store)
+    resumed.load_state_dict(state)
+    rest = epoch(resumed)
+    del it
+    assert sorted(flat(head + rest, 2).tolist()) == list(range(NUM_SAMPLES))
+    assert len(head + rest) == 3
