@@ -17,7 +17,7 @@ for stage in "$@"; do
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_dali.py > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
     decoders) prepare; timeout 200 python3 benchmarks/gpu_decoders.py "$STORE" --out $OUT/gpu-decoders.json 2>&1 | tee $OUT/gpu-decoders.log | tail -20 ;;
     bench) prepare; timeout 560 python3 -m loader.bench --images "$N" --photos .photos --workdir $W \
-        --batch-size 256 --workers 16 --dtype float16 --channels-last --passes 2 --train-check \
+        --batch-size 256 --workers 16 --dtype float16 --channels-last --passes ${PASSES:-3} --train-check \
         --train-steps 30 --only "${ONLY:-torch-pil,loader-nvjpeg,loader-dali,loader-dali-auto,dali-crop,dali-ram}" \
         --name "${NAME:-gpu-h200-dali}" --out $OUT --logs /tmp/blogs > $OUT/bench.log 2>&1; tail -25 $OUT/bench.log ;;
     profile) prepare; timeout 300 python3 benchmarks/profile_example.py "$FOLDER" "$STORE" > $OUT/profile.log 2>&1; cat $OUT/profile.log | tail -20 ;;

@@ -27,13 +27,18 @@ import torch
 from ingest.cstderr import filtered
 from loader.decode_nvjpeg import raise_if_not_the_data
 
-# nvImageCodec (inside DALI) prints "[ERROR] [jpeg_parser] ..." (colour codes around the
-# level) to stderr for each stream it cannot parse, whatever DALI's log level.
-_LIBRARY_LINES = re.compile(r"^\s*(\x1b\[[0-9;]*m)?\[(FATAL|ERROR|WARNING|INFO|DEBUG|TRACE)\]")
+# nvImageCodec (inside DALI) prints to stderr, whatever DALI's log level: "[ERROR] ..."
+# (colour codes around the level) for each stream it cannot parse, and when a pipeline is
+# built, which optional codec libraries (nvTIFF, nvJPEG2000) it did not find.
+_LIBRARY_LINES = re.compile(
+    r"^\s*(\x1b\[[0-9;]*m)?\[(FATAL|ERROR|WARNING|INFO|DEBUG|TRACE)\]"
+    r"|^Failed to load nv|^Note: If using nvImageCodec"
+)
 
 # The share of the JPEGs DALI gives its hardware engines (the rest go to nvjpeg's CUDA
-# decoder, whose Huffman stage runs on DALI's CPU threads).
-HW_DECODER_LOAD = 0.75
+# decoder, whose Huffman stage runs on DALI's CPU threads): all of them, and 4 threads,
+# decoded fastest on an H200 (benchmarks/results/gpu-h200-decoders.log).
+HW_DECODER_LOAD = 1.0
 MAX_THREADS = 4  # DALI's CPU threads: they share the cores with the training process
 
 
@@ -79,6 +84,7 @@ class DaliDecoder:
         self.threads = threads or max(1, min(MAX_THREADS, (os.cpu_count() or 1) // 2))
         self.hw_decoder_load = float(hw_decoder_load)
         self._pipe = None
+        self._copied = None  # an event after the last copy out of DALI's buffers
 
     def _build(self):
         from nvidia.dali import fn, pipeline_def, types
@@ -141,8 +147,12 @@ class DaliDecoder:
             return None
 
     def _decode(self, encoded: list[torch.Tensor], windows: np.ndarray) -> list:
+        if self._copied is not None:  # DALI may reuse its buffers once they are copied
+            self._copied.synchronize()
+            self._copied = None
         if self._pipe is None:
-            self._pipe = self._build()
+            with filtered(_LIBRARY_LINES):  # optional codecs it did not find, among others
+                self._pipe = self._build()
         pipe = self._pipe
         pipe.feed_input("jpegs", [t.numpy() for t in encoded])
         pipe.feed_input("anchor", np.ascontiguousarray(windows[:, [1, 0]], dtype=np.float32))
@@ -161,6 +171,8 @@ class DaliDecoder:
             stream = torch.cuda.current_stream(self.device)
             _wait_for(out, stream, self.device)
             out.copy_to_external(target, stream.cuda_stream, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record(stream)
         else:
             out.copy_to_external(target)
         images, at = [], 0

@@ -18,6 +18,7 @@ a model of rates, because what the workers get depends on what else runs on the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 
@@ -77,7 +78,11 @@ class GpuStage:
         producer.cpu_share = 0.0 if cpu_share == "auto" else cpu_share
         self._labels = producer.store.labels
         self._index = producer.store.index
-        self._last_done = None  # the previous batch's event (see process)
+        # Decoded images stay referenced until the kernels reading them are done (see
+        # _decode); decoding runs on a stream of its own, so its allocations never reuse
+        # memory our kernels may still read (the decoders write on internal streams).
+        self.decode_stream = torch.cuda.Stream(device, priority=-1) if cuda else None
+        self._in_flight: collections.deque = collections.deque()  # (images, done event)
 
     def process(self, slot: dict[str, torch.Tensor], report, waited: float = 0.0) -> tuple:
         """The batch in ``slot`` (``report.n`` samples) as (images, labels, indices, event).
@@ -94,24 +99,12 @@ class GpuStage:
         data = slot["data"]
         spans = zip(starts[gpu_rows].tolist(), lengths[gpu_rows].tolist(), strict=True)
         encoded = [data[s : s + m] for s, m in spans]
-        with self._on_side_stream():
-            # The decoder writes its output on a stream of its own into memory allocated on
-            # ours, which may be the previous batch's decoded images, freed to the allocator
-            # while our kernels may still be reading them: let those kernels finish first.
-            if self._last_done is not None:
-                self._last_done.synchronize()
-            t0 = time.perf_counter()
-            crops = views["crops"][gpu_rows]
-            if self.windows:
-                decoded = self.decoder.decode_batch(encoded, crops[:, 0:4])
-                expected = crops[:, [2, 3]]  # the windows' heights and widths
-                crops = crops.copy()
-                crops[:, 0:2] = 0  # each decoded image is its window
-            else:
-                decoded = self.decoder.decode_batch(encoded)
-                at = views["indices"][gpu_rows]
-                expected = np.stack([self._index["height"][at], self._index["width"][at]], 1)
-            decode_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        crops, decoded, expected = self._decode(views, gpu_rows, encoded)
+        decode_s = time.perf_counter() - t0
+        with self._on_side_stream(self.stream):
+            if self.decode_stream is not None:
+                self.stream.wait_stream(self.decode_stream)
             ok, images = self._keep_decoded(views, gpu_rows, decoded, expected, report)
             begin = _event(self.device)
             out = torch.empty(
@@ -129,18 +122,38 @@ class GpuStage:
             else:
                 (labels,) = upload(self.device, self._labels[indices])
             done = _event(self.device)
-        self._last_done = done
+        self._in_flight.append((images, done))
         self.stats.add_gpu_time("augment", begin, done)
         self._account(report, len(images), len(cpu_rows), decode_s)
         self._steer(waited, time.perf_counter() - started)
         return out, labels, indices, done
 
-    def _on_side_stream(self) -> contextlib.AbstractContextManager:
-        if self.stream is None:
+    def _decode(self, views, gpu_rows, encoded) -> tuple[np.ndarray, list, np.ndarray]:
+        """GPU-decode ``encoded`` on the decode stream: (the crop rows to apply to the
+        decoded images, the images or None, the (height, width) each must have)."""
+        # Images of two batches ago are let go, once their kernels are surely done: only
+        # then may the decoders' allocations take their memory.
+        while len(self._in_flight) > 1:
+            self._in_flight.popleft()[1].synchronize()
+        crops = views["crops"][gpu_rows]
+        with self._on_side_stream(self.decode_stream):
+            if self.windows:
+                decoded = self.decoder.decode_batch(encoded, crops[:, 0:4])
+                expected = crops[:, [2, 3]]  # the windows' heights and widths
+                crops = crops.copy()
+                crops[:, 0:2] = 0  # each decoded image is its window
+            else:
+                decoded = self.decoder.decode_batch(encoded)
+                at = views["indices"][gpu_rows]
+                expected = np.stack([self._index["height"][at], self._index["width"][at]], 1)
+        return crops, decoded, expected
+
+    def _on_side_stream(self, stream) -> contextlib.AbstractContextManager:
+        if stream is None:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.device(self.device))
-        stack.enter_context(torch.cuda.stream(self.stream))
+        stack.enter_context(torch.cuda.stream(stream))
         return stack
 
     def _keep_decoded(self, views, gpu_rows, decoded, expected, report) -> tuple[np.ndarray, list]:
