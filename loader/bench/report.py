@@ -137,7 +137,9 @@ def headline(summary: dict, results: dict) -> str:
     if summary.get("vs_best_peer") and peer not in (BASELINE, summary.get("best_dali")):
         parts.append(f"{summary['vs_best_peer']:.2f}x the best other pipeline ({peer})")
     if summary.get("resnet50_share"):
-        parts.append(f"ResNet-50 trains at {summary['resnet50_share']:.0%} of its ceiling")
+        fed_by = summary.get("resnet50_fed_by")
+        by = f" fed by {fed_by}" if fed_by and fed_by != ours else ""
+        parts.append(f"ResNet-50 trains at {summary['resnet50_share']:.0%} of its ceiling{by}")
     return ", ".join(parts)
 
 
