@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import time
+from concurrent.futures import Future
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +38,16 @@ from loader.stats import LoaderStats
 _TARGET_IDLE = 0.05  # share of the prefetch thread's time spent waiting for the workers
 _GAIN = 0.5  # share change per batch for each unit of idle-time error
 _MAX_AUTO_SHARE = 0.9
+
+
+class Started(NamedTuple):
+    """A batch between ``GpuStage.start`` and ``GpuStage.finish``."""
+
+    views: dict
+    gpu_rows: np.ndarray
+    report: object
+    future: Future  # of _decode's result
+    busy: float  # seconds start took
 
 
 class GpuStage:
@@ -91,7 +104,13 @@ class GpuStage:
         slot back to the workers at once; the tensors are ready once ``event`` completes.
         ``waited``: how long the caller waited for the workers to fill this slot.
         """
-        started = time.perf_counter()
+        return self.finish(self.start(slot, report), waited)
+
+    def start(self, slot: dict[str, torch.Tensor], report, submit=None) -> Started:
+        """First half of ``process``: hand the slot's JPEGs to the GPU decoder, through
+        ``submit(fn) -> Future`` (a decode thread: the caller goes on meanwhile) or here.
+        The slot must stay untouched until ``finish`` returns."""
+        t0 = time.perf_counter()
         n = report.n
         views = {k: v.numpy() for k, v in slot.items()}
         lengths, starts = views["lengths"][:n], views["starts"][:n]
@@ -99,12 +118,24 @@ class GpuStage:
         data = slot["data"]
         spans = zip(starts[gpu_rows].tolist(), lengths[gpu_rows].tolist(), strict=True)
         encoded = [data[s : s + m] for s, m in spans]
+        decode = functools.partial(self._decode, views, gpu_rows, encoded)
+        if submit is None:
+            future: Future = Future()
+            future.set_result(decode())
+        else:
+            future = submit(decode)
+        return Started(views, gpu_rows, report, future, time.perf_counter() - t0)
+
+    def finish(self, started: Started, waited: float = 0.0) -> tuple:
+        """Second half of ``process``: wait for the decode, then crop, resize and normalise
+        on the side stream; (images, labels, indices, event)."""
         t0 = time.perf_counter()
-        crops, decoded, expected = self._decode(views, gpu_rows, encoded)
-        decode_s = time.perf_counter() - t0
+        views, gpu_rows, report = started.views, started.gpu_rows, started.report
+        n = report.n
+        crops, decoded, expected, decode_s, decoded_event = started.future.result()
         with self._on_side_stream(self.stream):
-            if self.decode_stream is not None:
-                self.stream.wait_stream(self.decode_stream)
+            if self.stream is not None:  # the decoded images are written in stream order
+                self.stream.wait_event(decoded_event)
             ok, images = self._keep_decoded(views, gpu_rows, decoded, expected, report)
             begin = _event(self.device)
             out = torch.empty(
@@ -125,12 +156,14 @@ class GpuStage:
         self._in_flight.append((images, done))
         self.stats.add_gpu_time("augment", begin, done)
         self._account(report, len(images), len(cpu_rows), decode_s)
-        self._steer(waited, time.perf_counter() - started)
+        self._steer(waited, time.perf_counter() - t0 + started.busy)
         return out, labels, indices, done
 
-    def _decode(self, views, gpu_rows, encoded) -> tuple[np.ndarray, list, np.ndarray]:
+    def _decode(self, views, gpu_rows, encoded) -> tuple:
         """GPU-decode ``encoded`` on the decode stream: (the crop rows to apply to the
-        decoded images, the images or None, the (height, width) each must have)."""
+        decoded images, the images or None, the (height, width) each must have, seconds,
+        an event after the decode's work on the decode stream)."""
+        t0 = time.perf_counter()
         # Images of two batches ago are let go, once their kernels are surely done: only
         # then may the decoders' allocations take their memory.
         while len(self._in_flight) > 1:
@@ -146,7 +179,8 @@ class GpuStage:
                 decoded = self.decoder.decode_batch(encoded)
                 at = views["indices"][gpu_rows]
                 expected = np.stack([self._index["height"][at], self._index["width"][at]], 1)
-        return crops, decoded, expected
+            ready = _event(self.device)
+        return crops, decoded, expected, time.perf_counter() - t0, ready
 
     def _on_side_stream(self, stream) -> contextlib.AbstractContextManager:
         if stream is None:

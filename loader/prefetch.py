@@ -20,10 +20,12 @@ loop as the exception itself, naming the stage.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 import weakref
+from concurrent.futures import Future
 
 import torch
 
@@ -51,6 +53,11 @@ class GpuEpochIterator(EpochIterator):
         self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch_factor)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The GPU decoder blocks its caller for the whole batch: a thread of its own decodes
+        # one batch while the prefetch thread collects the next and finishes the previous
+        # (given a ring slot to hold the batch being decoded).
+        self._decoder = _DecodeThread() if self._ring.slots > 1 else None
+        self._held: tuple | None = None  # (slot, Started, waited): decoding
 
     def __next__(self):
         if self._closed:
@@ -106,26 +113,41 @@ class GpuEpochIterator(EpochIterator):
 
     def _produce_one(self) -> tuple:
         """Thread side: the next finished batch, or raise StopIteration at the epoch's end."""
-        t0, cpu0 = time.perf_counter(), time.thread_time()
+        cpu0 = time.thread_time()
+        if self._held is None:
+            self._held = self._start_next()  # StopIteration: the epoch is over
+        held = self._held
+        self._held = None
+        try:
+            if self._decoder is not None:  # the next batch decodes while this one finishes
+                with contextlib.suppress(StopIteration):
+                    self._held = self._start_next()
+            slot, started, waited = held
+            try:
+                images, labels, indices, event = self._stage.finish(started, waited)
+            finally:
+                self._free.append(slot)
+        except torch.cuda.OutOfMemoryError:
+            raise  # torch's own message says what to do
+        except RuntimeError as e:
+            raise _named(e, self._stage.device) from e
+        # The thread's own CPU time: what it takes from the training loop's interpreter.
+        self._stats.add(prefetch_cpu_s=time.thread_time() - cpu0)
+        return images, labels, indices, event, started.report.bad
+
+    def _start_next(self) -> tuple:
+        """Thread side: wait for the workers' next slot and start its decode."""
+        t0 = time.perf_counter()
         slot, report = self._produce()
         waited = time.perf_counter() - t0
         self._next_step += 1
+        submit = None if self._decoder is None else self._decoder.submit
         try:
-            slot_views = self._ring.slot(slot)
-            images, labels, indices, event = self._stage.process(slot_views, report, waited)
-        except torch.cuda.OutOfMemoryError:
-            raise  # torch's own message says what to do
-        except RuntimeError as e:  # CUDA, nvjpeg or Triton errors: name the stage
-            if not any(word in str(e) for word in ("CUDA", "nvjpeg", "nvJPEG", "triton")):
-                raise
-            raise GpuStageError(
-                f"the GPU stage (decode + augmentation on {self._stage.device}) failed: {e}"
-            ) from e
-        finally:
+            started = self._stage.start(self._ring.slot(slot), report, submit)
+        except BaseException:
             self._free.append(slot)
-        # The thread's own CPU time: what it takes from the training loop's interpreter.
-        self._stats.add(prefetch_cpu_s=time.thread_time() - cpu0)
-        return images, labels, indices, event, report.bad
+            raise
+        return slot, started, waited
 
     def _take(self, results) -> None:
         """Thread side, on every poll of the workers: leave promptly once told to stop."""
@@ -135,13 +157,73 @@ class GpuEpochIterator(EpochIterator):
 
     def _close(self, finished: bool, failed: bool = False) -> None:
         self._stop.set()
+        if self._decoder is not None:
+            self._decoder.cancel()  # what it has not started, it never will
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(_JOIN_S)
             # A thread still inside a hung call must not share the workers' pipes with a
             # drain: stop the workers without waiting for them.
             failed = failed or thread.is_alive()
+        if self._decoder is not None:
+            # A decode still reading a slot's bytes must end before the ring may go.
+            failed = not self._decoder.stop(_JOIN_S) or failed
         super()._close(finished, failed)
+
+
+def _named(e: RuntimeError, device) -> RuntimeError:
+    """CUDA, nvjpeg, DALI or Triton errors, named as the GPU stage's; others unchanged."""
+    if not any(word in str(e) for word in ("CUDA", "nvjpeg", "nvJPEG", "DALI", "triton")):
+        return e
+    return GpuStageError(f"the GPU stage (decode + augmentation on {device}) failed: {e}")
+
+
+class _DecodeThread:
+    """One daemon thread running submitted calls in order; ``submit`` returns a Future."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn) -> Future:
+        future: Future = Future()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_serve,
+                args=(self._calls, self._stopping),
+                name="imfeed-gpu-decode",
+                daemon=True,
+            )
+            self._thread.start()
+        self._calls.put((future, fn))
+        return future
+
+    def cancel(self) -> None:
+        """Cancel the calls not started yet, and any submitted later."""
+        self._stopping.set()
+
+    def stop(self, timeout: float) -> bool:
+        """Let the thread finish the call it is in, cancel the others and end; False if it
+        is still busy after ``timeout``."""
+        if self._thread is None:
+            return True
+        self._stopping.set()
+        self._calls.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _serve(calls: queue.SimpleQueue, stopping: threading.Event) -> None:
+    while (call := calls.get()) is not None:
+        future, fn = call
+        if stopping.is_set():
+            future.cancel()
+        elif future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # the prefetch thread raises it, naming the stage
+                future.set_exception(e)
 
 
 class _Stopped(Exception):

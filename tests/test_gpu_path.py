@@ -326,6 +326,11 @@ def test_a_corrupt_record_is_replaced_and_counted(store, tmp_path):
     assert torch.equal(flat(batches, 2), flat(again, 2))  # replaced reproducibly
 
 
+def gpu_threads() -> list[str]:
+    """The loader's GPU-path threads still alive (prefetch, decode)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("imfeed-gpu-")]
+
+
 def test_an_abandoned_iterator_stops_its_thread(store):
     dl = make(store)
     it = iter(dl)
@@ -333,12 +338,9 @@ def test_an_abandoned_iterator_stops_its_thread(store):
     del it
     gc.collect()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        names = [t.name for t in threading.enumerate()]
-        if "imfeed-gpu-prefetch" not in names:
-            break
+    while gpu_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert "imfeed-gpu-prefetch" not in names
+    assert not gpu_threads()  # the prefetch thread and the decode thread
     assert len(epoch(dl)) == 3  # and the loader still reads whole epochs
 
 
@@ -406,7 +408,7 @@ def test_a_dead_worker_surfaces_through_the_prefetch_thread(store):
     with pytest.raises(RuntimeError, match=r"DataLoader worker \d \(pid \d+\) died: killed by"):
         for _ in it:
             pass
-    assert "imfeed-gpu-prefetch" not in [t.name for t in threading.enumerate()]
+    assert not gpu_threads()
     assert len(epoch(dl)) == 12  # a new iteration starts new workers
 
 
@@ -429,7 +431,7 @@ def test_close_mid_epoch_stops_the_thread_and_the_workers(store):
     assert images.shape == (B, 3, SIZE, SIZE) and labels.shape == (B,)
     dl.close()
     assert dl.worker_pids == []
-    assert "imfeed-gpu-prefetch" not in [t.name for t in threading.enumerate()]
+    assert not gpu_threads()
     with pytest.raises(RuntimeError, match=r"this iterator was ended by close\(\)"):
         next(it)
 
@@ -446,7 +448,7 @@ def test_ctrl_c_while_waiting_stops_the_thread_and_the_workers(store, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         next(it)
     assert dl.worker_pids == []
-    assert "imfeed-gpu-prefetch" not in [t.name for t in threading.enumerate()]
+    assert not gpu_threads()
 
 
 def test_close_with_stopped_workers_returns_promptly(store):
@@ -458,9 +460,7 @@ def test_close_with_stopped_workers_returns_promptly(store):
     start = time.monotonic()
     dl.close()
     assert time.monotonic() - start < 5.0  # the thread leaves at its next poll of the workers
-    assert dl.worker_pids == [] and "imfeed-gpu-prefetch" not in [
-        t.name for t in threading.enumerate()
-    ]
+    assert dl.worker_pids == [] and not gpu_threads()
 
 
 def test_the_training_process_never_takes_over_stderr(store, monkeypatch):
@@ -477,13 +477,13 @@ def test_the_training_process_never_takes_over_stderr(store, monkeypatch):
 
 def test_timeout_covers_the_gpu_stage(store, monkeypatch):
     dl = make(store, num_workers=2, timeout=0.5)
-    real = dl._gpu_stage.process
+    real = dl._gpu_stage.decoder.decode_batch
 
     def hung(*args, **kwargs):
         time.sleep(3)  # a GPU call that does not return
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dl._gpu_stage, "process", hung)
+    monkeypatch.setattr(dl._gpu_stage.decoder, "decode_batch", hung)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"timed out after 0.5 seconds waiting for a batch"):
         next(iter(dl))
