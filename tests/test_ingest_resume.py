@@ -36,7 +36,7 @@ def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not (out / "shard-00001").exists():  # shard 0 is sealed and recorded by then
+        while not _sealed(out):
             assert proc.poll() is None, "the build ended before it could be killed"
             assert time.monotonic() < deadline, "no shard was sealed within 60 s"
             time.sleep(0.001)
@@ -46,9 +46,8 @@ def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert not (out / fmt.MANIFEST).exists()
-    state = json.loads((out / fmt.BUILD_STATE).read_text())
-    sealed = [s["name"] for s in state["shards"]]
-    assert sealed[0] == "shard-00000" and len(sealed) < 20  # of 23: killed early
+    sealed = _sealed(out)
+    assert 0 < len(sealed) < 20  # of 23: killed early
     inodes = {name: (out / name / "data.mdb").stat().st_ino for name in sealed}
 
     rerun = run_ingest(*args)
@@ -61,6 +60,14 @@ def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:
     done = run_ingest(*args[:2], clean, *args[3:])
     assert done.returncode == 0, done.stderr
     assert_same_store(out, clean)  # data.mdb files included, byte for byte
+
+
+def _sealed(out: Path) -> list[str]:
+    """The shards that the build state of ``out`` records as sealed (written atomically)."""
+    try:
+        return [s["name"] for s in json.loads((out / fmt.BUILD_STATE).read_text())["shards"]]
+    except FileNotFoundError:
+        return []
 
 
 def test_same_store_whatever_the_number_of_workers(
