@@ -93,7 +93,7 @@ def test_the_inline_pool_runs_tasks_in_this_process(no_workers_left):
 def test_an_exception_in_a_task_is_raised_as_it_is(no_workers_left):
     with ForkPool(2) as pool:
         pool.submit("a", _fails, 37)
-        with pytest.raises(ValueError, match="^boom 37$"):
+        with pytest.raises(ValueError, match=r"^boom 37$"):
             pool.wait()
 
 
@@ -130,7 +130,8 @@ def test_workers_die_with_the_parent_even_of_kill_9(tmp_path):
         "print(*(pid for pid, _ in pool._workers), flush=True)\n"
         "time.sleep(60)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
     killer = threading.Timer(30, proc.kill)  # never hang the suite
     killer.start()
