@@ -90,26 +90,21 @@ def test_the_inline_pool_runs_tasks_in_this_process(no_workers_left):
         assert _run_all(pool, _payload, list(range(20))) == {i: _payload(i) for i in range(20)}
 
 
-def test_an_exception_in_a_task_is_raised_as_it_is(no_workers_left):
+@pytest.mark.parametrize(
+    ("task", "error", "message"),
+    [
+        (_fails, ValueError, r"^boom 37$"),  # raised as it is
+        # an exception that cannot travel back comes with the worker's traceback
+        (_fails_oddly, WorkerError,
+         r"^ingest worker 1 \(pid \d+\) failed:\n(.|\n)*_Unpicklable: 37 and 38\n$"),
+        # a killed worker is reported, not waited for
+        (_dies, WorkerError, r"^ingest worker 1 \(pid \d+\) died: killed by signal SIGKILL$"),
+    ],
+)  # fmt: skip
+def test_a_failed_task_is_raised_by_wait(task, error, message, no_workers_left):
     with ForkPool(2) as pool:
-        pool.submit("a", _fails, 37)
-        with pytest.raises(ValueError, match=r"^boom 37$"):
-            pool.wait()
-
-
-def test_an_exception_that_cannot_travel_comes_with_its_traceback(no_workers_left):
-    with ForkPool(2) as pool:
-        pool.submit("a", _fails_oddly, 7)
-        failed = r"^ingest worker 1 \(pid \d+\) failed:\n(.|\n)*_Unpicklable: 7 and 8\n$"
-        with pytest.raises(WorkerError, match=failed):
-            pool.wait()
-
-
-def test_a_killed_worker_is_reported_not_waited_for(no_workers_left):
-    with ForkPool(2) as pool:
-        pool.submit("a", _dies, 0)
-        died = r"^ingest worker 1 \(pid \d+\) died: killed by signal SIGKILL$"
-        with pytest.raises(WorkerError, match=died):
+        pool.submit("a", task, 37)
+        with pytest.raises(error, match=message):
             pool.wait()
 
 
