@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import errno
+import functools
 import io
 import logging
 import os
 import shutil
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -74,31 +76,37 @@ def build(
         progress: show a progress bar (default: when stderr is a terminal).
         map_size: initial LMDB map size of a shard (default: 1.25 x shard_size); grows as needed.
     """
-    options = options or BuildOptions()
-    out = Path(out)
-    tree, state = start(src, out, options, overwrite, mode="local")
-    run = Run(tree, out, options, state, map_size or default_map_size(options))
     from ingest import local_build  # its tasks are built on this module
 
-    try:
-        return local_build.convert(run, Path(src), workers or os.cpu_count() or 1, progress)
-    except (lmdb.Error, OSError) as e:
-        failure = write_failure(out, e)
-        if failure is None:
-            raise
-        raise failure from e
+    options = options or BuildOptions()
+    out = Path(out)
+    with local_build.make_pool(workers or os.cpu_count() or 1) as pool:
+        facts = functools.partial(local_build.file_facts, pool)
+        tree, state = start(src, out, options, overwrite, "local", facts)
+        run = Run(tree, out, options, state, map_size or default_map_size(options))
+        try:
+            return local_build.convert(run, Path(src), pool, progress)
+        except (lmdb.Error, OSError) as e:
+            failure = write_failure(out, e)
+            if failure is None:
+                raise
+            raise failure from e
 
 
-def start(src, out: Path, options: BuildOptions, overwrite: bool, mode: str) -> tuple[Scan, dict]:
+def start(
+    src, out: Path, options: BuildOptions, overwrite: bool, mode: str, facts: Callable | None = None
+) -> tuple[Scan, dict]:
     """Scan SRC and make OUT ready: a fresh build, or the sealed progress of an
-    interrupted one of the same inputs, options and ``mode`` ("local" or "ray")."""
+    interrupted one of the same inputs, options and ``mode`` ("local" or "ray").
+    ``facts(scan)`` gives the fingerprint's facts of the files (``resume.fingerprint``)."""
     src = Path(src)
     check_out_outside(src, out)
     tree = scan(src)
     for rel, reason in tree.skipped:
         log.warning("ingest: skipped %s: %s", fmt.shown(rel), reason)
     prepare_out(out, overwrite)
-    return tree, load_state(out, fingerprint(tree, options.output_affecting()), mode)
+    digest = fingerprint(tree, options.output_affecting(), facts(tree) if facts else None)
+    return tree, load_state(out, digest, mode)
 
 
 def default_map_size(options: BuildOptions) -> int:

@@ -15,7 +15,7 @@ import os
 import pickle
 import signal
 import traceback
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from multiprocessing.connection import Connection, Pipe, wait
 from typing import Any
 
@@ -127,6 +127,20 @@ class ForkPool(InlinePool):
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
         self._workers, self._free, self._running = [], [], {}
+
+
+def ordered(pool: InlinePool, fn: Callable, arglist: list[tuple]) -> Iterator:
+    """``fn(*args)`` for each ``args`` of ``arglist`` on the pool's workers; the results
+    in the order of ``arglist``. Consume it to the end: it shares the pool's workers."""
+    results: dict[int, Any] = {}
+    submitted = 0
+    for k in range(len(arglist)):
+        while pool.idle and submitted < len(arglist):
+            pool.submit(submitted, fn, *arglist[submitted])
+            submitted += 1
+        while k not in results:
+            results.update(pool.wait())
+        yield results.pop(k)
 
 
 def _start() -> tuple[int, Connection]:

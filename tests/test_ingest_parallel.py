@@ -12,7 +12,7 @@ import time
 import pytest
 from fixtures import REPO
 
-from ingest.parallel import ForkPool, InlinePool, WorkerError
+from ingest.parallel import ForkPool, InlinePool, WorkerError, ordered
 
 
 def _payload(i: int) -> tuple[list, bytes]:
@@ -83,6 +83,14 @@ def test_every_result_comes_back_with_its_key(workers: int, no_workers_left):
         assert (pool.idle, pool.busy) == (workers, 0)
         got = _run_all(pool, _payload, list(range(101)))
     assert got == {i: _payload(i) for i in range(101)}
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_ordered_gives_the_results_in_order(workers: int, no_workers_left):
+    with ForkPool(workers) if workers > 1 else InlinePool() as pool:
+        got = list(ordered(pool, _payload, [(i,) for i in range(40)]))
+        assert pool.busy == 0
+    assert got == [_payload(i) for i in range(40)]
 
 
 def test_the_inline_pool_runs_tasks_in_this_process(no_workers_left):

@@ -24,6 +24,9 @@ from fixtures import (
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
 from ingest.codec import unpack_record
+from ingest.local_build import file_facts, make_pool
+from ingest.resume import fingerprint
+from ingest.scan import scan
 
 
 def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:
@@ -76,6 +79,14 @@ def test_same_store_whatever_the_number_of_workers(
     out = tmp_path / "store"
     build(awkward_tree.root, out, AWKWARD_OPTIONS, workers=2, progress=False)
     assert_same_store(out, awkward_store)  # that one was built with workers=1
+
+
+def test_the_workers_fingerprint_the_files_as_one_process_does(awkward_tree: Tree) -> None:
+    tree = scan(awkward_tree.root)
+    with make_pool(3) as pool:
+        facts = file_facts(pool, tree, chunk=3)  # many runs of files: their order counts
+        assert fingerprint(tree, {}, facts) == fingerprint(tree, {})
+    assert len(tree.items) > 9
 
 
 def test_map_grows_from_a_tiny_initial_map(
