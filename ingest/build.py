@@ -71,7 +71,8 @@ def build(
 
     Args:
         options: what decides the store's content (same options, same records).
-        workers: processes that read and verify images (default: all cores).
+        workers: processes that verify images and write the shards (default: all cores;
+            1: everything in this process).
         overwrite: replace a complete store at ``out``.
         progress: show a progress bar (default: when stderr is a terminal).
         map_size: initial LMDB map size of a shard (default: 1.25 x shard_size); grows as needed.

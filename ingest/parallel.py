@@ -27,7 +27,11 @@ def can_fork() -> bool:
 
 
 class WorkerError(RuntimeError):
-    """A worker died, or its task raised an error that cannot travel back as it is."""
+    """A task raised an error that cannot travel back as it is (its traceback is the message)."""
+
+
+class WorkerDied(WorkerError):
+    """A worker died in a task (killed, out of memory); the message says how."""
 
 
 class InlinePool:
@@ -68,7 +72,7 @@ class ForkPool(InlinePool):
     blocks until at least one task ends and returns ``[(key, result)]``. An exception in
     a task is raised by ``wait``: as itself when it can be pickled (an OSError, an LMDB
     error, the build's own errors), else as WorkerError with the worker's traceback; a
-    worker that dies is reported with its exit status. ``close`` stops the workers.
+    worker that dies is reported as WorkerDied, with its exit status. ``close`` stops the workers.
     """
 
     def __init__(self, workers: int) -> None:
@@ -110,7 +114,7 @@ class ForkPool(InlinePool):
         try:
             ok, value = conn.recv()
         except (EOFError, OSError):
-            raise WorkerError(f"ingest worker {k} (pid {pid}) died: {_exit_status(pid)}") from None
+            raise WorkerDied(f"ingest worker {k} (pid {pid}) died: {_exit_status(pid)}") from None
         if ok:
             return value
         error, text = value

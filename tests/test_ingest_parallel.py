@@ -12,7 +12,7 @@ import time
 import pytest
 from fixtures import REPO
 
-from ingest.parallel import ForkPool, InlinePool, WorkerError, ordered
+from ingest.parallel import ForkPool, InlinePool, WorkerDied, WorkerError, ordered
 
 
 def _payload(i: int) -> tuple[list, bytes]:
@@ -106,7 +106,7 @@ def test_the_inline_pool_runs_tasks_in_this_process(no_workers_left):
         (_fails_oddly, WorkerError,
          r"^ingest worker 1 \(pid \d+\) failed:\n(.|\n)*_Unpicklable: 37 and 38\n$"),
         # a killed worker is reported, not waited for
-        (_dies, WorkerError, r"^ingest worker 1 \(pid \d+\) died: killed by signal SIGKILL$"),
+        (_dies, WorkerDied, r"^ingest worker 1 \(pid \d+\) died: killed by signal SIGKILL$"),
     ],
 )  # fmt: skip
 def test_a_failed_task_is_raised_by_wait(task, error, message, no_workers_left):

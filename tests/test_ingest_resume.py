@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from fixtures import (
     run_ingest,
 )
 
+from ingest import cli, ray_tasks
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
 from ingest.codec import unpack_record
@@ -63,6 +65,38 @@ def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:
     done = run_ingest(*args[:2], clean, *args[3:])
     assert done.returncode == 0, done.stderr
     assert_same_store(out, clean)  # data.mdb files included, byte for byte
+
+
+_write_shard = ray_tasks.write_shard
+
+
+def _killed_in_shard_2(src, out, k, *args):
+    """write_shard, but the worker is killed (as by the OOM killer) when it gets shard 2."""
+    if k == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _write_shard(src, out, k, *args)
+
+
+def test_a_killed_worker_is_one_line_and_the_rerun_gives_the_clean_build(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    src = make_big_tree(tmp_path / "src")
+    out, clean = tmp_path / "out", tmp_path / "clean"
+    args = ["build", str(src), str(out), "--shard-size", "200KiB", "--workers", "2"]
+    monkeypatch.setattr(ray_tasks, "write_shard", _killed_in_shard_2)  # found so by the pool
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"ingest build: error: ingest worker \d \(pid \d+\) died: killed by signal SIGKILL; "
+        r"run the same command again: it resumes from the shards already written\n",
+        err,
+    ), err
+    assert not (out / fmt.MANIFEST).exists()
+    assert "shard-00002" not in _sealed(out)
+    monkeypatch.undo()
+    assert cli.main(args) == 0
+    assert cli.main([*args[:2], str(clean), *args[3:]]) == 0
+    assert_same_store(out, clean)
 
 
 def _sealed(out: Path) -> list[str]:
