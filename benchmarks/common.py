@@ -36,12 +36,18 @@ def make_dataset(root: Path, num_classes: int, per_class: int, seed: int = 0) ->
 def make_imagenet_sized(root: Path, images: int, workers: int, seed: int = 0) -> Path:
     """``images`` JPEGs of ImageNet's mean size (~110 KB) in 10 classes under
     root/src-imagenet-N, made once (on ``workers`` processes) and reused."""
+    import cv2
+
+    from ingest.synth import sample_photos
+
     src = root / f"src-imagenet-{images}"
     stamp = src / f".made-{seed}"
     if not stamp.exists():
         counts = [images // 10 + (c < images % 10) for c in range(10)]
         jobs = [(src / f"class_{c:02d}", range(a, min(a + 100, count)), seed, c)
                 for c, count in enumerate(counts) for a in range(0, count, 100)]  # fmt: skip
+        # Decoded once, here: the forked workers share them.
+        _PHOTOS[:] = [cv2.imread(str(p), cv2.IMREAD_COLOR) for p in sample_photos(photos_dir())]
         with mp.get_context("fork").Pool(workers) as pool:
             made = sum(pool.starmap(_write_part, jobs))
         assert made == images, f"made {made} of {images} images"
@@ -49,15 +55,16 @@ def make_imagenet_sized(root: Path, images: int, workers: int, seed: int = 0) ->
     return src
 
 
+_PHOTOS: list = []
+
+
 def _write_part(folder: Path, numbers: range, seed: int, c: int) -> int:
-    import cv2
     import numpy as np
 
-    from ingest.synth import sample_photos, write_images
+    from ingest.synth import write_images
 
-    sources = [cv2.imread(str(p), cv2.IMREAD_COLOR) for p in sample_photos(photos_dir())]
     rng = np.random.default_rng([seed, c, numbers.start])  # the same files for any workers
-    return len(write_images(folder, numbers, sources, rng, **IMAGENET_SIZED))
+    return len(write_images(folder, numbers, _PHOTOS, rng, **IMAGENET_SIZED))
 
 
 def image_files(src: Path) -> list[Path]:
