@@ -1,4 +1,4 @@
-"""build(): scan SRC -> verify/normalise on all cores -> shard writers -> index -> manifest last."""
+"""build(): scan SRC -> verify/normalise and write shards on all cores -> index -> manifest last."""
 
 from __future__ import annotations
 
@@ -10,20 +10,18 @@ import os
 import shutil
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import lmdb
 import msgpack
 import numpy as np
-from tqdm import tqdm
 
 from ingest import format as fmt
 from ingest.codec import Compression, compress, pack_record
 from ingest.cstderr import captured
 from ingest.normalize import DEFAULT_MAX_PIXELS, Options, Reject, convert
-from ingest.parallel import Result, can_fork, ordered_map
 from ingest.resume import (
     OutputError,
     check_out_outside,
@@ -34,10 +32,11 @@ from ingest.resume import (
 )
 from ingest.safeio import FileRefused, read_regular
 from ingest.scan import Scan, SourceError, scan
-from ingest.shardplan import rolls_over
 from ingest.writer import MiB, ShardWriter, sha256_file
 
 log = logging.getLogger(__name__)
+
+Result = tuple[list, bytes]  # process_file's: (header, record)
 
 
 @dataclass(frozen=True)
@@ -72,53 +71,47 @@ def build(
 
     Args:
         options: what decides the store's content (same options, same records).
-        workers: processes that read and verify images (default: all cores).
+        workers: processes that verify images and write the shards (default: all cores;
+            1: everything in this process).
         overwrite: replace a complete store at ``out``.
         progress: show a progress bar (default: when stderr is a terminal).
         map_size: initial LMDB map size of a shard (default: 1.25 x shard_size); grows as needed.
     """
+    from ingest import local_build  # its tasks are built on this module
+
     options = options or BuildOptions()
     out = Path(out)
-    tree, state = start(src, out, options, overwrite, mode="local")
-    run = Run(tree, out, options, state, map_size or default_map_size(options))
-    try:
-        _convert_all(run, Path(src), options, workers or os.cpu_count() or 1, progress)
-        return run.finish()
-    except (lmdb.Error, OSError) as e:
-        failure = write_failure(out, e)
-        if failure is None:
-            raise
-        raise failure from e
+    with local_build.make_pool(workers or os.cpu_count() or 1) as pool:
+        facts = functools.partial(local_build.file_facts, pool)
+        tree, state = start(src, out, options, overwrite, "local", facts)
+        run = Run(tree, out, options, state, map_size or default_map_size(options))
+        try:
+            return local_build.convert(run, Path(src), pool, progress)
+        except (lmdb.Error, OSError) as e:
+            failure = write_failure(out, e)
+            if failure is None:
+                raise
+            raise failure from e
 
 
-def start(src, out: Path, options: BuildOptions, overwrite: bool, mode: str) -> tuple[Scan, dict]:
+def start(
+    src, out: Path, options: BuildOptions, overwrite: bool, mode: str, facts: Callable | None = None
+) -> tuple[Scan, dict]:
     """Scan SRC and make OUT ready: a fresh build, or the sealed progress of an
-    interrupted one of the same inputs, options and ``mode`` ("local" or "ray")."""
+    interrupted one of the same inputs, options and ``mode`` ("local" or "ray").
+    ``facts(scan)`` gives the fingerprint's facts of the files (``resume.fingerprint``)."""
     src = Path(src)
     check_out_outside(src, out)
     tree = scan(src)
     for rel, reason in tree.skipped:
         log.warning("ingest: skipped %s: %s", fmt.shown(rel), reason)
     prepare_out(out, overwrite)
-    return tree, load_state(out, fingerprint(tree, options.output_affecting()), mode)
+    digest = fingerprint(tree, options.output_affecting(), facts(tree) if facts else None)
+    return tree, load_state(out, digest, mode)
 
 
 def default_map_size(options: BuildOptions) -> int:
     return int(options.shard_size * 1.25) + MiB
-
-
-def _convert_all(run: Run, src: Path, options: BuildOptions, workers: int, progress) -> None:
-    cursor = run.state["cursor"]
-    bar = tqdm(
-        total=len(run.tree.items), initial=cursor, unit="img", disable=_no_bar(progress),
-        desc="ingest", smoothing=0.05,
-    )  # fmt: skip
-    with bar:
-        for pos, result in enumerate(
-            _results(src, run.tree.items[cursor:], options, workers), cursor
-        ):
-            run.add(pos, result)
-            bar.update(1)
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -143,24 +136,6 @@ def write_failure(out: Path, e: Exception) -> OutputError | None:
         f"output {out}: writing failed ({e}); check the disk, then run the same command "
         "again: it resumes from the last completed shard"
     )
-
-
-def _no_bar(progress: bool | None) -> bool | None:
-    return None if progress is None else not progress
-
-
-def _results(src: Path, items: list, options: BuildOptions, workers: int) -> Iterator[Result]:
-    """``process_file`` of every item, in item order, whatever the number of workers."""
-    jobs = [(os.path.join(src, rel), rel, label) for rel, label in items]
-    fn = functools.partial(process_file, options=options)
-    if workers <= 1 or len(jobs) < 2:
-        return map(fn, jobs)
-    if not can_fork():
-        log.warning("ingest: no fork() on this platform; converting in one process")
-        return map(fn, jobs)
-    # A worker can run ahead by what its pipe holds (1 MiB): a chunk must fit in it, even
-    # of large images, or the parent waits for the rest of the chunk to be made.
-    return ordered_map(fn, jobs, workers, chunk=8)
 
 
 def process_file(job: tuple, options: BuildOptions) -> Result:
@@ -210,7 +185,8 @@ def process_file(job: tuple, options: BuildOptions) -> Result:
 
 
 class Run:
-    """The writing side of one build: assigns indices, rolls shards, seals progress."""
+    """One build's OUT: its state, its sealed shards and their partial index; the end of
+    the build (rejects, index, paths, the manifest last)."""
 
     def __init__(self, tree: Scan, out: Path, options: BuildOptions, state: dict, map_size: int):
         self.tree, self.out, self.options, self.state = tree, out, options, state
@@ -219,45 +195,8 @@ class Run:
         self.partial = out / fmt.PARTIAL_DIR
         self.partial.mkdir(exist_ok=True)
         self.stats = Counter(state["stats"])
-        self.kept = sum(s["count"] for s in state["shards"])
-        self.writer: ShardWriter | None = None
-        self.rows: list[tuple] = []
-        self.paths: list[str] = []
-
-    def add(self, pos: int, result: Result) -> None:
-        header, value = result
-        if header[0] == "reject":
-            self.state["rejects"].append({"path": fmt.path_text(header[1]), "reason": header[2]})
-            return
-        _, row, fixes = header
-        w = self.writer
-        if w and rolls_over(w.nbytes, w.count, len(value), self.options.shard_size):
-            self._seal(cursor=pos)
-        if self.writer is None:
-            n = len(self.state["shards"])
-            name = fmt.shard_name(n)
-            self.writer = ShardWriter(
-                self.partial / name, self.out / name, self.kept, self.map_size, self.build
-            )
-        self.writer.put(self.kept, value)
-        self.rows.append((row[0], len(self.state["shards"]), *row[1:]))
-        self.paths.append(fmt.path_value(self.tree.items[pos][0]))
-        self.kept += 1
-        for fix in fixes:
-            self.stats["fix " + fix.split(":")[0]] += 1
-
-    def _seal(self, cursor: int) -> None:
-        entry, rows = seal_shard(self.writer, self.rows, self.paths, self.partial)
-        self.stats.update(format_mix(rows))
-        self.state["shards"].append(entry)
-        self.state["cursor"] = cursor
-        self.state["stats"] = dict(self.stats)
-        fmt.write_json_atomic(self.out / fmt.BUILD_STATE, self.state)
-        self.writer, self.rows, self.paths = None, [], []
 
     def finish(self) -> dict:
-        if self.writer is not None:
-            self._seal(cursor=len(self.tree.items))
         with open(self.out / fmt.REJECTS, "w", encoding="utf-8") as f:
             for rej in self.state["rejects"]:
                 f.write(fmt.json_line(rej) + "\n")

@@ -115,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from ingest.cachedir import CacheError
+    from ingest.parallel import WorkerDied
     from ingest.resume import OutputError
     from ingest.scan import SourceError
 
@@ -123,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         return commands[args.command](args)
     except (SourceError, OutputError, fmt.StoreError, CacheError) as e:
         print(f"ingest {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except WorkerDied as e:  # killed, or out of memory: the sealed shards are kept
+        print(f"ingest {args.command}: error: {e}; run the same command again: it resumes "
+              "from the shards already written", file=sys.stderr)  # fmt: skip
         return 2
     except KeyboardInterrupt:
         print("ingest: interrupted; run the same command again to resume", file=sys.stderr)

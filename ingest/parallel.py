@@ -1,123 +1,204 @@
-"""ordered_map(): run a function over items in forked workers, results back in item order.
+"""A pool of forked workers: tasks to idle workers, results as they end, failures surfaced.
 
-multiprocessing.Pool pickles every result and unpickles it in a helper thread of the
-parent: for records of ~100 KB that costs the parent more CPU than writing them. Here each
-worker owns a pipe and writes frames (a small msgpack header and the payload bytes as they
-are); the parent reads them with one copy. Worker k takes chunks k, k+W, k+2W... so the
-parent knows which pipe holds the next item and needs no reorder buffer, and a full pipe
-holds back only the worker that ran ahead.
+The build's tasks are coarse (verify a range of samples, write a whole shard), so the
+parent only hands out task descriptions and takes back small results (plans, shard
+entries): the records themselves never pass through it. The workers are forked at once,
+before any thread the caller starts next (a progress bar's), and die with the parent
+(``PR_SET_PDEATHSIG``): a worker never goes on writing into OUT after the build died.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import ctypes
 import os
+import pickle
 import signal
-import struct
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator
+from multiprocessing.connection import Connection, Pipe, wait
 from typing import Any
 
-import msgpack
-
-_HEAD = struct.Struct("<BII")  # kind, header length, payload length
-_OK, _ERROR = 0, 1
-_PIPE_BYTES = 1 << 20  # room for a worker to run ahead of the parent
-_F_SETPIPE_SZ = 1031  # fcntl command (Linux)
-
-Result = tuple[Any, bytes]  # (msgpack-able header, payload)
+_PR_SET_PDEATHSIG = 1  # prctl option (Linux)
 
 
 def can_fork() -> bool:
     return hasattr(os, "fork")
 
 
-def ordered_map(
-    fn: Callable[[Any], Result], items: Sequence, workers: int, chunk: int = 16
-) -> Iterator[Result]:
-    """Iterate ``fn(item)`` for each item, in order, computed by ``workers`` forked processes.
+class WorkerError(RuntimeError):
+    """A task raised an error that cannot travel back as it is (its traceback is the message)."""
 
-    The workers start at once (before any thread the caller starts next, e.g. a progress
-    bar's), and stop when the iterator is exhausted, closed or garbage-collected.
 
-    ``fn`` returns ``(header, payload)``: a msgpack-able header and bytes. An exception in
-    ``fn`` is re-raised here as RuntimeError with the worker's traceback; a worker that
-    dies is reported with its exit status. Workers are stopped when the iterator is
-    closed or abandoned (e.g. on Ctrl-C).
+class WorkerDied(WorkerError):
+    """A worker died in a task (killed, out of memory); the message says how."""
+
+
+class InlinePool:
+    """The same interface with no worker: each task runs in this process when submitted."""
+
+    def __init__(self) -> None:
+        self._done: list[tuple[Hashable, Any]] = []
+
+    @property
+    def idle(self) -> int:
+        return 0 if self._done else 1
+
+    @property
+    def busy(self) -> int:
+        return len(self._done)
+
+    def submit(self, key: Hashable, fn: Callable, *args) -> None:
+        self._done.append((key, fn(*args)))
+
+    def wait(self) -> list[tuple[Hashable, Any]]:
+        done, self._done = self._done, []
+        return done
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ForkPool(InlinePool):
+    """``workers`` forked processes, each running one task at a time.
+
+    ``submit`` gives a task to an idle worker (there must be one: see ``idle``); ``wait``
+    blocks until at least one task ends and returns ``[(key, result)]``. An exception in
+    a task is raised by ``wait``: as itself when it can be pickled (an OSError, an LMDB
+    error, the build's own errors), else as WorkerError with the worker's traceback; a
+    worker that dies is reported as WorkerDied, with its exit status. ``close`` stops the workers.
     """
-    procs = [_start(fn, items, k, workers, chunk) for k in range(workers)]
-    return _collect(procs, len(items), chunk)
+
+    def __init__(self, workers: int) -> None:
+        self._workers: list[tuple[int, Connection]] = []
+        self._free: list[int] = []
+        self._running: dict[int, Hashable] = {}
+        try:
+            for k in range(workers):
+                self._workers.append(_start())
+                self._free.append(k)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def idle(self) -> int:
+        return len(self._free)
+
+    @property
+    def busy(self) -> int:
+        return len(self._running)
+
+    def submit(self, key: Hashable, fn: Callable, *args) -> None:
+        k = self._free.pop()
+        self._workers[k][1].send((fn, args))
+        self._running[k] = key
+
+    def wait(self) -> list[tuple[Hashable, Any]]:
+        by_conn = {self._workers[k][1]: k for k in self._running}
+        done = []
+        for conn in wait(list(by_conn)):
+            k = by_conn[conn]
+            done.append((self._running.pop(k), self._receive(k)))
+            self._free.append(k)
+        return done
+
+    def _receive(self, k: int) -> Any:
+        pid, conn = self._workers[k]
+        try:
+            ok, value = conn.recv()
+        except (EOFError, OSError):
+            raise WorkerDied(f"ingest worker {k} (pid {pid}) died: {_exit_status(pid)}") from None
+        if ok:
+            return value
+        error, text = value
+        if error is not None:
+            raise error
+        raise WorkerError(f"ingest worker {k} (pid {pid}) failed:\n{text}")
+
+    def close(self) -> None:
+        for pid, conn in self._workers:
+            conn.close()  # a worker waiting for a task sees the end of its pipe and exits
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)  # one in a task stops now
+        for pid, _ in self._workers:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        self._workers, self._free, self._running = [], [], {}
 
 
-def _collect(procs: list, n: int, chunk: int) -> Iterator[Result]:
-    workers = len(procs)
-    try:
-        for c in range(-(-n // chunk)):
-            pid, pipe = procs[c % workers]
-            for _ in range(min(chunk, n - c * chunk)):
-                yield _read(pipe, pid, c % workers)
-    finally:
-        _stop(procs)
+def ordered(pool: InlinePool, fn: Callable, arglist: list[tuple]) -> Iterator:
+    """``fn(*args)`` for each ``args`` of ``arglist`` on the pool's workers; the results
+    in the order of ``arglist``. Consume it to the end: it shares the pool's workers."""
+    results: dict[int, Any] = {}
+    submitted = 0
+    for k in range(len(arglist)):
+        while pool.idle and submitted < len(arglist):
+            pool.submit(submitted, fn, *arglist[submitted])
+            submitted += 1
+        while k not in results:
+            results.update(pool.wait())
+        yield results.pop(k)
 
 
-def _start(fn: Callable, items: Sequence, k: int, workers: int, chunk: int):
-    rfd, wfd = os.pipe()
-    with contextlib.suppress(OSError):  # the default pipe size only means less read-ahead
-        fcntl.fcntl(wfd, _F_SETPIPE_SZ, _PIPE_BYTES)
+def _start() -> tuple[int, Connection]:
+    parent_end, child_end = Pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the worker: never returns
-        os.close(rfd)
-        status = _work(fn, items, k, workers, chunk, wfd)
-        os._exit(status)
-    os.close(wfd)
-    return pid, os.fdopen(rfd, "rb", buffering=_PIPE_BYTES)
+        status = 1
+        try:
+            parent_end.close()
+            status = _serve(child_end, parent)
+        finally:
+            os._exit(status)
+    child_end.close()
+    return pid, parent_end
 
 
-def _work(fn: Callable, items: Sequence, k: int, workers: int, chunk: int, wfd: int) -> int:
+def _serve(conn: Connection, parent: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     # The parent stops us with SIGTERM: die quietly, whatever handler the parent had
     # installed (Ray's prints a stack trace from C++).
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    # The parent is the pipeline's single consumer: when all cores are busy, let it run
-    # first, or every worker ends up blocked on a full pipe while it waits for a core.
-    with contextlib.suppress(OSError):
-        os.nice(2)
-    out = os.fdopen(wfd, "wb", buffering=_PIPE_BYTES)
+    _die_with(parent)
+    while True:
+        try:
+            fn, args = conn.recv()
+        except (EOFError, OSError):
+            return 0  # the parent is done with us
+        try:
+            reply = (True, fn(*args))
+        except BaseException as e:
+            reply = (False, (_travels(e), traceback.format_exc()))
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):
+            return 0
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this worker when the parent dies (even of kill -9)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above took effect
+        os._exit(1)
+
+
+def _travels(e: BaseException) -> BaseException | None:
+    """``e`` when it survives pickling (so the parent raises it as it is), else None."""
     try:
-        for start in range(k * chunk, len(items), workers * chunk):
-            for item in items[start : start + chunk]:
-                header, payload = fn(item)
-                meta = msgpack.packb(header, use_bin_type=True)
-                out.write(_HEAD.pack(_OK, len(meta), len(payload)))
-                out.write(meta)
-                out.write(payload)
-            out.flush()
-        return 0
-    except BrokenPipeError:
-        return 0  # the parent stopped reading: nothing left to do
-    except BaseException:
-        text = traceback.format_exc().encode()
-        out.write(_HEAD.pack(_ERROR, len(text), 0) + text)
-        out.flush()
-        return 1
-    finally:
-        with contextlib.suppress(OSError):
-            out.close()
-
-
-def _read(pipe, pid: int, k: int) -> Result:
-    head = pipe.read(_HEAD.size)
-    if len(head) < _HEAD.size:
-        raise RuntimeError(f"ingest worker {k} (pid {pid}) died: {_exit_status(pid)}")
-    kind, nmeta, npayload = _HEAD.unpack(head)
-    meta = pipe.read(nmeta)
-    if kind == _ERROR:
-        raise RuntimeError(f"ingest worker {k} (pid {pid}) failed:\n{meta.decode()}")
-    payload = pipe.read(npayload)
-    if len(meta) != nmeta or len(payload) != npayload:
-        raise RuntimeError(f"ingest worker {k} (pid {pid}) died: {_exit_status(pid)}")
-    return msgpack.unpackb(meta, raw=False), payload
+        copy = pickle.loads(pickle.dumps(e))
+    except Exception:  # not picklable, or not rebuilt from its args
+        return None
+    return copy if type(copy) is type(e) and str(copy) == str(e) else None
 
 
 def _exit_status(pid: int) -> str:
@@ -128,13 +209,3 @@ def _exit_status(pid: int) -> str:
     if os.WIFSIGNALED(status):
         return f"killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
     return f"exited with status {os.WEXITSTATUS(status)}"
-
-
-def _stop(procs: list) -> None:
-    for pid, pipe in procs:
-        pipe.close()  # a worker still writing gets EPIPE and exits
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    for pid, _ in procs:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)

@@ -32,17 +32,15 @@ import logging
 import os
 import socket
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import lmdb
-import msgpack
-import numpy as np
 from tqdm import tqdm
 
 from ingest import format as fmt
+from ingest import twopass
 from ingest.build import (
     BuildOptions,
     Run,
@@ -51,9 +49,8 @@ from ingest.build import (
     write_failure,
 )
 from ingest.ray_tasks import Fault, check_range, write_shard
-from ingest.resume import OutputError, identity
+from ingest.resume import OutputError
 from ingest.scan import SourceError
-from ingest.shardplan import shard_starts
 
 INSTALL = "pip install 'imfeed[ray]'"
 RETRIES = 5  # attempts after the first, for a task whose worker or node died
@@ -111,7 +108,7 @@ def build_ray(
     try:
         plans = _check_all(ray, run, src, range_items, progress, fault)
         _write_all(ray, run, src, plans, progress, fault)
-        return _finish(run, plans)
+        return twopass.finish(run, plans)
     except (lmdb.Error, OSError) as e:
         failure = write_failure(out, e)
         if failure is None:
@@ -120,20 +117,6 @@ def build_ray(
     finally:
         if started:
             ray.shutdown()
-
-
-def _finish(run: Run, plans: list[dict]) -> dict:
-    """The rejects and counts of the plans, the shards in order: then as a local build
-    ends (rejects, index, paths, the manifest last)."""
-    run.state["rejects"] = [
-        {"path": fmt.path_text(path), "reason": reason}
-        for plan in plans
-        for path, reason in plan["rejects"]
-    ]
-    run.state["stats"] = dict(sum((Counter(p["stats"]) for p in plans), Counter()))
-    run.state["shards"].sort(key=lambda s: s["first"])
-    run.stats = Counter(run.state["stats"])
-    return run.finish()
 
 
 def _check_reachable(address: str) -> None:
@@ -165,36 +148,15 @@ def _connect(ray, address: str | None) -> bool:
 # --- the first pass: check ---------------------------------------------------------------
 
 
-def _ranges(n: int, range_items: int | None) -> list[tuple[int, int]]:
-    """Contiguous ranges of samples, a function of the sample count only (so that a rerun
-    finds the plans of the first run, whatever the cluster)."""
-    size = range_items or min(max(64, -(-n // 10_000)), 50_000)
-    return [(a, min(a + size, n)) for a in range(0, n, size)]
-
-
-def _plan_path(run: Run, a: int, b: int) -> Path:
-    return run.partial / f"plan-{a:012d}-{b:012d}.msgpack"
-
-
-def _load_plan(path: Path, a: int, b: int) -> dict | None:
-    """The plan a task kept for samples a..b-1, or None when there is none (or a broken one)."""
-    try:
-        plan = msgpack.unpackb(path.read_bytes(), raw=False)
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(plan, dict) and plan.get("first") == a and plan.get("end") == b
-    return plan if ok else None
-
-
 def _check_all(ray, run: Run, src: Path, range_items, progress, fault) -> list[dict]:
     """Every range's plan, in sample order: those kept by an earlier run, the rest made."""
     items = run.tree.items
-    ranges = _ranges(len(items), range_items)
-    plans = {(a, b): _load_plan(_plan_path(run, a, b), a, b) for a, b in ranges}
+    ranges = twopass.ranges(len(items), range_items)
+    plans = {(a, b): twopass.load_plan(twopass.plan_path(run, a, b), a, b) for a, b in ranges}
     task = ray.remote(max_retries=RETRIES)(check_range)
 
     def submit(a: int, b: int):
-        return task.remote(src, items[a:b], a, run.options, _plan_path(run, a, b), fault)
+        return task.remote(src, items[a:b], a, run.options, twopass.plan_path(run, a, b), fault)
 
     todo = (((a, b), functools.partial(submit, a, b)) for (a, b), p in plans.items() if p is None)
     done = sum(b - a for (a, b), plan in plans.items() if plan is not None)
@@ -209,52 +171,30 @@ def _check_all(ray, run: Run, src: Path, range_items, progress, fault) -> list[d
 # --- the second pass: write --------------------------------------------------------------
 
 
-def _cut(run: Run, src: Path, plans: list[dict]) -> tuple[list[int], Callable]:
-    """The shards, cut by the local build's rule: the first sample of each, and a function
-    of shard ``k`` giving its (first, jobs, expect), made when its task is submitted."""
-    columns = (("kept", "<u8"), ("nbytes", "<u4"), ("crc32", "<u4"), ("reencoded", "u1"))
-    kept, nbytes, crc, reenc = (
-        np.concatenate([np.zeros(0, dtype)] + [np.frombuffer(p[key], dtype) for p in plans])
-        for key, dtype in columns
-    )
-    starts = shard_starts(nbytes, run.options.shard_size)
-    ends = [*starts[1:], len(kept)]
-
-    def shard(k: int) -> tuple[int, list, list]:
-        a, b = starts[k], ends[k]
-        jobs = [(os.path.join(src, rel), rel, label) for rel, label in
-                (run.tree.items[pos] for pos in kept[a:b].tolist())]  # fmt: skip
-        want = zip(nbytes[a:b].tolist(), crc[a:b].tolist(), reenc[a:b].tolist(), strict=True)
-        return a, jobs, [(n, c, bool(r)) for n, c, r in want]
-
-    return [*starts, len(kept)], shard
-
-
 def _write_all(ray, run: Run, src: Path, plans: list[dict], progress, fault) -> None:
     """Write every shard not sealed yet, recording each in the build state as it seals."""
-    bounds, shard = _cut(run, src, plans)
+    cuts = twopass.ShardCuts(run.options.shard_size, len(run.tree.items))
+    shards = [s for plan in plans for s in cuts.add(plan)] + cuts.finish()
     sealed = {s["name"] for s in run.state["shards"]}
     task = ray.remote(max_retries=RETRIES)(write_shard)
-    build = identity(run.state["fingerprint"])
 
-    def submit(k: int):
-        first, jobs, expect = shard(k)
-        opts = (run.options, run.map_size, build, fault)
-        return task.remote(src, run.out, k, first, jobs, expect, *opts)
+    def submit(k: int, a: int, b: int):
+        jobs, expect = cuts.work(run, src, a, b)
+        opts = (run.options, run.map_size, run.build, fault)
+        return task.remote(src, run.out, k, a, jobs, expect, *opts)
 
     todo = (
-        (bounds[k + 1] - bounds[k], functools.partial(submit, k))
-        for k in range(len(bounds) - 1)
+        (b - a, functools.partial(submit, k, a, b))
+        for k, a, b in shards
         if fmt.shard_name(k) not in sealed
     )
     done = sum(s["count"] for s in run.state["shards"])
     saved = float("-inf")
-    with _bar(bounds[-1], done, "ingest: write", progress) as bar:
+    with _bar(cuts.count, done, "ingest: write", progress) as bar:
         for batch in _as_completed(ray, todo):
             for count, entry in batch:
                 _check_sealed(run.out / entry["name"])
-                run.state["shards"].append(entry)
-                run.state["cursor"] += count
+                twopass.record_sealed(run, entry)
                 bar.update(count)
             # At most every 2 s (the state grows with the shards): a driver killed now
             # redoes only the shards sealed since.

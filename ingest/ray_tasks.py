@@ -70,10 +70,11 @@ def write_shard(src: Path, out: Path, k: int, first: int, jobs: list, expect: li
     tmp = partial / f"{name}.{os.uname().nodename}-{os.getpid()}"  # one per attempt
     writer = ShardWriter(tmp, out / name, first, map_size, build)
     rows, paths = [], []
+    light = dataclasses.replace(options, verify=False)
     for i, (job, want) in enumerate(zip(jobs, expect, strict=True)):
         if fault:
             fault("write", k, i)
-        row, value = _again(job, want, options)
+        row, value = _again(job, want, options, light)
         writer.put(first + i, value)
         rows.append((row[0], k, *row[1:]))
         paths.append(fmt.path_value(job[1]))
@@ -92,12 +93,14 @@ def _check_visible(src: Path, partial: Path) -> None:
             )
 
 
-def _again(job: tuple, want: tuple, options: BuildOptions) -> tuple[list, bytes]:
-    """The record of ``job`` made again, as the first pass made it: (index row, record)."""
+def _again(
+    job: tuple, want: tuple, options: BuildOptions, light: BuildOptions
+) -> tuple[list, bytes]:
+    """The record of ``job`` made again, as the first pass made it: (index row, record).
+    ``light`` is ``options`` without verification."""
     nbytes, crc, reencoded = want
     # A file stored as it is was decoded once already; one to convert is made again whole.
-    light = dataclasses.replace(options, verify=options.verify and reencoded)
-    for opts in (light, options) if light != options else (options,):
+    for opts in (options,) if reencoded or not options.verify else (light, options):
         header, value = process_file(job, opts)
         if header[0] == "ok" and (header[1][1], header[1][4]) == (nbytes, crc):
             return header[1], value

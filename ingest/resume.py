@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 from ingest import format as fmt
@@ -53,29 +54,44 @@ def check_out_outside(src: Path, out: Path) -> None:
         )
 
 
-def fingerprint(tree: Scan, options: dict) -> dict:
+def fingerprint(tree: Scan, options: dict, facts: Iterable[bytes] | None = None) -> dict:
     """What decides a build's content (JSON-able): the format version, the options, the
     classes and a digest of the inputs with their sizes and mtimes. ``identity`` of it is
     the build's identity (the manifest's "build").
 
-    A file that cannot be stat'ed (a broken link, a link loop, a file deleted since the
-    scan) enters with the error's number: the worker that reads it rejects it with the
-    reason.
+    Args:
+        facts: ``file_facts`` of consecutive runs of ``tree.items``, in order (default:
+            made here; a local build makes them on its workers).
     """
+    if facts is None:
+        root, items = str(tree.root), tree.items
+        facts = (file_facts(root, items[a : a + 10_000]) for a in range(0, len(items), 10_000))
     h = hashlib.sha256()
-    root = str(tree.root)
-    for rel, label in tree.items:
-        try:
-            st = os.stat(os.path.join(root, rel))
-            facts = f"{st.st_size}\0{st.st_mtime_ns}"
-        except OSError as e:
-            facts = f"error {e.errno}"
-        h.update(os.fsencode(rel) + f"\0{label}\0{facts}\n".encode())
+    for chunk in facts:
+        h.update(chunk)
     digest = {
         "version": fmt.FORMAT_VERSION, "options": options, "classes": tree.classes,
         "files": len(tree.items), "inputs": h.hexdigest(),
     }  # fmt: skip
     return json.loads(json.dumps(digest))  # as the state file gives it back (lists, not tuples)
+
+
+def file_facts(root: str, items: list[tuple[str, int]]) -> bytes:
+    """What a fingerprint takes of each item: its path, label, size and mtime, one line each.
+
+    A file that cannot be stat'ed (a broken link, a link loop, a file deleted since the
+    scan) enters with the error's number: the worker that reads it rejects it with the
+    reason.
+    """
+    lines = []
+    for rel, label in items:
+        try:
+            st = os.stat(os.path.join(root, rel))
+            facts = f"{st.st_size}\0{st.st_mtime_ns}"
+        except OSError as e:
+            facts = f"error {e.errno}"
+        lines.append(os.fsencode(rel) + f"\0{label}\0{facts}\n".encode())
+    return b"".join(lines)
 
 
 def identity(digest: dict) -> str:

@@ -85,12 +85,13 @@ def _scan_class(root: Path, name: str, label: int, result: Scan, walked: dict) -
     for dirpath, fnames in sorted(_walk(root, root / name, result, walked)):
         rel_dir = Path(dirpath).relative_to(root)
         hidden_dir = any(part.startswith(".") for part in rel_dir.parts)
+        prefix = rel_dir.as_posix() + "/"  # not pathlib per file: the scan runs on one core
         for fname in sorted(fnames):
             reason = _ignore_reason(fname, hidden_dir)
             if reason:
                 result.ignored[reason] += 1
             else:
-                result.items.append(((rel_dir / fname).as_posix(), label))
+                result.items.append((prefix + fname, label))
 
 
 def _walk(root: Path, top: Path, result: Scan, walked: dict) -> list[tuple[str, list[str]]]:

@@ -41,15 +41,29 @@ def make_image_folder(
     written = []
     for c in range(num_classes):
         folder = Path(dst) / f"class_{c:02d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            img = random_view(sources[int(rng.integers(len(sources)))], rng, short_side)
-            q = int(rng.integers(quality[0], quality[1] + 1))
-            path = folder / f"img_{i:05d}.JPEG"
-            ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, q])
-            assert ok, "OpenCV failed to encode a JPEG"
-            path.write_bytes(buf.tobytes())
-            written.append(path)
+        written += write_images(folder, range(per_class), sources, rng, short_side, quality)
+    return written
+
+
+def write_images(
+    folder: Path,
+    numbers: range,
+    sources: list[np.ndarray],
+    rng: np.random.Generator,
+    short_side: tuple[int, int],
+    quality: tuple[int, int],
+) -> list[Path]:
+    """Write ``folder/img_NNNNN.JPEG`` for each number: random views of ``sources``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for i in numbers:
+        img = random_view(sources[int(rng.integers(len(sources)))], rng, short_side)
+        q = int(rng.integers(quality[0], quality[1] + 1))
+        path = folder / f"img_{i:05d}.JPEG"
+        ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, q])
+        assert ok, "OpenCV failed to encode a JPEG"
+        path.write_bytes(buf.tobytes())
+        written.append(path)
     return written
 
 

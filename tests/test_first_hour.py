@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fixtures import CLEAN_OPTIONS, assert_same_store
 
-import ingest.build
+import ingest.ray_tasks
 from ingest import cli
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
@@ -48,17 +48,17 @@ def test_verify_shows_progress(clean_store, capsys):
 
 
 def interrupted_build(src: Path, out: Path, options: BuildOptions, monkeypatch, after: int):
-    """Build until ``after`` images were converted, then stop as Ctrl-C does."""
-    real = ingest.build._results
+    """Build until the shards written hold ``after`` images or more, then stop as Ctrl-C
+    does (before the next shard is written)."""
+    real = ingest.ray_tasks.write_shard
 
-    def stopping(*args):
-        for n, result in enumerate(real(*args)):
-            if n == after:
-                raise KeyboardInterrupt
-            yield result
+    def stopping(src, out, k, first, *args):
+        if first >= after:
+            raise KeyboardInterrupt
+        return real(src, out, k, first, *args)
 
     with monkeypatch.context() as m:
-        m.setattr(ingest.build, "_results", stopping)
+        m.setattr(ingest.ray_tasks, "write_shard", stopping)
         with pytest.raises(KeyboardInterrupt):
             build(src, out, options, workers=1, progress=False)
     return json.loads((out / fmt.BUILD_STATE).read_text())
@@ -68,7 +68,7 @@ def test_a_resumed_build_says_so(tmp_path, clean_tree, clean_store, monkeypatch,
     out = tmp_path / "store"
     state = interrupted_build(clean_tree, out, CLEAN_OPTIONS, monkeypatch, after=15)
     cursor, sealed = state["cursor"], len(state["shards"])
-    assert 0 < cursor < 15 and sealed > 0
+    assert 15 <= cursor < 24 and sealed > 0
     with caplog.at_level(logging.WARNING, logger="ingest.resume"):
         build(clean_tree, out, CLEAN_OPTIONS, workers=1, progress=False)
     assert caplog.messages == [

@@ -1,30 +1,40 @@
-"""ordered_map: results in item order, worker failures surfaced, workers never left behind."""
+"""ForkPool: results with their keys, task failures surfaced, workers never left behind."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
+from fixtures import REPO
 
-from ingest.parallel import ordered_map
+from ingest.parallel import ForkPool, InlinePool, WorkerDied, WorkerError, ordered
 
 
 def _payload(i: int) -> tuple[list, bytes]:
-    # Sizes up to 200 KB: larger than a pipe's buffer, so frames span many reads.
+    # Up to 200 KB: larger than a pipe's buffer, so a result spans many reads.
     return [i, f"item-{i}"], bytes([i % 251]) * (i * 2000)
 
 
-def _fails_at_37(i: int) -> tuple[list, bytes]:
-    if i == 37:
-        raise ValueError(f"boom {i}")
-    return [i], b""
+def _fails(i: int) -> None:
+    raise ValueError(f"boom {i}")
 
 
-def _dies_at_50(i: int) -> tuple[list, bytes]:
-    if i == 50:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return [i], b"x"
+class _Unpicklable(Exception):
+    def __init__(self, a: int, b: int) -> None:  # pickle rebuilds it with one argument
+        super().__init__(f"{a} and {b}")
+
+
+def _fails_oddly(i: int) -> None:
+    raise _Unpicklable(i, i + 1)
+
+
+def _dies(i: int) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _children() -> set[int]:
@@ -41,6 +51,14 @@ def _children() -> set[int]:
     return found
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.fixture
 def no_workers_left():
     """Fails the test if it leaves a child process behind."""
@@ -49,29 +67,85 @@ def no_workers_left():
     assert _children() == before
 
 
-@pytest.mark.parametrize(("workers", "chunk"), [(1, 1), (2, 16), (3, 4), (5, 7)])
-def test_results_come_back_in_item_order(workers: int, chunk: int, no_workers_left):
-    items = list(range(101))
-    got = list(ordered_map(_payload, items, workers, chunk=chunk))
-    assert got == [_payload(i) for i in items]
+def _run_all(pool, fn, items: list) -> dict:
+    todo, done = list(items), {}
+    while todo or pool.busy:
+        while pool.idle and todo:
+            i = todo.pop()
+            pool.submit(i, fn, i)
+        done.update(pool.wait())
+    return done
 
 
-def test_an_exception_in_a_worker_is_raised_with_its_traceback(no_workers_left):
-    results = ordered_map(_fails_at_37, list(range(100)), 3, chunk=4)
-    got = []
-    with pytest.raises(RuntimeError, match=r"ingest worker 0 \(pid \d+\) failed:(.|\n)*boom 37"):
-        for header, _ in results:
-            got.append(header[0])
-    assert got == list(range(37))  # every item before the failing one was delivered
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_every_result_comes_back_with_its_key(workers: int, no_workers_left):
+    with ForkPool(workers) as pool:
+        assert (pool.idle, pool.busy) == (workers, 0)
+        got = _run_all(pool, _payload, list(range(101)))
+    assert got == {i: _payload(i) for i in range(101)}
 
 
-def test_a_killed_worker_is_reported_not_waited_for(no_workers_left):
-    died = r"ingest worker 0 \(pid \d+\) died: killed by signal SIGKILL"
-    with pytest.raises(RuntimeError, match=died):
-        list(ordered_map(_dies_at_50, list(range(200)), 2, chunk=25))
+@pytest.mark.parametrize("workers", [1, 3])
+def test_ordered_gives_the_results_in_order(workers: int, no_workers_left):
+    with ForkPool(workers) if workers > 1 else InlinePool() as pool:
+        got = list(ordered(pool, _payload, [(i,) for i in range(40)]))
+        assert pool.busy == 0
+    assert got == [_payload(i) for i in range(40)]
 
 
-def test_abandoning_the_iterator_stops_the_workers(no_workers_left):
-    results = ordered_map(_payload, list(range(100)), 2, chunk=4)
-    assert next(results)[0] == [0, "item-0"]
-    results.close()
+def test_the_inline_pool_runs_tasks_in_this_process(no_workers_left):
+    with InlinePool() as pool:
+        assert _run_all(pool, _payload, list(range(20))) == {i: _payload(i) for i in range(20)}
+
+
+@pytest.mark.parametrize(
+    ("task", "error", "message"),
+    [
+        (_fails, ValueError, r"^boom 37$"),  # raised as it is
+        # an exception that cannot travel back comes with the worker's traceback
+        (_fails_oddly, WorkerError,
+         r"^ingest worker 1 \(pid \d+\) failed:\n(.|\n)*_Unpicklable: 37 and 38\n$"),
+        # a killed worker is reported, not waited for
+        (_dies, WorkerDied, r"^ingest worker 1 \(pid \d+\) died: killed by signal SIGKILL$"),
+    ],
+)  # fmt: skip
+def test_a_failed_task_is_raised_by_wait(task, error, message, no_workers_left):
+    with ForkPool(2) as pool:
+        pool.submit("a", task, 37)
+        with pytest.raises(error, match=message):
+            pool.wait()
+
+
+def test_closing_stops_a_worker_in_the_middle_of_a_task(no_workers_left):
+    pool = ForkPool(2)
+    pool.submit("a", time.sleep, 60)
+    t0 = time.monotonic()
+    pool.close()
+    assert time.monotonic() - t0 < 5
+
+
+def test_workers_die_with_the_parent_even_of_kill_9(tmp_path):
+    script = (
+        "import sys, time\n"
+        "from ingest.parallel import ForkPool\n"
+        "pool = ForkPool(2)\n"
+        "pool.submit('a', time.sleep, 60)\n"
+        "print(*(pid for pid, _ in pool._workers), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
+    killer = threading.Timer(30, proc.kill)  # never hang the suite
+    killer.start()
+    try:
+        workers = [int(pid) for pid in proc.stdout.readline().split()]
+        assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+        proc.kill()
+        proc.wait()
+    finally:
+        killer.cancel()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(_alive(pid) for pid in workers)

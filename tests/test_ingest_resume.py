@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,9 +22,13 @@ from fixtures import (
     run_ingest,
 )
 
+from ingest import cli, ray_tasks
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
 from ingest.codec import unpack_record
+from ingest.local_build import file_facts, make_pool
+from ingest.resume import fingerprint
+from ingest.scan import scan
 
 
 def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:
@@ -36,7 +41,7 @@ def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not (out / "shard-00001").exists():  # shard 0 is sealed and recorded by then
+        while not _sealed(out):
             assert proc.poll() is None, "the build ended before it could be killed"
             assert time.monotonic() < deadline, "no shard was sealed within 60 s"
             time.sleep(0.001)
@@ -46,9 +51,8 @@ def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert not (out / fmt.MANIFEST).exists()
-    state = json.loads((out / fmt.BUILD_STATE).read_text())
-    sealed = [s["name"] for s in state["shards"]]
-    assert sealed[0] == "shard-00000" and len(sealed) < 20  # of 23: killed early
+    sealed = _sealed(out)
+    assert 0 < len(sealed) < 20  # of 23: killed early
     inodes = {name: (out / name / "data.mdb").stat().st_ino for name in sealed}
 
     rerun = run_ingest(*args)
@@ -63,12 +67,60 @@ def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:
     assert_same_store(out, clean)  # data.mdb files included, byte for byte
 
 
+_write_shard = ray_tasks.write_shard
+
+
+def _killed_in_shard_2(src, out, k, *args):
+    """write_shard, but the worker is killed (as by the OOM killer) when it gets shard 2."""
+    if k == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _write_shard(src, out, k, *args)
+
+
+def test_a_killed_worker_is_one_line_and_the_rerun_gives_the_clean_build(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    src = make_big_tree(tmp_path / "src")
+    out, clean = tmp_path / "out", tmp_path / "clean"
+    args = ["build", str(src), str(out), "--shard-size", "200KiB", "--workers", "2"]
+    monkeypatch.setattr(ray_tasks, "write_shard", _killed_in_shard_2)  # found so by the pool
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"ingest build: error: ingest worker \d \(pid \d+\) died: killed by signal SIGKILL; "
+        r"run the same command again: it resumes from the shards already written\n",
+        err,
+    ), err
+    assert not (out / fmt.MANIFEST).exists()
+    assert "shard-00002" not in _sealed(out)
+    monkeypatch.undo()
+    assert cli.main(args) == 0
+    assert cli.main([*args[:2], str(clean), *args[3:]]) == 0
+    assert_same_store(out, clean)
+
+
+def _sealed(out: Path) -> list[str]:
+    """The shards that the build state of ``out`` records as sealed (written atomically)."""
+    try:
+        return [s["name"] for s in json.loads((out / fmt.BUILD_STATE).read_text())["shards"]]
+    except FileNotFoundError:
+        return []
+
+
 def test_same_store_whatever_the_number_of_workers(
     tmp_path: Path, awkward_tree: Tree, awkward_store: Path
 ) -> None:
     out = tmp_path / "store"
     build(awkward_tree.root, out, AWKWARD_OPTIONS, workers=2, progress=False)
     assert_same_store(out, awkward_store)  # that one was built with workers=1
+
+
+def test_the_workers_fingerprint_the_files_as_one_process_does(awkward_tree: Tree) -> None:
+    tree = scan(awkward_tree.root)
+    with make_pool(3) as pool:
+        facts = file_facts(pool, tree, chunk=3)  # many runs of files: their order counts
+        assert fingerprint(tree, {}, facts) == fingerprint(tree, {})
+    assert len(tree.items) > 9
 
 
 def test_map_grows_from_a_tiny_initial_map(

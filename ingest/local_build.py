@@ -1,0 +1,124 @@
+"""The passes of a local build on a pool of forked workers, the second overlapping the first.
+
+The tasks are the Ray build's (ray_tasks.py): workers verify ranges of samples, then write
+whole shards themselves, so that the records never pass through this process and the
+shards are written on as many cores as there are shards ready. A shard is written as soon
+as the plans before and after it cut it; write tasks go first to an idle worker, so that
+the shards keep pace with the checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ingest import format as fmt
+from ingest import ray_tasks, resume, twopass
+from ingest.build import Run
+from ingest.parallel import ForkPool, InlinePool, can_fork, ordered
+from ingest.scan import Scan
+
+log = logging.getLogger(__name__)
+
+
+def convert(run: Run, src: Path, pool: InlinePool, progress: bool | None) -> dict:
+    """Check every sample and write every shard not sealed yet on the workers of ``pool``
+    (``make_pool``); return the manifest."""
+    items = run.tree.items
+    spans = twopass.ranges(len(items))
+    plans = {span: twopass.load_plan(twopass.plan_path(run, *span), *span) for span in spans}
+    checks = deque(span for span, plan in plans.items() if plan is None)
+    done = sum(b - a for (a, b), plan in plans.items() if plan is not None)
+    bar = tqdm(total=len(items), initial=done, unit="img", desc="ingest", smoothing=0.05,
+               disable=None if progress is None else not progress)  # fmt: skip
+    with bar:
+        _run(run, src, pool, spans, plans, checks, bar)
+    return twopass.finish(run, [plans[span] for span in spans])
+
+
+def make_pool(workers: int) -> InlinePool:
+    """``workers`` forked workers; none (tasks run in this process) for one."""
+    if workers <= 1:
+        return InlinePool()
+    if not can_fork():
+        log.warning("ingest: no fork() on this platform; converting in one process")
+        return InlinePool()
+    return ForkPool(workers)
+
+
+def file_facts(pool: InlinePool, tree: Scan, chunk: int = 500) -> Iterator[bytes]:
+    """``resume.file_facts`` of the items of ``tree``, made on the workers, in order: the
+    build's fingerprint stats every file, which would be the longest part of the build
+    that runs on one core."""
+    root = str(tree.root)
+    spans = twopass.ranges(len(tree.items), chunk)
+    return ordered(pool, resume.file_facts, [(root, tree.items[a:b]) for a, b in spans])
+
+
+def _run(run: Run, src: Path, pool, spans: list, plans: dict, checks: deque, bar) -> None:
+    cuts = twopass.ShardCuts(run.options.shard_size, len(run.tree.items))
+    sealed = {s["name"] for s in run.state["shards"]}
+    writes: deque = deque()
+    fed = 0  # plans given to ``cuts``, in sample order
+    state = _State(run)
+    try:
+        while True:
+            while fed < len(spans) and plans[spans[fed]] is not None:
+                fed += 1
+                ready = cuts.add(plans[spans[fed - 1]])
+                ready += cuts.finish() if fed == len(spans) else []
+                writes.extend(s for s in ready if fmt.shard_name(s[0]) not in sealed)
+            _submit(run, src, pool, cuts, writes, checks)
+            if not pool.busy:
+                return
+            for key, result in pool.wait():
+                if isinstance(key, tuple):
+                    plans[key] = result
+                    bar.update(key[1] - key[0])
+                else:
+                    state.sealed(result)
+    finally:
+        state.save()
+
+
+def _submit(run: Run, src: Path, pool, cuts, writes: deque, checks: deque) -> None:
+    """Give every idle worker a task: a shard to write first, else a range to check."""
+    while pool.idle and (writes or checks):
+        if writes:
+            k, a, b = writes.popleft()
+            pool.submit(k, ray_tasks.write_shard, *_write_args(run, src, cuts, k, a, b))
+        else:
+            a, b = checks.popleft()
+            plan = twopass.plan_path(run, a, b)
+            items = run.tree.items[a:b]
+            pool.submit((a, b), ray_tasks.check_range, src, items, a, run.options, plan, None)
+
+
+class _State:
+    """The build state, saved at most once a second as shards seal (it grows with them),
+    and once more at the end, also of a failed build: a build killed meanwhile writes
+    again only the shards of its last second."""
+
+    def __init__(self, run: Run) -> None:
+        self.run, self.saved, self.dirty = run, float("-inf"), False
+
+    def sealed(self, entry: dict) -> None:
+        twopass.record_sealed(self.run, entry)
+        self.dirty = True
+        if time.monotonic() - self.saved >= 1.0:
+            self.save()
+
+    def save(self) -> None:
+        if self.dirty:
+            fmt.write_json_atomic(self.run.out / fmt.BUILD_STATE, self.run.state)
+            self.saved, self.dirty = time.monotonic(), False
+
+
+def _write_args(run: Run, src: Path, cuts: twopass.ShardCuts, k: int, a: int, b: int) -> tuple:
+    jobs, expect = cuts.work(run, src, a, b)
+    return src, run.out, k, a, jobs, expect, run.options, run.map_size, run.build, None
