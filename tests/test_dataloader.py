@@ -406,7 +406,7 @@ def test_corrupt_record_is_replaced_counted_and_logged_once(store, tmp_path, cap
         ({"transform": None}, r"transform= is required when reading a store"),
         ({"dtype": torch.int32}, r"dtype=torch.int32 is not supported; use one of float32"),
         ({"device": "mps"}, r"device='mps' is not supported; use 'cpu' or a CUDA device"),
-        ({"decoder": "dali"}, r"decoder='dali' is unknown; known decoders: auto, cpu, nvjpeg"),
+        ({"decoder": "pil"}, r"decoder='pil' is unknown; known decoders: auto, cpu, dali, nvjpeg"),
         ({"sampler": [0, 1]}, r"sampler=list cannot be used when reading a store: .* follows only"),
         ({"prefetch_factor": 0}, r"prefetch_factor=0 is invalid"),
     ],

@@ -1,0 +1,122 @@
+"""DDP ResNet-50 on every GPU of one host, fed by ``loader.DataLoader`` (``torchrun``).
+
+Each rank trains on its own GPU with its share of the cores as workers: first on synthetic
+data on the GPU (the ceiling), then one epoch of the loader alone (its throughput on this
+rank), then fed by the loader (``cache="shm"``: one copy of the store's bytes in RAM for
+all ranks). Rank 0 prints one JSON line with every rank's figures; run it with
+``--nproc_per_node=1`` and ``2`` in the same session to compare per-GPU figures.
+
+    torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 30] [--cache shm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
+
+import torch
+import torch.distributed as dist
+import torchvision
+
+import loader
+
+
+def timed_steps(step, batches, steps: int, warmup: int, device) -> float:
+    """img/s of ``steps`` steps after ``warmup``, all ranks in step (DDP syncs them)."""
+    it = iter(batches)
+    for _ in range(warmup):
+        step(*next(it))
+    sync(device)
+    t0, n = time.perf_counter(), 0
+    for _ in range(steps):
+        x, y = next(it)
+        step(x, y)
+        n += len(x)
+    sync(device)
+    return n / (time.perf_counter() - t0)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def make_step(device, rank: int):
+    model = torchvision.models.resnet50().to(device, memory_format=torch.channels_last)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[rank] if device.type == "cuda" else None
+    )
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(x, y):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = loss_fn(ddp(x), y % 1000)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def forever(dl):
+    while True:
+        yield from dl
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("store")
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--cache", default="shm")
+    ap.add_argument("--size", type=int, default=224)
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    workers = max(1, (os.cpu_count() or 2) // world)
+    step = make_step(device, rank)
+    b, size = a.batch_size, a.size
+    x = torch.randn(b, 3, size, size, device=device).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (b,), device=device)
+    ceiling = timed_steps(step, iter(lambda: (x, y), None), a.steps, a.warmup, device)
+    dl = loader.DataLoader(
+        a.store, batch_size=b, shuffle=True, drop_last=True, num_workers=workers,
+        transform=loader.Transform("train", size), device=device, dtype=torch.bfloat16,
+        channels_last=True, persistent_workers=True, cache=a.cache or None,
+    )  # fmt: skip
+    sync(device)
+    t0, n = time.perf_counter(), 0
+    for images, _ in dl:  # one epoch of the loader alone (this rank's share)
+        n += len(images)
+    sync(device)
+    loader_rate = n / (time.perf_counter() - t0)
+    fed = timed_steps(step, forever(dl), a.steps, a.warmup, device)
+    mine = {
+        "rank": rank, "workers": workers, "ceiling_img_s": round(ceiling, 1),
+        "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed, 1),
+        "share": round(fed / ceiling, 3), "epoch_images": n, "stats": dl.stats(),
+    }  # fmt: skip
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
+        print(json.dumps({"world_size": world, "gpu": gpu, "ranks": everyone}), flush=True)
+    dl.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
