@@ -2,7 +2,7 @@
 # The H200 runs behind benchmarks/results/gpu-h200-*: run from the repository root on the
 # GPU machine, after the wheels are installed in /tmp/site (../shared/GPU.md), with the
 # photographs in .photos. Usage: benchmarks/gpu_run.sh STAGE... (tests, decoders, bench,
-# profile, ingest); logs and JSON go to $OUT.
+# profile, ingest, ddp); logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=/tmp/bw N=${IMAGES:-12800}
@@ -14,13 +14,14 @@ prepare() {
 for stage in "$@"; do
   echo "== $stage $(date -u +%T)"
   case $stage in
-    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_dali.py > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
+    tests) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_dali.py > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
     decoders) prepare; timeout 200 python3 benchmarks/gpu_decoders.py "$STORE" --out $OUT/gpu-decoders.json 2>&1 | tee $OUT/gpu-decoders.log | tail -20 ;;
-    bench) prepare; timeout 560 python3 -m loader.bench --images "$N" --photos .photos --workdir $W \
+    bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W \
         --batch-size 256 --workers 16 --dtype float16 --channels-last --passes ${PASSES:-3} --train-check \
         --train-steps 30 --only "${ONLY:-torch-pil,loader-nvjpeg,loader-dali,loader-dali-auto,dali-crop,dali-ram}" \
         --name "${NAME:-gpu-h200-dali}" --out $OUT --logs /tmp/blogs > $OUT/bench.log 2>&1; tail -25 $OUT/bench.log ;;
     profile) prepare; timeout 300 python3 benchmarks/profile_example.py "$FOLDER" "$STORE" > $OUT/profile.log 2>&1; cat $OUT/profile.log | tail -20 ;;
-    ingest) timeout 500 python3 benchmarks/bench_ingest.py ${INGEST_ARGS:-} > $OUT/ingest.log 2>&1; tail -25 $OUT/ingest.log ;;
+    ingest) timeout ${INGEST_S:-300} python3 benchmarks/bench_ingest.py --images 20000 --workdir /tmp/bi --out $OUT > $OUT/ingest.log 2>&1; tail -25 $OUT/ingest.log ;;
+    ddp) prepare; for n in 1 2; do timeout 200 python3 -m torch.distributed.run --nproc_per_node=$n benchmarks/ddp_two_gpus.py "$STORE" > $OUT/ddp-$n.json 2> $OUT/ddp-$n.log; tail -c 400 $OUT/ddp-$n.json; tail -3 $OUT/ddp-$n.log; done ;;
   esac
 done
