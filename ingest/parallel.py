@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import pickle
 import signal
@@ -150,7 +151,15 @@ def ordered(pool: InlinePool, fn: Callable, arglist: list[tuple]) -> Iterator:
 def _start() -> tuple[int, Connection]:
     parent_end, child_end = Pipe()
     parent = os.getpid()
-    pid = os.fork()
+    # The worker must never finalise what it inherits: a garbage collection there would
+    # run the parent's destructors (a CUDA tensor, a DALI pipeline: the worker aborts).
+    # Frozen objects are left alone by the collector, in the worker for good.
+    gc.freeze()
+    try:
+        pid = os.fork()
+    except BaseException:
+        gc.unfreeze()
+        raise
     if pid == 0:  # the worker: never returns
         status = 1
         try:
@@ -158,6 +167,7 @@ def _start() -> tuple[int, Connection]:
             status = _serve(child_end, parent)
         finally:
             os._exit(status)
+    gc.unfreeze()
     child_end.close()
     return pid, parent_end
 

@@ -150,8 +150,9 @@ class GpuEpochIterator(EpochIterator):
         return slot, started, waited
 
     def _take(self, results) -> None:
-        """Thread side, on every poll of the workers: leave promptly once told to stop."""
-        if self._stop.is_set():
+        """On every poll of the workers: the prefetch thread leaves promptly once told to
+        stop (the training thread, draining the workers at close, goes on)."""
+        if self._stop.is_set() and threading.current_thread() is self._thread:
             raise _Stopped
         super()._take(results)
 
