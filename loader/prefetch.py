@@ -151,10 +151,11 @@ class GpuEpochIterator(EpochIterator):
 
     def _take(self, results) -> None:
         """On every poll of the workers: the prefetch thread leaves promptly once told to
-        stop (the training thread, draining the workers at close, goes on)."""
+        stop, after booking what it received (the training thread, draining the workers at
+        close, must find every chunk either booked or still to come)."""
+        super()._take(results)
         if self._stop.is_set() and threading.current_thread() is self._thread:
             raise _Stopped
-        super()._take(results)
 
     def _close(self, finished: bool, failed: bool = False) -> None:
         self._stop.set()

@@ -265,6 +265,14 @@ def knob(stats: Stats, loader) -> str:
     cores = os.cpu_count() or 1
     workers = getattr(loader, "num_workers", None)
     saturated = stats.cores_busy is not None and stats.cores_busy >= 0.85 * cores
+    if getattr(loader, "_gpu_stage", None) is not None:  # our GPU path
+        stage = loader.stats()
+        if stage.get("stage_busy_s", 0.0) >= stage.get("stage_wait_s", 0.0):
+            return (
+                "smaller images: rebuild the store with `ingest build --max-size 512` (the "
+                "GPU decoder, whose time grows with each image's pixels, is the limit: its "
+                "thread waits for the workers less than it works)"
+            )
     if workers is not None and workers < cores and not saturated:
         return f"more workers (num_workers={workers} now, the machine has {cores} cores)"
     if not isinstance(loader, DataLoader):

@@ -424,6 +424,17 @@ def test_persistent_workers_serve_every_epoch(store):
     assert dl.worker_pids == []
 
 
+def test_an_epoch_left_early_keeps_the_persistent_workers(store):
+    dl = make(store, num_workers=2, persistent_workers=True)
+    it = iter(dl)
+    next(it)
+    pids = dl.worker_pids
+    it.close()  # as a generator around the loader does when it is closed
+    assert dl.worker_pids == pids and not gpu_threads()
+    assert sorted(flat(epoch(dl), 2).tolist()) == list(range(NUM_SAMPLES))
+    dl.close()
+
+
 def test_close_mid_epoch_stops_the_thread_and_the_workers(store):
     dl = make(store, num_workers=2, with_indices=False)
     it = iter(dl)

@@ -13,6 +13,7 @@ import torch.utils.data
 from loader_data import make_store
 
 import loader
+import loader.decode as decode_registry
 from loader.profiler import Stats, knob, verdict
 
 SLEEP = 0.15  # far longer than anything else a step does here
@@ -136,6 +137,22 @@ def test_knob_for_our_loader_on_the_cpu(store):
     assert saturated.startswith("smaller images: rebuild the store with `ingest build --max-size")
     idle = knob(_stats(0.5, 0.0), dl)
     assert "/dev/shm" in idle or 'cache="shm"' in idle
+
+
+def test_knob_for_our_loader_on_the_gpu_path(store, monkeypatch):
+    monkeypatch.setitem(
+        decode_registry._BACKENDS, "tvcpu", "gpu_path_data:TorchvisionCpuBatchDecoder"
+    )
+    dl = loader.DataLoader(store, batch_size=8, transform="eval", device="cpu",
+                           decoder="tvcpu", num_workers=1)  # fmt: skip
+    busy = {"stage_wait_s": 0.2, "stage_busy_s": 3.0}  # the GPU stage holds batches up
+    monkeypatch.setattr(dl, "stats", lambda: busy)
+    assert knob(_stats(0.5, 0.0), dl).startswith(
+        "smaller images: rebuild the store with `ingest build --max-size 512` (the GPU decoder"
+    )
+    waiting = {"stage_wait_s": 3.0, "stage_busy_s": 0.2}  # its thread waits for the workers
+    monkeypatch.setattr(dl, "stats", lambda: waiting)
+    assert knob(_stats(0.5, 0.0), dl).startswith("more workers (num_workers=1 now")
 
 
 def test_epochs_add_up_and_the_time_between_them_is_left_out():
