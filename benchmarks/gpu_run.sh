@@ -2,7 +2,8 @@
 # The H200 runs behind benchmarks/results/gpu-h200-*: run from the repository root on the
 # GPU machine, after the wheels are installed in /tmp/site (../shared/GPU.md), with the
 # photographs in .photos. Usage: benchmarks/gpu_run.sh STAGE... (tests, decoders, bench,
-# profile, ingest, ddp); logs and JSON go to $OUT.
+# profile, ingest, ddp); logs and JSON go to $OUT. MAX_SIZE=512 makes "bench" compare
+# every pipeline on images capped at 512 px (imfeed-bench --max-size).
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=/tmp/bw N=${IMAGES:-12800}
@@ -16,7 +17,7 @@ for stage in "$@"; do
   case $stage in
     tests) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_dali.py > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
     decoders) prepare; timeout 200 python3 benchmarks/gpu_decoders.py "$STORE" --out $OUT/gpu-decoders.json 2>&1 | tee $OUT/gpu-decoders.log | tail -20 ;;
-    bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W \
+    bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W ${MAX_SIZE:+--max-size $MAX_SIZE} \
         --batch-size 256 --workers 16 --dtype float16 --channels-last --passes ${PASSES:-3} --train-check \
         --train-steps 30 --only "${ONLY:-torch-pil,loader-nvjpeg,loader-dali,loader-dali-auto,dali-crop,dali-ram}" \
         --name "${NAME:-gpu-h200-dali}" --out $OUT --logs /tmp/blogs > $OUT/bench.log 2>&1; tail -25 $OUT/bench.log ;;

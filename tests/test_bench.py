@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cv2
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from loader.bench import data as bench_data
 from loader.bench.cli import main
 from loader.bench.pipelines import Settings, build, specs, unavailable
 from loader.decode import decoders
+from loader.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGES = 24  # 3 classes x 8
@@ -331,3 +334,21 @@ def test_import_loader_leaves_the_bench_alone():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=60, check=True)  # fmt: skip
     assert done.stdout.strip() == "[]"
+
+
+def test_max_size_caps_the_store_and_the_folder_the_peers_read(tmp_path):
+    make_image_folder(tmp_path / "images", 2, 3, seed=7)  # short side 300-450 px
+    said = []
+    data = bench_data.prepare(tmp_path / "images", 0, tmp_path / "work", None, said.append, 96)
+    st = Store(data.store)
+    assert len(st) == data.images == 6 and data.origin == "folder given, capped at 96 px"
+    assert int(np.maximum(st.index["height"], st.index["width"]).max()) == 96
+    files = sorted(p for p in data.folder.rglob("*") if p.is_file() and p.name[0] != ".")
+    assert sorted({p.parent.name for p in files}) == st.classes
+    stored = sorted(st.image(i)[0] for i in range(len(st)))
+    assert sorted(p.read_bytes() for p in files) == stored  # the same bytes, every one
+    assert max(max(cv2.imread(str(p)).shape[:2]) for p in files) == 96
+    again = bench_data.prepare(tmp_path / "images", 0, tmp_path / "work", None, said.append, 96)
+    assert again == data and any(s.startswith("reusing the images of") for s in said)
+    with pytest.raises(ValueError, match=r"--max-size 96 builds a store from images: give"):
+        bench_data.prepare(data.store, 0, tmp_path / "work", None, said.append, 96)

@@ -62,6 +62,13 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--train-steps", type=int, help="timed training steps per check (default 100; --quick 10)")
     a("--only", help="comma-separated pipeline names to run (default: all available)")
+    a(
+        "--max-size",
+        type=int,
+        metavar="PX",
+        help="build the store with `ingest build "
+        "--max-size PX`; the folder peers read the same capped images",
+    )
     a("--prepare-only", action="store_true", help="only make the images and the store, then exit")
     a("--logs", type=Path, help="where pipelines' own output goes (default: OUT/logs)")
     a("--replot", type=Path, metavar="JSON", help="only redo the table and chart of a run")
@@ -111,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.train_check and device == "cpu":
         raise SystemExit("imfeed-bench: --train-check needs a CUDA device (it trains ResNets)")
     try:
-        data = bench_data.prepare(args.data, args.images, args.workdir, args.photos, say)
+        data = bench_data.prepare(
+            args.data, args.images, args.workdir, args.photos, say, args.max_size
+        )
     except ValueError as e:
         raise SystemExit(f"imfeed-bench: {e}") from None
     if args.prepare_only:

@@ -32,11 +32,23 @@ def is_store(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
-def prepare(data: Path | None, images: int, workdir: Path, photos: Path | None, say=print) -> Data:
+def prepare(
+    data: Path | None,
+    images: int,
+    workdir: Path,
+    photos: Path | None,
+    say=print,
+    max_size: int | None = None,
+) -> Data:
     """Resolve ``--data`` (or make ``images`` JPEGs), build the store if needed, warm both.
 
+    With ``max_size`` the store is built with ``ingest build --max-size``, and its records
+    are also written out as an image folder, so that the pipelines reading a folder (PIL,
+    DALI) read the same capped images as ours.
+
     Raises:
-        ValueError: ``data`` is neither an image folder nor a store.
+        ValueError: ``data`` is neither an image folder nor a store, or a store is given
+            with ``max_size`` (there is nothing to cap it from).
     """
     if data is None:
         folder = make_folder(workdir, images, photos, say)
@@ -51,7 +63,17 @@ def prepare(data: Path | None, images: int, workdir: Path, photos: Path | None, 
             f"--data {data}: neither an image folder (class sub-folders of images) nor a "
             "store (no manifest.json); give one, or leave --data out to generate images"
         )
-    if folder is not None:
+    if max_size is not None:
+        if folder is None:
+            raise ValueError(
+                f"--max-size {max_size} builds a store from images: give --data a folder, "
+                "not a store (or leave --data out to generate images)"
+            )
+        store = store.with_name(f"{store.name}-max{max_size}")
+        build_store(folder, store, say, max_size)
+        folder = export_store(store, workdir / f"{folder.name}-max{max_size}", say)
+        origin += f", capped at {max_size} px"
+    elif folder is not None:
         build_store(folder, store, say)
     files = _files(folder) if folder is not None else []
     sizes = sum(len(p.read_bytes()) for p in files)  # reading them warms the page cache
@@ -94,15 +116,41 @@ def _make_class(job: tuple) -> None:
     make_image_folder(dst, 1, per_class, seed=seed, photos=photos, quality=(90, 97))
 
 
-def build_store(folder: Path, store: Path, say) -> None:
+def build_store(folder: Path, store: Path, say, max_size: int | None = None) -> None:
     """Build ``store`` from ``folder`` unless a complete one is there already."""
-    from ingest.build import build
+    from ingest.build import BuildOptions, build
 
     if is_store(store):
         say(f"reusing the store {store} (delete it to rebuild)")
         return
     say(f"building the store {store} (once; later runs reuse it) ...")
-    build(folder, store, workers=os.cpu_count(), progress=False)
+    options = BuildOptions(max_size=max_size)
+    build(folder, store, options=options, workers=os.cpu_count(), progress=False)
+
+
+def export_store(store: Path, folder: Path, say) -> Path:
+    """Every record of ``store`` as a file of ``folder`` (its class sub-folders), made once:
+    the stored bytes as they are, so a folder reader sees exactly the store's images."""
+    from loader.store import Store
+
+    stamp = folder / ".exported"
+    if stamp.exists():
+        say(f"reusing the images of {store.name} in {folder}")
+        return folder
+    say(f"writing the images of {store.name} to {folder} ...")
+    shutil.rmtree(folder, ignore_errors=True)
+    st = Store(store)
+    for i, (path, label) in enumerate(zip(st.paths, st.labels.tolist(), strict=True)):
+        data, kind = st.image(i)
+        dst = (
+            folder
+            / st.classes[label]
+            / Path(path).with_suffix(".png" if kind == "png" else ".jpg").name
+        )
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(data)
+    stamp.touch()
+    return folder
 
 
 def _files(folder: Path) -> list[Path]:
