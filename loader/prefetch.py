@@ -29,11 +29,28 @@ from concurrent.futures import Future
 
 import torch
 
-from loader.epoch import EpochIterator
+from loader.epoch import EpochIterator, chunk_size
 
 _JOIN_S = 30.0  # longest wait for the thread to finish the batch it is on
 _PUT_POLL_S = 0.1
 _MIN_GATHER_CHUNK = 64  # samples per worker task on the GPU path
+_MAX_SLOTS = 16  # each slot holds a batch's bytes and a batch of CPU-decoded pixels
+
+
+def gather_chunk(batch_size: int, num_workers: int) -> int:
+    """Samples per worker task on the GPU path: gathering bytes is cheap, so fewer, larger
+    tasks (fewer pipe messages, each costing the prefetch thread a GIL hand-off)."""
+    return max(chunk_size(batch_size, num_workers), _MIN_GATHER_CHUNK)
+
+
+def ring_slots(batch_size: int, num_workers: int, prefetch_factor: int) -> int:
+    """Ring slots of the GPU path: one batch decoding, one being finished, and enough
+    batches in the workers' hands for every worker to hold a task."""
+    if num_workers == 0:
+        return 1
+    chunks = -(-batch_size // gather_chunk(batch_size, num_workers))  # tasks per batch
+    busy_workers = -(-num_workers // chunks) + 2
+    return max(3, 2 * prefetch_factor, min(busy_workers, _MAX_SLOTS))
 
 
 class GpuStageError(RuntimeError):
@@ -45,9 +62,7 @@ class GpuEpochIterator(EpochIterator):
 
     def __init__(self, loader) -> None:
         super().__init__(loader)
-        # Gathering bytes is cheap: fewer, larger tasks mean fewer pipe messages, each of
-        # which costs the thread a GIL hand-off from a busy training loop.
-        self._chunk = max(self._chunk, _MIN_GATHER_CHUNK)
+        self._chunk = gather_chunk(loader.batch_size, loader.num_workers)
         self._stage = loader._gpu_stage
         self._stats = loader._stats
         self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch_factor)

@@ -55,6 +55,7 @@ from ingest import format as fmt
 from ingest.synth import random_view, sample_photos
 from loader.augment import Transform, plan_crops
 from loader.augment_gpu import GpuAugment
+from loader.prefetch import ring_slots
 from loader.sampler import batch_seed
 from loader.store import Store
 
@@ -499,3 +500,17 @@ def test_timeout_covers_the_gpu_stage(store, monkeypatch):
     with pytest.raises(RuntimeError, match=r"timed out after 0.5 seconds waiting for a batch"):
         next(iter(dl))
     assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.parametrize(
+    "batch, workers, prefetch, slots",
+    [
+        (256, 16, 2, 6),  # 4 tasks a batch: 4 batches keep 16 workers busy, +2 on the GPU
+        (256, 32, 2, 10),
+        (256, 2, 2, 4),  # 2 tasks a batch: prefetch depth decides
+        (64, 64, 2, 16),  # a task a batch: capped
+        (256, 0, 2, 1),  # no workers: the prefetch thread gathers in place
+    ],
+)
+def test_the_ring_keeps_every_worker_busy(batch, workers, prefetch, slots):
+    assert ring_slots(batch, workers, prefetch) == slots
