@@ -76,6 +76,9 @@ def test_every_known_pipeline_is_listed(run):
         )
     # Our GPU decoders, where the lead's backends are present, run or say why not.
     assert {f"loader-{d}" for d in decoders()} <= set(report["results"])
+    assert report["results"]["loader-nvjpeg"]["reason"] == (
+        "decodes on a CUDA device, and this run delivers to the CPU"
+    )
 
 
 def test_each_pass_reads_the_whole_epoch_and_figures_agree(run):

@@ -79,6 +79,12 @@ def unavailable(spec: Spec, s: Settings) -> str | None:
         return "same as dali-file with --eval (no random crop to decode)"
     if not dali and spec.name != BASELINE and s.store is None:
         return "needs a store"
+    if spec.name.startswith("loader-") and s.device == "cpu":
+        from loader.decode import delivers_to
+
+        decoder = spec.name.removeprefix("loader-").partition("-")[0]
+        if "cpu" not in delivers_to(decoder):
+            return "decodes on a CUDA device, and this run delivers to the CPU"
     return None
 
 
