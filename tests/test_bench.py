@@ -94,6 +94,15 @@ def test_each_pass_reads_the_whole_epoch_and_figures_agree(run):
         assert r["spread"] == [round(min(rates), 1), round(max(rates), 1)]
         assert r["cpu_cores_busy"] > 0 and r["memory_mib"] > 0
         assert r["vs_pil"] == round(r["img_per_s"] / report["results"]["torch-pil"]["img_per_s"], 3)
+        # Ours say where their time went in each pass; the peers have no such figures.
+        spent = [p.get("loader_us_per_image") for p in r["passes"]]
+        if r["side"] != "ours":
+            assert spent == [None] * (PASSES + 1), name
+            continue
+        for pass_, us in zip(r["passes"], spent, strict=True):
+            assert us["wait"] >= 0 and us["cpu_decode"] > 0, name  # the CPU decoder's time
+            # Worker time adds up over workers; one worker here, so within the pass's.
+            assert us["cpu_decode"] <= pass_["seconds"] / pass_["images"] * 1e6, name
 
 
 def test_summary(run):

@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 
 from loader.bench.pipelines import Settings, build
-from loader.bench.train import forever, train_check
+from loader.bench.train import forever, loader_times, per_image, train_check
 from loader.proctree import PeakMemory, tree_cpu_seconds
 
 READY_TIMEOUT = 600.0  # seconds for a pipeline to start (imports, DALI's first batches)
@@ -62,6 +62,7 @@ def _gpu_memory_mib() -> float | None:
 def timed_pass(pipe, s: Settings) -> dict:
     """One epoch of ``pipe``: images, wall and CPU seconds of the process tree, memory."""
     memory = PeakMemory().start()
+    before = loader_times(pipe)
     cpu0, t0, n = tree_cpu_seconds(), time.perf_counter(), 0
     for _images, labels in pipe.epoch():
         n += int(labels.shape[0])
@@ -79,7 +80,7 @@ def timed_pass(pipe, s: Settings) -> dict:
         "cpu_seconds": round(cpu, 3),
         "memory_mib": memory.stop(),
         "gpu_memory_mib": _gpu_memory_mib(),
-    }
+    } | per_image(before, loader_times(pipe), n)
 
 
 def serve(name: str, s: Settings, conn, log: str) -> None:
@@ -99,7 +100,7 @@ def serve(name: str, s: Settings, conn, log: str) -> None:
                 answer = timed_pass(pipe, s)
             else:  # ("train", model)
                 stream = stream or forever(pipe)
-                answer = train_check(stream, request[1], s)
+                answer = train_check(stream, request[1], s, pipe)
         except Exception as e:
             traceback.print_exc()
             answer = {"error": _reason(e)}

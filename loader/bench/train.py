@@ -39,9 +39,10 @@ def forever(pipe) -> Iterator:
         yield from pipe.epoch()
 
 
-def train_check(batches: Iterator, model_name: str, s: Settings) -> dict:
+def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> dict:
     """Train ``model_name`` on ``batches`` for ``s.train_warmup + s.train_steps`` steps; the
-    figures of the last ``s.train_steps`` (img/s, share of step time waiting for data)."""
+    figures of the last ``s.train_steps`` (img/s, share of step time waiting for data; with
+    ``pipe`` one of ours, where its time went meanwhile, warm-up steps included)."""
     import torch
     import torchvision
 
@@ -52,6 +53,7 @@ def train_check(batches: Iterator, model_name: str, s: Settings) -> dict:
     loss_fn = torch.nn.CrossEntropyLoss()
     steps = itertools.islice(batches, s.train_warmup + s.train_steps)
     kind = "cpu" if s.device == "cpu" else "cuda"  # the CLI trains on CUDA; tests on the CPU
+    before = loader_times(pipe)
     with profile(steps, warmup=s.train_warmup) as prof:
         for images, labels in prof:
             images = images.to(s.device, non_blocking=True)
@@ -72,4 +74,24 @@ def train_check(batches: Iterator, model_name: str, s: Settings) -> dict:
         "seconds": round(st.seconds, 3),
         "cores_busy": None if st.cores_busy is None else round(st.cores_busy, 2),
         "gpu_utilization": st.gpu_utilization,
+    } | per_image(before, loader_times(pipe), (s.train_warmup + st.steps) * s.batch_size)
+
+
+def loader_times(pipe) -> dict | None:
+    """Our loader's cumulative stage times (``dl.stats()``'s seconds), None for a peer."""
+    dl = getattr(pipe, "dl", None)
+    if not hasattr(dl, "stats"):
+        return None
+    return {k: v for k, v in dl.stats().items() if k.endswith("_s") and isinstance(v, float)}
+
+
+def per_image(before: dict | None, after: dict | None, images: int) -> dict:
+    """``{"loader_us_per_image": {stage: us}}`` spent between two ``loader_times``: where
+    our loader's time went (worker times add up over the workers); empty for a peer."""
+    if before is None or after is None or not images:
+        return {}
+    spent = {
+        k.removesuffix("_s"): round((v - before.get(k, 0.0)) / images * 1e6, 1)
+        for k, v in after.items()
     }
+    return {"loader_us_per_image": spent}
