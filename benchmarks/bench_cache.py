@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 import numpy as np
-from common import REPO, machine, make_dataset
+from common import REPO, machine, make_dataset, write_result
 
 from ingest import cachedir as cd
 from ingest.build import BuildOptions, build
@@ -250,10 +250,7 @@ def main() -> None:
         "runs": runs,
         "summary": result,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"cache-{os.cpu_count()}cpu.json"
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, f"cache-{os.cpu_count()}cpu.json", report)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -32,7 +31,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 
 import cv2
 import numpy as np
-from common import REPO, cpu_machine, image_files, make_imagenet_sized, warm
+from common import REPO, cpu_machine, image_files, make_imagenet_sized, warm, write_result
 
 from ingest.build import BuildOptions, build
 
@@ -153,10 +152,7 @@ def main() -> None:
         "ratios": ratios, "goals": GOALS, "machine": cpu_machine(),
         "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    dst = args.out / f"ingest-{cores}cpu.json"
-    dst.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {dst}")
+    write_result(args.out, f"ingest-{cores}cpu.json", result)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 
 import cv2
 import numpy as np
-from common import REPO, image_files, machine, make_dataset, warm
+from common import REPO, image_files, machine, make_dataset, warm, write_result
 
 from ingest.build import build
 from ingest.format import MANIFEST
@@ -254,10 +254,7 @@ def main() -> None:
         "results": results,
         "summary": ratios,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"loader-{os.cpu_count()}cpu.json"
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, f"loader-{os.cpu_count()}cpu.json", report)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import os
 import shutil
@@ -24,7 +23,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 from bench_ingest import timed
-from common import REPO, image_files, machine, make_dataset, warm
+from common import REPO, image_files, machine, make_dataset, warm, write_result
 
 from ingest.build import BuildOptions, build
 from ingest.ray_build import build_ray, import_ray
@@ -65,9 +64,7 @@ def main() -> None:
         "two_pass_model_img_per_s": model, "ray_vs_model": ratio,
         "machine": machine(), "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
-    dst = REPO / "benchmarks" / "results" / f"ingest-ray-{cpus}cpu.json"
-    dst.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {dst.relative_to(REPO)}")
+    write_result(REPO / "benchmarks" / "results", f"ingest-ray-{cpus}cpu.json", result)
 
 
 if __name__ == "__main__":

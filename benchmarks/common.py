@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import multiprocessing as mp
 import os
 from pathlib import Path
@@ -104,3 +105,12 @@ def cpu_machine() -> dict:
         **{name: mod._version(module) for name, module in _LIBRARIES.items()},
         "imfeed": mod._imfeed_version(),
     }
+
+
+def write_result(out: Path, name: str, report: dict) -> Path:
+    """Write ``report`` as ``out/name`` (indented JSON), say so, and return the path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path

@@ -24,6 +24,14 @@ def filter_span(pos, size, scale, antialias: tl.constexpr):
 
 
 @triton.jit
+def tap_weight(src, centre, fscale, use):
+    # The triangle filter's weight of source pixel `src` for an output pixel centred at
+    # `centre` (0 where `use` is false: past the window or the tile).
+    wgt = tl.maximum(1.0 - tl.abs((src.to(tl.float32) - centre + 0.5) / fscale), 0.0)
+    return tl.where(use, wgt, 0.0)
+
+
+@triton.jit
 def resample_rows(
     images, crop_info, row_image, scratch, n_rows, out_w, taps,
     ANTIALIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -53,8 +61,7 @@ def resample_rows(
     for k in range(0, taps):
         x = lo + k
         use = live & (x < hi)
-        wgt = tl.maximum(1.0 - tl.abs((x.to(tl.float32) - centre + 0.5) / fscale), 0.0)
-        wgt = tl.where(use, wgt, 0.0)
+        wgt = tap_weight(x, centre, fscale, use)
         at = row[:, None] + x * sx[:, None]
         acc0 += wgt * tl.load(at, mask=use, other=0).to(tl.float32)
         acc1 += wgt * tl.load(at + sc[:, None], mask=use, other=0).to(tl.float32)
@@ -92,8 +99,7 @@ def resample_cols(
     for k in range(0, taps):
         y = lo + k
         use = live & (y < hi)
-        wgt = tl.maximum(1.0 - tl.abs((y.to(tl.float32) - centre + 0.5) / fscale), 0.0)
-        wgt = tl.where(use, wgt, 0.0)
+        wgt = tap_weight(y, centre, fscale, use)
         base = scratch + (row0 + y).to(tl.int64) * 3 * out_w + j[None, :]
         acc0 += wgt * tl.load(base, mask=use, other=0.0)
         acc1 += wgt * tl.load(base + out_w, mask=use, other=0.0)

@@ -8,11 +8,15 @@ enough for many small shards. Helpers read stores back without the loader.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -300,6 +304,38 @@ def run_ingest(*args: str | os.PathLike, timeout: float = 120) -> subprocess.Com
         [sys.executable, "-m", "ingest", *map(str, args)],
         cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
     )  # fmt: skip
+
+
+def sealed_shards(out: Path) -> list[str]:
+    """The shards the build state of ``out`` records as sealed (none while there is none)."""
+    try:
+        state = json.loads((out / fmt.BUILD_STATE).read_text())
+    except (OSError, ValueError):  # not written yet (it is replaced atomically)
+        return []
+    return [s["name"] for s in state["shards"]]
+
+
+def kill_9_after_a_shard(args: list, out: Path, within: float) -> list[str]:
+    """Run ``python3 -m ingest ARGS``, ``kill -9`` it and its workers as soon as it has
+    sealed a shard of ``out`` (failing if it ends first or takes over ``within`` seconds);
+    the shards sealed by then."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ingest", *map(str, args)], cwd=REPO, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + within
+        while not sealed_shards(out):
+            assert proc.poll() is None, "the build ended before it could be killed"
+            assert time.monotonic() < deadline, f"no shard was sealed within {within:.0f} s"
+            time.sleep(0.001)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the pool workers too
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / fmt.MANIFEST).exists()
+    return sealed_shards(out)
 
 
 def count_files(root: Path) -> int:

@@ -79,6 +79,21 @@ def pil_resized_crop(rgb: np.ndarray, crop, size: tuple[int, int]) -> np.ndarray
     return np.ascontiguousarray(out[:, ::-1] if flip else out)
 
 
+STAND_INS = {  # registry name -> this module's class, for the runs without CUDA
+    "tvcpu": "gpu_path_data:TorchvisionCpuBatchDecoder",
+    "dalicpu": "gpu_path_data:DaliCpuDecoder",
+}
+
+
+def use_stand_ins(monkeypatch) -> None:
+    """Without CUDA, register the CPU stand-ins of the GPU decoders for one test."""
+    if not CUDA:
+        import loader.decode as registry
+
+        for name, target in STAND_INS.items():
+            monkeypatch.setitem(registry._BACKENDS, name, target)
+
+
 def dali_backend() -> str:
     """The DALI decoder's registry name here: "dali" on CUDA; without CUDA a stand-in
     running DALI's CPU decoder ("dalicpu", registered by the tests that use it)."""

@@ -17,13 +17,22 @@ import sys
 import numpy as np
 import pytest
 import torch
-from gpu_path_data import BACKEND, CUDA, DEVICE, NUM_SAMPLES, dali_backend, make_small_store
+from gpu_path_data import (
+    BACKEND,
+    CUDA,
+    DEVICE,
+    NUM_SAMPLES,
+    dali_backend,
+    make_small_store,
+    use_stand_ins,
+)
 from loader_data import corrupt
 
 if not CUDA:  # before Triton is first imported: run the kernels in its CPU interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from test_gpu_path import SIZE, B, cpu_rows, epoch, flat, mean_diff, pil_reference
+from test_gpu_path import make as make_loader
 
 import loader
 import loader.decode as decode_registry
@@ -53,19 +62,13 @@ def store(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def backends(monkeypatch):  # the CPU stand-ins of the GPU decoders, without CUDA
-    if not CUDA:
-        for name, cls in [("tvcpu", "TorchvisionCpuBatchDecoder"), ("dalicpu", "DaliCpuDecoder")]:
-            monkeypatch.setitem(decode_registry._BACKENDS, name, f"gpu_path_data:{cls}")
+def backends(monkeypatch):
+    use_stand_ins(monkeypatch)
 
 
 def make(store, **kwargs) -> loader.DataLoader:
-    args = {
-        "batch_size": B, "transform": TRAIN, "device": DEVICE, "decoder": DALI,
-        "with_indices": True, "num_workers": 2, "shuffle": True, "seed": 5,
-        "dtype": torch.uint8,
-    }  # fmt: skip
-    return loader.DataLoader(store, **{**args, **kwargs})
+    """``test_gpu_path``'s loader, on the DALI decoder with the train transform."""
+    return make_loader(store, **{"decoder": DALI, "transform": TRAIN, **kwargs})
 
 
 def test_without_dali_the_error_says_what_to_install(monkeypatch):

@@ -41,6 +41,7 @@ from gpu_path_data import (
     SIZE,
     make_small_store,
     pil_resized_crop,
+    use_stand_ins,
 )
 from loader_data import corrupt
 from PIL import Image
@@ -50,7 +51,6 @@ if not CUDA:  # before Triton is first imported: run the kernels in its CPU inte
 pytest.importorskip("triton")
 
 import loader
-import loader.decode as decode_registry
 from ingest import format as fmt
 from ingest.synth import random_view, sample_photos
 from loader.augment import Transform, plan_crops
@@ -73,10 +73,8 @@ def store(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def backend(monkeypatch):  # the CPU stand-in of the GPU decoder, without CUDA
-    if not CUDA:
-        target = "gpu_path_data:TorchvisionCpuBatchDecoder"
-        monkeypatch.setitem(decode_registry._BACKENDS, "tvcpu", target)
+def backend(monkeypatch):
+    use_stand_ins(monkeypatch)
 
 
 def make(store, **kwargs) -> loader.DataLoader:

@@ -5,25 +5,22 @@ One local Ray instance of 2 CPUs serves the module (starting one costs seconds).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from fixtures import (
     AWKWARD_OPTIONS,
-    REPO,
     Tree,
     assert_same_store,
+    kill_9_after_a_shard,
     make_big_tree,
     run_ingest,
 )
@@ -212,23 +209,7 @@ def test_a_killed_driver_resumes_to_the_same_store(tmp_path: Path, ray_address: 
     src = make_big_tree(tmp_path / "src")
     out, clean = tmp_path / "out", tmp_path / "clean"
     args = ["build", src, out, "--shard-size", "200KiB", "--ray", ray_address]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ingest", *map(str, args)], cwd=REPO, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not _sealed(out):  # the driver has recorded a shard
-            assert proc.poll() is None, "the build ended before it could be killed"
-            assert time.monotonic() < deadline, "no shard was sealed within 120 s"
-            time.sleep(0.001)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    assert not (out / fmt.MANIFEST).exists()
-    sealed = _sealed(out)
+    sealed = kill_9_after_a_shard(args, out, within=120)  # once the driver recorded one
     assert 0 < len(sealed) < 23
     plans = sorted(p.name for p in (out / fmt.PARTIAL_DIR).glob("plan-*.msgpack"))
     assert plans == [  # the first pass was done: 2 ranges of at most 64 samples
@@ -249,15 +230,6 @@ def test_a_killed_driver_resumes_to_the_same_store(tmp_path: Path, ray_address: 
 
     build(src, clean, BuildOptions(shard_size=200 * KiB), workers=1, progress=False)
     assert_same_store(out, clean)
-
-
-def _sealed(out: Path) -> list[str]:
-    """The shards the build state records as sealed (none while there is no state)."""
-    try:
-        state = json.loads((out / fmt.BUILD_STATE).read_text())
-    except (OSError, ValueError):
-        return []
-    return [s["name"] for s in state["shards"]]
 
 
 def test_a_task_on_a_node_without_src_or_out_refuses_to_run(tmp_path: Path) -> None:

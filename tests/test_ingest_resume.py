@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from fixtures import (
     AWKWARD_OPTIONS,
-    REPO,
     Tree,
     assert_same_store,
+    kill_9_after_a_shard,
     make_big_tree,
     read_shards,
     run_ingest,
+    sealed_shards,
 )
 
 from ingest import cli, ray_tasks
@@ -35,23 +31,7 @@ def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:
     src = make_big_tree(tmp_path / "src")
     out, clean = tmp_path / "out", tmp_path / "clean"
     args = ["build", src, out, "--shard-size", "200KiB", "--workers", "2"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ingest", *map(str, args)], cwd=REPO, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not _sealed(out):
-            assert proc.poll() is None, "the build ended before it could be killed"
-            assert time.monotonic() < deadline, "no shard was sealed within 60 s"
-            time.sleep(0.001)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the pool workers too
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    assert not (out / fmt.MANIFEST).exists()
-    sealed = _sealed(out)
+    sealed = kill_9_after_a_shard(args, out, within=60)
     assert 0 < len(sealed) < 20  # of 23: killed early
     inodes = {name: (out / name / "data.mdb").stat().st_ino for name in sealed}
 
@@ -92,19 +72,11 @@ def test_a_killed_worker_is_one_line_and_the_rerun_gives_the_clean_build(
         err,
     ), err
     assert not (out / fmt.MANIFEST).exists()
-    assert "shard-00002" not in _sealed(out)
+    assert "shard-00002" not in sealed_shards(out)
     monkeypatch.undo()
     assert cli.main(args) == 0
     assert cli.main([*args[:2], str(clean), *args[3:]]) == 0
     assert_same_store(out, clean)
-
-
-def _sealed(out: Path) -> list[str]:
-    """The shards that the build state of ``out`` records as sealed (written atomically)."""
-    try:
-        return [s["name"] for s in json.loads((out / fmt.BUILD_STATE).read_text())["shards"]]
-    except FileNotFoundError:
-        return []
 
 
 def test_same_store_whatever_the_number_of_workers(
