@@ -1,0 +1,222 @@
+"""Where does the GPU path lose against its decoder alone? One store, one process.
+
+1. **Bare**: torchvision's batched nvjpeg on batches of the store's baseline JPEGs held
+   in RAM (as ``gpu_decoders.py``), then the same bytes as slices of one buffer (as the
+   loader's ring slot hands them over), then decode followed by our augmentation kernels
+   (GPU milliseconds per batch of each, from CUDA events).
+2. **Loader**: ``loader.DataLoader(decoder=...)`` alone for several epochs (persistent
+   workers), with per-epoch img/s, ``dl.stats()`` per image, and a sampling profiler: a
+   thread reads every thread's Python stack every millisecond and counts where the
+   prefetch thread, the decode thread and the main thread are (the innermost frame of
+   this repository, and the innermost frame of all). A thread inside a C call that has
+   released the GIL shows at the Python line that made the call.
+
+    python3 benchmarks/gpu_path_probe.py STORE [--epochs 4] [--workers 16] [--out probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
+
+import numpy as np
+import torch
+
+import loader
+from loader.augment import Transform
+from loader.augment_gpu import GpuAugment
+from loader.decode import get_decoder
+from loader.store import Store
+
+
+class StackSampler:
+    """Counts, per thread name, where each sampled thread's Python stack is."""
+
+    def __init__(self, period_s: float = 0.001) -> None:
+        self.period_s = period_s
+        self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.samples: collections.Counter = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="probe-sampler", daemon=True)
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.wait(self.period_s):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                name = names.get(ident, str(ident))
+                self.samples[name] += 1
+                self.counts[name][_site(frame)] += 1
+
+    def report(self, top: int = 8) -> dict:
+        out = {}
+        for name, counter in self.counts.items():
+            total = self.samples[name]
+            out[name] = [(site, round(n / total, 3)) for site, n in counter.most_common(top)]
+        return out
+
+
+def _site(frame) -> str:
+    """'innermost frame of ours <- innermost frame' of a stack."""
+    inner = f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}:{frame.f_lineno}"
+    f = frame
+    while f is not None and not _ours(f.f_code.co_filename):
+        f = f.f_back
+    if f is None or f is frame:
+        return inner
+    return f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}:{f.f_lineno} <- {inner}"
+
+
+def _ours(filename: str) -> bool:
+    return filename.startswith(str(ROOT / "loader")) or filename.startswith(str(ROOT / "ingest"))
+
+
+def bare(store: Store, device: torch.device, decoder: str, count: int) -> dict:
+    """Decoder alone, decoder on slot-like slices, and decoder + augmentation."""
+    from gpu_decoders import batches
+
+    work = batches(store, 256, count)
+    dec = get_decoder(decoder, device=device)
+    spec = Transform("train", 224)
+    augment = GpuAugment(spec.size, spec.mean, spec.std, spec.antialias)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda d=None: None)
+
+    def timed(items, fn) -> float:
+        fn(*items[0])
+        sync(device)
+        t0 = time.perf_counter()
+        for item in items[1:]:
+            fn(*item)
+        sync(device)
+        return round(sum(len(d) for d, _ in items[1:]) / (time.perf_counter() - t0))
+
+    def as_slices(data, _windows):
+        flat = torch.cat(data)
+        ends = np.cumsum([len(d) for d in data])
+        return [flat[e - len(d) : e] for e, d in zip(ends, data, strict=True)]
+
+    sliced = [(as_slices(d, w), w) for d, w in work]
+    gpu_ms = collections.defaultdict(list)
+
+    def decode_augment(data, windows):
+        e0 = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+        if e0 is not None:
+            e0.record()
+        images = dec.decode_batch(data)
+        crops = _crops(store, len(images), windows)
+        out = torch.empty((len(images), 3, 224, 224), dtype=torch.float16, device=device)
+        out = out.contiguous(memory_format=torch.channels_last)
+        if e0 is not None:
+            e1 = torch.cuda.Event(enable_timing=True)
+            e1.record()
+        augment(images, crops, np.arange(len(images)), out)
+        if e0 is not None:
+            e2 = torch.cuda.Event(enable_timing=True)
+            e2.record()
+            e2.synchronize()
+            gpu_ms["decode"].append(e0.elapsed_time(e1))
+            gpu_ms["augment"].append(e1.elapsed_time(e2))
+
+    rates = {"decode": timed(work, lambda d, w: dec.decode_batch(d))}
+    rates["decode_slices"] = timed(sliced, lambda d, w: dec.decode_batch(d))
+    rates["decode_augment"] = timed(work, decode_augment)
+    ms = {k: round(float(np.median(v)), 2) for k, v in gpu_ms.items()}
+    return {"img_per_s": rates, "median_ms_per_batch": ms}
+
+
+def _crops(store: Store, n: int, windows: np.ndarray) -> np.ndarray:
+    """Full crop rows for ``windows`` (y, x, h, w): resized straight to 224 x 224."""
+    crops = np.zeros((n, 9), dtype=np.int32)
+    crops[:, :4] = windows[:n]
+    crops[:, 4:6] = 224
+    return crops
+
+
+def loader_epochs(store_path: str, a) -> dict:
+    dl = loader.DataLoader(
+        store_path,
+        batch_size=256,
+        shuffle=True,
+        num_workers=a.workers,
+        persistent_workers=True,
+        transform="train",
+        dtype="float16",
+        channels_last=True,
+        device=a.device,
+        decoder=a.decoder,
+        drop_last=True,
+        prefetch_factor=a.prefetch,
+    )
+    epochs, sampler = [], StackSampler()
+    try:
+        for epoch in range(a.epochs):
+            before = dl.stats()
+            t0, n = time.perf_counter(), 0
+            if epoch == 1:
+                sampler.__enter__()
+            for images, _ in dl:
+                n += len(images)
+            if images.is_cuda:
+                torch.cuda.synchronize(images.device)
+            seconds = time.perf_counter() - t0
+            after = dl.stats()
+            per = {
+                k.removesuffix("_s"): round((after[k] - before.get(k, 0.0)) / n * 1e6, 1)
+                for k in after
+                if k.endswith("_s") and isinstance(after[k], float)
+            }
+            epochs.append({"img_per_s": round(n / seconds), "us_per_image": per})
+            print(f"epoch {epoch}: {n / seconds:,.0f} img/s  {per}", flush=True)
+    finally:
+        sampler.__exit__()
+        dl.close()
+    return {"epochs": epochs, "stacks": sampler.report()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("store")
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--batches", type=int, default=30, help="batches of the bare part")
+    ap.add_argument("--decoder", default="nvjpeg")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="gpu-path-probe.json")
+    a = ap.parse_args()
+    if a.decoder == "tvcpu":  # a dry run without CUDA (the tests' stand-in decoder)
+        import loader.decode as registry
+        from gpu_path_data import STAND_INS
+
+        registry._BACKENDS.update(STAND_INS)
+    result = {"settings": vars(a)}
+    result["bare"] = bare(Store(a.store), torch.device(a.device), a.decoder, a.batches)
+    print("bare:", result["bare"], flush=True)
+    result["loader"] = loader_epochs(a.store, a)
+    for name, sites in result["loader"]["stacks"].items():
+        print(f"-- {name}")
+        for site, share in sites:
+            print(f"  {share:6.1%}  {site}")
+    Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
