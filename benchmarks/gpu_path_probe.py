@@ -203,8 +203,9 @@ def main() -> None:
     ap.add_argument("--out", default="gpu-path-probe.json")
     a = ap.parse_args()
     if a.decoder == "tvcpu":  # a dry run without CUDA (the tests' stand-in decoder)
-        import loader.decode as registry
         from gpu_path_data import STAND_INS
+
+        import loader.decode as registry
 
         registry._BACKENDS.update(STAND_INS)
     result = {"settings": vars(a)}
