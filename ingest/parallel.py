@@ -148,26 +148,35 @@ def ordered(pool: InlinePool, fn: Callable, arglist: list[tuple]) -> Iterator:
         yield results.pop(k)
 
 
+@contextlib.contextmanager
+def inherited_objects_frozen() -> Iterator[None]:
+    """Fork workers inside this block: they never finalise what they inherit.
+
+    A garbage collection in a forked worker would run the parent's destructors on its
+    copies (a CUDA tensor or event, a DALI pipeline: the worker aborts). Objects frozen
+    before the fork are left alone by the collector, in the worker for good (a forked
+    worker never leaves the block: it ends with ``os._exit``); the parent unfreezes its
+    own at the end of the block.
+    """
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _start() -> tuple[int, Connection]:
     parent_end, child_end = Pipe()
     parent = os.getpid()
-    # The worker must never finalise what it inherits: a garbage collection there would
-    # run the parent's destructors (a CUDA tensor, a DALI pipeline: the worker aborts).
-    # Frozen objects are left alone by the collector, in the worker for good.
-    gc.freeze()
-    try:
+    with inherited_objects_frozen():
         pid = os.fork()
-    except BaseException:
-        gc.unfreeze()
-        raise
-    if pid == 0:  # the worker: never returns
-        status = 1
-        try:
-            parent_end.close()
-            status = _serve(child_end, parent)
-        finally:
-            os._exit(status)
-    gc.unfreeze()
+        if pid == 0:  # the worker: never returns
+            status = 1
+            try:
+                parent_end.close()
+                status = _serve(child_end, parent)
+            finally:
+                os._exit(status)
     child_end.close()
     return pid, parent_end
 

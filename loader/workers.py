@@ -21,6 +21,7 @@ from multiprocessing.connection import wait
 import numpy as np
 import torch
 
+from ingest.parallel import inherited_objects_frozen
 from loader.decode import mark_worker_process
 
 _PARENT_CHECK_S = 2.0  # how often an idle worker checks that the main process still exists
@@ -121,21 +122,25 @@ class WorkerPool:
         self._conns = []
         self.outstanding = [0] * num_workers
         try:
-            for wid in range(num_workers):
-                here, there = context.Pipe(duplex=True)
-                proc = context.Process(
-                    target=_worker_loop,
-                    name=f"imfeed-worker-{wid}",
-                    daemon=True,
-                    args=(wid, producer, ring.tensors, there, worker_init_fn, os.getpid()),
-                )
-                proc.start()
-                there.close()
-                self._procs.append(proc)
-                self._conns.append(here)
+            with inherited_objects_frozen():  # a forked worker must not free CUDA objects
+                self._start(producer, ring, num_workers, context, worker_init_fn)
         except BaseException:
             self.close(graceful=False)
             raise
+
+    def _start(self, producer, ring: Ring, num_workers: int, context, worker_init_fn) -> None:
+        for wid in range(num_workers):
+            here, there = context.Pipe(duplex=True)
+            proc = context.Process(
+                target=_worker_loop,
+                name=f"imfeed-worker-{wid}",
+                daemon=True,
+                args=(wid, producer, ring.tensors, there, worker_init_fn, os.getpid()),
+            )
+            proc.start()
+            there.close()
+            self._procs.append(proc)
+            self._conns.append(here)
 
     @property
     def pids(self) -> list[int]:

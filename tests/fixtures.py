@@ -340,3 +340,16 @@ def kill_9_after_a_shard(args: list, out: Path, within: float) -> list[str]:
 
 def count_files(root: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(root))
+
+
+class ParentOnly:
+    """Held in a reference cycle, so only the garbage collector frees it; freed in another
+    process it aborts that process, as a CUDA tensor or a DALI pipeline inherited by a
+    forked worker does."""
+
+    def __init__(self) -> None:
+        self.pid, self.me = os.getpid(), self
+
+    def __del__(self) -> None:
+        if os.getpid() != self.pid:
+            os.abort()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.utils.data
 import torchvision.transforms as T
+from fixtures import ParentOnly
 from loader_data import NUM_SAMPLES, corrupt, make_store
 
 import loader
@@ -362,6 +364,20 @@ def test_worker_exception_is_raised_in_the_loop(store):
 
     with pytest.raises(RuntimeError, match=r"worker \d failed while starting:(.|\n)*no GPU"):
         next(iter(make(store, num_workers=2, worker_init_fn=broken_init)))
+
+
+def test_a_worker_never_frees_what_it_inherits(store):
+    """As a CUDA tensor held by the training process would abort a forked worker that
+    garbage-collects it (seen on the H200): every sample still arrives."""
+    gc.collect()
+    gc.disable()  # keep the cycle uncollected until the workers are forked
+    try:
+        ParentOnly()
+        dl = make(store, num_workers=2, worker_init_fn=lambda _: gc.collect())
+        seen = sorted(i for _, _, indices in dl for i in indices.tolist())
+    finally:
+        gc.enable()
+    assert seen == list(range(NUM_SAMPLES))
 
 
 def test_timeout(store):

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from fixtures import REPO
+from fixtures import REPO, ParentOnly
 
 from ingest.parallel import ForkPool, InlinePool, WorkerDied, WorkerError, ordered
 
@@ -152,19 +152,6 @@ def test_workers_die_with_the_parent_even_of_kill_9(tmp_path):
     assert not any(_alive(pid) for pid in workers)
 
 
-class _ParentOnly:
-    """Held in a reference cycle, so only the garbage collector frees it; freed in another
-    process it aborts that process, as a CUDA tensor or a DALI pipeline inherited by a
-    forked worker does."""
-
-    def __init__(self) -> None:
-        self.pid, self.me = os.getpid(), self
-
-    def __del__(self) -> None:
-        if os.getpid() != self.pid:
-            os.abort()
-
-
 def _collect(_: int) -> int:
     return gc.collect() >= 0
 
@@ -173,7 +160,7 @@ def test_a_worker_never_finalises_what_it_inherits(no_workers_left):
     gc.collect()
     gc.disable()  # keep the cycle uncollected until the workers are forked
     try:
-        _ParentOnly()
+        ParentOnly()
         with ForkPool(2) as pool:
             got = _run_all(pool, _collect, list(range(4)))
     finally:
