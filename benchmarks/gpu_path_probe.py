@@ -5,11 +5,12 @@
    loader's ring slot hands them over), then decode followed by our augmentation kernels
    (GPU milliseconds per batch of each, from CUDA events).
 2. **Loader**: ``loader.DataLoader(decoder=...)`` alone for several epochs (persistent
-   workers), with per-epoch img/s, ``dl.stats()`` per image, and a sampling profiler: a
-   thread reads every thread's Python stack every millisecond and counts where the
-   prefetch thread, the decode thread and the main thread are (the innermost frame of
-   this repository, and the innermost frame of all). A thread inside a C call that has
-   released the GIL shows at the Python line that made the call.
+   workers), for each ``--cpu-share``, with per-epoch img/s, the GPU's share of the
+   decoding, ``dl.stats()`` per image and a sampling profiler: a thread reads every
+   thread's Python stack every millisecond and counts where the prefetch thread, the
+   decode thread and the main thread are (the innermost frame of this repository, and the
+   innermost frame of all). A thread inside a C call that has released the GIL shows at
+   the Python line that made the call.
 
     python3 benchmarks/gpu_path_probe.py STORE [--epochs 4] [--workers 16] [--out probe.json]
 """
@@ -136,6 +137,7 @@ def bare(store: Store, device: torch.device, decoder: str, count: int) -> dict:
             gpu_ms["augment"].append(e1.elapsed_time(e2))
 
     rates = {"decode": timed(work, lambda d, w: dec.decode_batch(d))}
+    rates["decode_again"] = [timed(work, lambda d, w: dec.decode_batch(d)) for _ in range(3)]
     rates["decode_slices"] = timed(sliced, lambda d, w: dec.decode_batch(d))
     rates["decode_augment"] = timed(work, decode_augment)
     ms = {k: round(float(np.median(v)), 2) for k, v in gpu_ms.items()}
@@ -150,7 +152,7 @@ def _crops(store: Store, n: int, windows: np.ndarray) -> np.ndarray:
     return crops
 
 
-def loader_epochs(store_path: str, a) -> dict:
+def loader_epochs(store_path: str, a, cpu_share) -> dict:
     dl = loader.DataLoader(
         store_path,
         batch_size=256,
@@ -164,6 +166,7 @@ def loader_epochs(store_path: str, a) -> dict:
         decoder=a.decoder,
         drop_last=True,
         prefetch_factor=a.prefetch,
+        cpu_share=cpu_share,
     )
     epochs, sampler = [], StackSampler()
     try:
@@ -183,8 +186,12 @@ def loader_epochs(store_path: str, a) -> dict:
                 for k in after
                 if k.endswith("_s") and isinstance(after[k], float)
             }
-            epochs.append({"img_per_s": round(n / seconds), "us_per_image": per})
-            print(f"epoch {epoch}: {n / seconds:,.0f} img/s  {per}", flush=True)
+            gpu, cpu = (after.get(k, 0) - before.get(k, 0) for k in ("gpu_decoded", "cpu_decoded"))
+            share = round(gpu / max(gpu + cpu, 1), 3)
+            epochs.append(
+                {"img_per_s": round(n / seconds), "gpu_share": share, "us_per_image": per}
+            )
+            print(f"epoch {epoch}: {n / seconds:,.0f} img/s gpu_share {share} {per}", flush=True)
     finally:
         sampler.__exit__()
         dl.close()
@@ -199,6 +206,7 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--batches", type=int, default=30, help="batches of the bare part")
     ap.add_argument("--decoder", default="nvjpeg")
+    ap.add_argument("--cpu-share", default="0", help="comma-separated values, one run each")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="gpu-path-probe.json")
     a = ap.parse_args()
@@ -211,11 +219,14 @@ def main() -> None:
     result = {"settings": vars(a)}
     result["bare"] = bare(Store(a.store), torch.device(a.device), a.decoder, a.batches)
     print("bare:", result["bare"], flush=True)
-    result["loader"] = loader_epochs(a.store, a)
-    for name, sites in result["loader"]["stacks"].items():
-        print(f"-- {name}")
-        for site, share in sites:
-            print(f"  {share:6.1%}  {site}")
+    for share in a.cpu_share.split(","):
+        print(f"== loader, cpu_share={share}", flush=True)
+        run = loader_epochs(a.store, a, share if share == "auto" else float(share))
+        result[f"loader cpu_share={share}"] = run
+        for name, sites in run["stacks"].items():
+            print(f"-- {name}")
+            for site, count in sites[:4]:
+                print(f"  {count:6.1%}  {site}")
     Path(a.out).write_text(json.dumps(result, indent=1))
 
 
