@@ -173,7 +173,7 @@ def loader_epochs(store_path: str, a, cpu_share) -> dict:
         for epoch in range(a.epochs):
             before = dl.stats()
             t0, n = time.perf_counter(), 0
-            if epoch == 1:
+            if epoch == min(1, a.epochs - 1):  # the first epoch warms up
                 sampler.__enter__()
             for images, _ in dl:
                 n += len(images)
