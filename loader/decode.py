@@ -50,6 +50,9 @@ class Decoder(Protocol):
         in_workers: True when it runs in the worker processes (the CPU decoder); a GPU
             decoder runs in the main process and lets the workers gather encoded bytes.
         devices: the device types (``torch.device.type``) it can deliver to.
+        concurrent_calls: (batched GPU decoders, optional, default 1) how many threads may
+            call ``decode_batch`` at once. A second call waiting inside the library (GIL
+            released) starts the moment the first ends, instead of waiting for the GIL.
     """
 
     name: str

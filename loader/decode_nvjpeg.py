@@ -4,7 +4,7 @@
 the GPU's hardware JPEG engines in one call (nvjpeg's batched hardware backend, on A100,
 H100, H200...) and needs nothing beyond torch and torchvision, so it is the GPU backend
 every CUDA machine has. The call blocks its thread until the batch is decoded (it
-synchronises its own stream), which is why the loader calls it from its prefetch thread;
+synchronises its own stream), which is why the loader calls it from threads of its own;
 it releases the GIL meanwhile.
 """
 
@@ -29,6 +29,9 @@ class NvjpegDecoder:
     name = "nvjpeg"
     in_workers = False
     devices = ("cuda",)
+    # torchvision serialises its decode calls with a mutex of its own: a second caller
+    # waits there with the GIL released, so batches decode back to back.
+    concurrent_calls = 2
 
     def __init__(
         self, device: torch.device | str | None = None, antialias: bool = True, batch_size=None

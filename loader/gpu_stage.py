@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import threading
 import time
 from concurrent.futures import Future
 from typing import NamedTuple
@@ -96,6 +97,9 @@ class GpuStage:
         # memory our kernels may still read (the decoders write on internal streams).
         self.decode_stream = torch.cuda.Stream(device, priority=-1) if cuda else None
         self._in_flight: collections.deque = collections.deque()  # (images, done event)
+        self._in_flight_lock = threading.Lock()  # decode threads release, finish appends
+        # Threads that may decode at once (see ``loader.decode.Decoder``).
+        self.concurrent_calls = int(getattr(self.decoder, "concurrent_calls", 1))
 
     def process(self, slot: dict[str, torch.Tensor], report, waited: float = 0.0) -> tuple:
         """The batch in ``slot`` (``report.n`` samples) as (images, labels, indices, event).
@@ -153,7 +157,8 @@ class GpuStage:
             else:
                 (labels,) = upload(self.device, self._labels[indices])
             done = _event(self.device)
-        self._in_flight.append((images, done))
+        with self._in_flight_lock:
+            self._in_flight.append((images, done))
         self.stats.add_gpu_time("augment", begin, done)
         self._account(report, len(images), len(cpu_rows), decode_s)
         self._steer(waited, time.perf_counter() - t0 + started.busy)
@@ -166,8 +171,11 @@ class GpuStage:
         t0 = time.perf_counter()
         # Images of two batches ago are let go, once their kernels are surely done: only
         # then may the decoders' allocations take their memory.
-        while len(self._in_flight) > 1:
-            self._in_flight.popleft()[1].synchronize()
+        with self._in_flight_lock:
+            done = [self._in_flight.popleft() for _ in range(len(self._in_flight) - 1)]
+        for _, event in done:
+            event.synchronize()
+        del done
         crops = views["crops"][gpu_rows]
         with self._on_side_stream(self.decode_stream):
             if self.windows:

@@ -68,10 +68,13 @@ class GpuEpochIterator(EpochIterator):
         self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch_factor)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # The GPU decoder blocks its caller for the whole batch: a thread of its own decodes
-        # one batch while the prefetch thread collects the next and finishes the previous
-        # (given a ring slot to hold the batch being decoded).
-        self._decoder = _DecodeThread() if self._ring.slots > 1 else None
+        # The GPU decoder blocks its caller for the whole batch: threads of their own decode
+        # while the prefetch thread collects the next batch and finishes the previous (given
+        # a ring slot to hold the batch being decoded). With two, the next batch's call waits
+        # inside the decoder and starts as soon as the current one ends, where one thread
+        # would first wait for the GIL (up to a switch interval, 5 ms, behind a busy thread).
+        threads = self._stage.concurrent_calls
+        self._decoder = _DecodeThreads(threads) if self._ring.slots > 1 else None
         self._held: tuple | None = None  # (slot, Started, waited): decoding
 
     def __next__(self):
@@ -195,24 +198,28 @@ def _named(e: RuntimeError, device) -> RuntimeError:
     return GpuStageError(f"the GPU stage (decode + augmentation on {device}) failed: {e}")
 
 
-class _DecodeThread:
-    """One daemon thread running submitted calls in order; ``submit`` returns a Future."""
+class _DecodeThreads:
+    """``count`` daemon threads running submitted calls (started in order); ``submit``
+    returns a Future."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int = 1) -> None:
+        self._count = max(1, count)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def submit(self, fn) -> Future:
         future: Future = Future()
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=_serve,
-                args=(self._calls, self._stopping),
-                name="imfeed-gpu-decode",
-                daemon=True,
-            )
-            self._thread.start()
+        if not self._threads:
+            for k in range(self._count):
+                thread = threading.Thread(
+                    target=_serve,
+                    args=(self._calls, self._stopping),
+                    name=f"imfeed-gpu-decode-{k}",
+                    daemon=True,
+                )
+                thread.start()
+                self._threads.append(thread)
         self._calls.put((future, fn))
         return future
 
@@ -221,14 +228,15 @@ class _DecodeThread:
         self._stopping.set()
 
     def stop(self, timeout: float) -> bool:
-        """Let the thread finish the call it is in, cancel the others and end; False if it
-        is still busy after ``timeout``."""
-        if self._thread is None:
-            return True
+        """Let the threads finish the calls they are in, cancel the others and end; False
+        if one is still busy after ``timeout``."""
         self._stopping.set()
-        self._calls.put(None)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        for _ in self._threads:
+            self._calls.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
 
 
 def _serve(calls: queue.SimpleQueue, stopping: threading.Event) -> None:

@@ -8,6 +8,8 @@ images are small, because the interpreter is slow.
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 
 import cv2
@@ -70,6 +72,40 @@ class TorchvisionCpuBatchDecoder:
         return out
 
 
+class SerialisingDecoder:
+    """The test backend (nvjpeg on CUDA, the CPU stand-in otherwise), one call at a time
+    like torchvision's (a mutex), each taking at least ``SLOW_S``; counts how many threads
+    were inside ``decode_batch`` at once."""
+
+    name = "serialising"
+    in_workers = False
+    devices = ("cuda",) if CUDA else ("cpu",)
+    concurrent_calls = 2
+    SLOW_S = 0.05
+    most_inside = 0
+    _inside = 0
+    _count_lock = threading.Lock()
+    _mutex = threading.Lock()
+
+    def __init__(self, device=None, antialias: bool = True, batch_size=None) -> None:
+        from loader.decode import get_decoder
+
+        self._inner = get_decoder(BACKEND, device=device)
+
+    def decode_batch(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        cls = type(self)
+        with cls._count_lock:
+            cls._inside += 1
+            cls.most_inside = max(cls.most_inside, cls._inside)
+        try:
+            with cls._mutex:
+                time.sleep(cls.SLOW_S)
+                return self._inner.decode_batch(encoded)
+        finally:
+            with cls._count_lock:
+                cls._inside -= 1
+
+
 def pil_resized_crop(rgb: np.ndarray, crop, size: tuple[int, int]) -> np.ndarray:
     """Reference: PIL's antialiased bilinear resize of the crop window, cropped, flipped."""
     y, x, h, w, rh, rw, oy, ox, flip = (int(v) for v in crop[:9])
@@ -83,15 +119,16 @@ STAND_INS = {  # registry name -> this module's class, for the runs without CUDA
     "tvcpu": "gpu_path_data:TorchvisionCpuBatchDecoder",
     "dalicpu": "gpu_path_data:DaliCpuDecoder",
 }
+TEST_DECODERS = {"serialising": "gpu_path_data:SerialisingDecoder"}  # CUDA or not
 
 
 def use_stand_ins(monkeypatch) -> None:
-    """Without CUDA, register the CPU stand-ins of the GPU decoders for one test."""
-    if not CUDA:
-        import loader.decode as registry
+    """Register the test decoders, and without CUDA the CPU stand-ins of the GPU
+    decoders, for one test."""
+    import loader.decode as registry
 
-        for name, target in STAND_INS.items():
-            monkeypatch.setitem(registry._BACKENDS, name, target)
+    for name, target in {**TEST_DECODERS, **({} if CUDA else STAND_INS)}.items():
+        monkeypatch.setitem(registry._BACKENDS, name, target)
 
 
 def dali_backend() -> str:

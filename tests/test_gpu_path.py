@@ -39,6 +39,7 @@ from gpu_path_data import (
     NUM_SAMPLES,
     SHORT_SIDE,
     SIZE,
+    SerialisingDecoder,
     make_small_store,
     pil_resized_crop,
     use_stand_ins,
@@ -341,6 +342,19 @@ def test_an_abandoned_iterator_stops_its_thread(store):
         time.sleep(0.05)
     assert not gpu_threads()  # the prefetch thread and the decode thread
     assert len(epoch(dl)) == 3  # and the loader still reads whole epochs
+
+
+def test_the_next_batch_waits_inside_the_decoder_not_for_the_gil(store):
+    """With a decoder that takes two callers (torchvision's serialises them), the next
+    batch's call is already waiting inside it when the current one ends; the batches are
+    those of one decode thread."""
+    SerialisingDecoder.most_inside = 0
+    two = epoch(make(store, decoder="serialising", cpu_share=0.0))
+    assert SerialisingDecoder.most_inside == 2
+    one = epoch(make(store, cpu_share=0.0))
+    for k in (1, 2):  # labels, indices
+        assert torch.equal(flat(two, k), flat(one, k))
+    assert mean_diff(flat(two, 0), flat(one, 0)) == 0
 
 
 def test_argument_errors_and_auto(store):
