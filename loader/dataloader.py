@@ -24,7 +24,7 @@ from loader.encoded import EncodedBatches
 from loader.epoch import EpochIterator
 from loader.gpu_stage import GpuStage
 from loader.output import BatchOutput, resolve_device, resolve_dtype
-from loader.prefetch import GpuEpochIterator, ring_slots
+from loader.prefetch import GpuEpochIterator, batches_on_gpu, ring_slots
 from loader.sampler import EpochPlan, RankSampler
 from loader.stats import LoaderStats
 from loader.workers import Ring, WorkerPool
@@ -190,7 +190,8 @@ class DataLoader:
                 self._producer, self.transform, self._output.dtype, bool(channels_last),
                 self.device, self.decoder, cpu_share, self.num_workers, self._stats,
             )  # fmt: skip
-            slots = ring_slots(self.batch_size, self.num_workers, self.prefetch_factor)
+            on_gpu = batches_on_gpu(self._gpu_stage.concurrent_calls)
+            slots = ring_slots(self.batch_size, self.num_workers, self.prefetch_factor, on_gpu)
         self._ring = Ring(self._producer.buffers(), slots, shared=self.num_workers > 0)
         self._workers = _Workers()
         self._finalizer = weakref.finalize(self, self._workers.stop, False)

@@ -20,7 +20,7 @@ loop as the exception itself, naming the stage.
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import queue
 import threading
 import time
@@ -43,14 +43,21 @@ def gather_chunk(batch_size: int, num_workers: int) -> int:
     return max(chunk_size(batch_size, num_workers), _MIN_GATHER_CHUNK)
 
 
-def ring_slots(batch_size: int, num_workers: int, prefetch_factor: int) -> int:
-    """Ring slots of the GPU path: one batch decoding, one being finished, and enough
-    batches in the workers' hands for every worker to hold a task."""
+def ring_slots(batch_size: int, num_workers: int, prefetch_factor: int, on_gpu: int = 2) -> int:
+    """Ring slots of the GPU path: ``on_gpu`` batches in the GPU stage's hands (being
+    finished, decoding, queued for the decoder), and enough batches in the workers' hands
+    for every worker to hold a task."""
     if num_workers == 0:
         return 1
     chunks = -(-batch_size // gather_chunk(batch_size, num_workers))  # tasks per batch
-    busy_workers = -(-num_workers // chunks) + 2
-    return max(3, 2 * prefetch_factor, min(busy_workers, _MAX_SLOTS))
+    busy_workers = -(-num_workers // chunks) + on_gpu
+    return max(on_gpu + 1, 2 * prefetch_factor, min(busy_workers, _MAX_SLOTS))
+
+
+def batches_on_gpu(concurrent_calls: int) -> int:
+    """Batches the GPU stage holds at once: the one being finished, and one submitted per
+    decode thread, so that the decoder always has a call waiting."""
+    return 1 + max(1, concurrent_calls)
 
 
 class GpuStageError(RuntimeError):
@@ -75,7 +82,8 @@ class GpuEpochIterator(EpochIterator):
         # would first wait for the GIL (up to a switch interval, 5 ms, behind a busy thread).
         threads = self._stage.concurrent_calls
         self._decoder = _DecodeThreads(threads) if self._ring.slots > 1 else None
-        self._held: tuple | None = None  # (slot, Started, waited): decoding
+        self._depth = 1 if self._decoder is None else batches_on_gpu(threads)
+        self._started: collections.deque = collections.deque()  # (slot, Started, waited)
 
     def __next__(self):
         if self._closed:
@@ -132,15 +140,16 @@ class GpuEpochIterator(EpochIterator):
     def _produce_one(self) -> tuple:
         """Thread side: the next finished batch, or raise StopIteration at the epoch's end."""
         cpu0 = time.thread_time()
-        if self._held is None:
-            self._held = self._start_next()  # StopIteration: the epoch is over
-        held = self._held
-        self._held = None
         try:
-            if self._decoder is not None:  # the next batch decodes while this one finishes
-                with contextlib.suppress(StopIteration):
-                    self._held = self._start_next()
-            slot, started, waited = held
+            # The next batches decode while this one finishes.
+            while len(self._started) < self._depth:
+                try:
+                    self._started.append(self._start_next())
+                except StopIteration:
+                    break
+            if not self._started:
+                raise StopIteration  # the epoch is over
+            slot, started, waited = self._started.popleft()
             try:
                 images, labels, indices, event = self._stage.finish(started, waited)
             finally:

@@ -515,14 +515,16 @@ def test_timeout_covers_the_gpu_stage(store, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "batch, workers, prefetch, slots",
+    "batch, workers, prefetch, on_gpu, slots",
     [
-        (256, 16, 2, 6),  # 4 tasks a batch: 4 batches keep 16 workers busy, +2 on the GPU
-        (256, 32, 2, 10),
-        (256, 2, 2, 4),  # 2 tasks a batch: prefetch depth decides
-        (64, 64, 2, 16),  # a task a batch: capped
-        (256, 0, 2, 1),  # no workers: the prefetch thread gathers in place
+        (256, 16, 2, 2, 6),  # 4 tasks a batch: 4 batches keep 16 workers busy, +2 on the GPU
+        (256, 16, 2, 3, 7),  # two decode threads: one more batch on the GPU
+        (256, 32, 2, 2, 10),
+        (256, 2, 2, 2, 4),  # 2 tasks a batch: prefetch depth decides
+        (256, 2, 1, 3, 4),  # or the batches on the GPU, plus one for the workers
+        (64, 64, 2, 2, 16),  # a task a batch: capped
+        (256, 0, 2, 2, 1),  # no workers: the prefetch thread gathers in place
     ],
 )
-def test_the_ring_keeps_every_worker_busy(batch, workers, prefetch, slots):
-    assert ring_slots(batch, workers, prefetch) == slots
+def test_the_ring_keeps_every_worker_busy(batch, workers, prefetch, on_gpu, slots):
+    assert ring_slots(batch, workers, prefetch, on_gpu) == slots
