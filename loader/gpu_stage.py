@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from loader.augment import Transform
-from loader.augment_gpu import GpuAugment, upload
+from loader.augment_gpu import GpuAugment, Rows, upload
 from loader.decode import get_decoder
 from loader.decode_nvjpeg import check_decoded
 from loader.encoded import EncodedBatches
@@ -151,7 +151,7 @@ class GpuStage:
             indices = views["indices"][:n].copy()
             if len(cpu_rows):
                 pixels, rows, labels = upload(
-                    self.device, views["pixels"][cpu_rows], cpu_rows, self._labels[indices]
+                    self.device, Rows(views["pixels"], cpu_rows), cpu_rows, self._labels[indices]
                 )
                 self.augment.pixels(pixels, rows, out)
             else:

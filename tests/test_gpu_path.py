@@ -399,15 +399,19 @@ def test_delivered_batches_are_never_overwritten(store):
 @gpu_only
 def test_gpu_memory_is_flat_across_epochs(store):
     dl = make(store, dtype=torch.float16, batch_size=8, num_workers=2)
+    index = Store(store).index
+    batch_bytes = 8 * 3 * int(index["height"].max()) * int(index["width"].max())
     reserved = []
-    for _ in range(6):
+    for _ in range(10):
         for _batch in dl:
             pass
         torch.cuda.synchronize()
         reserved.append(torch.cuda.memory_reserved())
-    # The caching allocator settles within the first epochs, then nothing grows.
-    assert reserved[-1] == reserved[-2] == reserved[-3], reserved
-    assert reserved[-1] <= reserved[0] + (8 << 20), reserved
+    # The caching allocator settles within the first epochs (how the decode threads and
+    # the side stream interleave decides in which); a batch's decoded images kept per
+    # epoch would add that much each epoch.
+    assert reserved[-1] - reserved[4] < batch_bytes, reserved
+    assert reserved[-1] <= reserved[0] + 2 * batch_bytes, reserved
 
 
 # -- the prefetch thread's life: errors, persistent workers, close ---------------------------
