@@ -364,3 +364,14 @@ def test_max_size_caps_the_store_and_the_folder_the_peers_read(tmp_path):
     assert again == data and any(s.startswith("reusing the images of") for s in said)
     with pytest.raises(ValueError, match=r"--max-size 96 builds a store from images: give"):
         bench_data.prepare(data.store, 0, tmp_path / "work", None, said.append, 96)
+
+
+def test_training_warmup_drains_what_a_pipeline_holds_ready():
+    """A torch DataLoader idle before a training check holds 2 batches per worker ready:
+    timed steps served from those would flatter it (on the H200, ResNet-50 "fed" by PIL at
+    95% of its ceiling, where that pipeline reads only 72% of what ResNet-50 consumes)."""
+    from loader.bench.run import train_warmup
+
+    for workers in (0, 4, 16):
+        assert train_warmup(30, workers) >= 2 * workers + 2
+    assert train_warmup(30, 0) == 6 and train_warmup(100, 0) == 20

@@ -25,8 +25,15 @@ def settings(args, data: Data, device: str) -> Settings:
         eval=args.eval,
         device=device,
         train_steps=args.train_steps,
-        train_warmup=max(2, args.train_steps // 5),
+        train_warmup=train_warmup(args.train_steps, args.workers),
     )
+
+
+def train_warmup(train_steps: int, workers: int) -> int:
+    """Untimed steps before a training check: at least what a pipeline may hold ready
+    while it waits for the check to start (torch's DataLoader: 2 batches per worker),
+    so that no pipeline is timed on batches it made beforehand."""
+    return max(2, train_steps // 5, 2 * workers + 2)
 
 
 def choose(args, s: Settings) -> tuple[list, dict]:
