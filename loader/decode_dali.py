@@ -8,10 +8,12 @@ the samples are the same on every backend; the rest of the augmentation (resize,
 normalise) is the loader's own kernels, as for the other GPU decoders.
 
 DALI is an optional extra (``pip install 'imfeed[dali]'``), imported when this decoder is
-made. The pipeline is fed by the loader (``external_source``), runs synchronously in the
-calling thread (the loader's prefetch thread) and its output is copied, on the caller's
-stream, into one tensor of the caller's allocator, so DALI's buffers are free again when
-the copy is done.
+made. A pipeline is fed by the loader (``external_source``), runs synchronously in the
+calling thread (one of the loader's decode threads) and its output is copied, on the
+caller's stream, into one tensor of the caller's allocator, so DALI's buffers are free
+again when the copy is done. Each decode thread gets a pipeline of its own (``PIPELINES``),
+so one batch's CPU stage runs while the other's GPU stage does: one synchronous pipeline
+leaves each side idle while the other works.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import os
+import queue
 import re
 
 import numpy as np
@@ -39,7 +42,8 @@ _LIBRARY_LINES = re.compile(
 # decoder, whose Huffman stage runs on DALI's CPU threads): all of them, and 4 threads,
 # decoded fastest on an H200 (benchmarks/results/gpu-h200-decoders.log).
 HW_DECODER_LOAD = 1.0
-MAX_THREADS = 4  # DALI's CPU threads: they share the cores with the training process
+MAX_THREADS = 4  # DALI's CPU threads per pipeline: they share the cores with training
+PIPELINES = 2  # pipelines, one per concurrent caller
 
 
 class DaliDecoder:
@@ -60,6 +64,7 @@ class DaliDecoder:
     in_workers = False
     devices = ("cuda",)
     crop_windows = True  # decode_batch takes each image's window and decodes only that
+    concurrent_calls = PIPELINES
 
     def __init__(
         self,
@@ -83,8 +88,9 @@ class DaliDecoder:
         self.batch_size = int(batch_size)
         self.threads = threads or max(1, min(MAX_THREADS, (os.cpu_count() or 1) // 2))
         self.hw_decoder_load = float(hw_decoder_load)
-        self._pipe = None
-        self._copied = None  # an event after the last copy out of DALI's buffers
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()  # pipelines no call is using
+        for _ in range(self.concurrent_calls):
+            self._idle.put(_Pipeline())
 
     def _build(self):
         from nvidia.dali import fn, pipeline_def, types
@@ -130,49 +136,56 @@ class DaliDecoder:
         if not encoded:
             return []
         windows = np.asarray(windows, dtype=np.int64)[:, :4]
+        own = self._idle.get()  # a pipeline of this call's own
         try:
-            return self._decode(encoded, windows)
-        except RuntimeError as e:
-            raise_if_not_the_data(e)
-            self._pipe = None  # start afresh after a failed run
-            # One bad stream fails the whole batch: find it by decoding one by one.
-            return [self._one(data, w) for data, w in zip(encoded, windows, strict=True)]
+            try:
+                return self._decode(own, encoded, windows)
+            except RuntimeError as e:
+                raise_if_not_the_data(e)
+                own.pipe = None  # start afresh after a failed run
+                # One bad stream fails the whole batch: find it by decoding one by one.
+                return [self._one(own, data, w) for data, w in zip(encoded, windows, strict=True)]
+        finally:
+            self._idle.put(own)
 
-    def _one(self, data: torch.Tensor, window: np.ndarray) -> torch.Tensor | None:
+    def _one(self, own: _Pipeline, data: torch.Tensor, window: np.ndarray):
         try:
-            return self._decode([data], window[None])[0]
+            return self._decode(own, [data], window[None])[0]
         except RuntimeError as e:
             raise_if_not_the_data(e)
-            self._pipe = None
+            own.pipe = None
             return None
 
-    def _decode(self, encoded: list[torch.Tensor], windows: np.ndarray) -> list:
-        if self._copied is not None:  # DALI may reuse its buffers once they are copied
-            self._copied.synchronize()
-            self._copied = None
-        if self._pipe is None:
+    def _decode(self, own: _Pipeline, encoded: list[torch.Tensor], windows: np.ndarray) -> list:
+        if own.copied is not None:  # DALI may reuse its buffers once they are copied
+            own.copied.synchronize()
+            own.copied = None
+        if own.pipe is None:
             with filtered(_LIBRARY_LINES):  # optional codecs it did not find, among others
-                self._pipe = self._build()
-        pipe = self._pipe
+                own.pipe = self._build()
+        pipe = own.pipe
         pipe.feed_input("jpegs", [t.numpy() for t in encoded])
         pipe.feed_input("anchor", np.ascontiguousarray(windows[:, [1, 0]], dtype=np.float32))
         pipe.feed_input("shape", np.ascontiguousarray(windows[:, [3, 2]], dtype=np.float32))
         with filtered(_LIBRARY_LINES):  # its complaints about a bad stream: a None here
             (out,) = pipe.run()
-        return self._to_torch(out, windows)
+        images, own.copied = self._to_torch(out, windows)
+        return images
 
-    def _to_torch(self, out, windows: np.ndarray) -> list[torch.Tensor | None]:
-        """Copy DALI's ragged output into one tensor; a sample of the wrong shape is None."""
+    def _to_torch(self, out, windows: np.ndarray) -> tuple[list[torch.Tensor | None], object]:
+        """Copy DALI's ragged output into one tensor; a sample of the wrong shape is None.
+        Also returns an event after the copy (None where the copy is done on return)."""
         shapes = [tuple(s) for s in out.shape()]
         sizes = [int(np.prod(s)) for s in shapes]
         buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
         target = ctypes.c_void_p(buffer.data_ptr())
+        copied = None
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
             _wait_for(out, stream, self.device)
             out.copy_to_external(target, stream.cuda_stream, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record(stream)
+            copied = torch.cuda.Event()
+            copied.record(stream)
         else:
             out.copy_to_external(target)
         images, at = [], 0
@@ -181,7 +194,16 @@ class DaliDecoder:
             at += size
             ok = shape == (h, w, 3)
             images.append(view.view(h, w, 3).permute(2, 0, 1) if ok else None)
-        return images
+        return images, copied
+
+
+class _Pipeline:
+    """One DALI pipeline (built on first use, None again after a failed run) and the event
+    after the last copy out of its buffers."""
+
+    def __init__(self) -> None:
+        self.pipe = None
+        self.copied = None
 
 
 def _wait_for(out, stream: torch.cuda.Stream, device: torch.device) -> None:

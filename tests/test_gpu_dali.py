@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -147,6 +148,23 @@ def test_the_decoder_rejects_only_the_bad_stream_and_goes_on(store):
         assert got.shape == (3, 10, 12) and torch.equal(got.cpu(), want.cpu())
     again = decoder.decode_batch(data[:3], windows[:3])  # a fresh pipeline, same results
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(again, clean, strict=True))
+
+
+@needs_dali
+def test_two_callers_decode_at_once_each_on_a_pipeline_of_its_own(store):
+    st = Store(store)
+    jpegs = [k for k in range(NUM_SAMPLES) if st.index["format"][k] == fmt.FORMAT_CODES["jpeg"]][:4]
+    data = [torch.frombuffer(bytearray(st.image(k)[0]), dtype=torch.uint8) for k in jpegs]
+    windows = np.array([[0, 0, 16, 16], [3, 1, 9, 20], [5, 7, 12, 12], [2, 2, 20, 8]])
+    decoder = decode_registry.get_decoder(DALI, device=DEVICE, batch_size=4)
+    assert decoder.concurrent_calls == 2
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: decoder.decode_batch(data, windows), range(6)))
+    built = [decoder._idle.get() for _ in range(2)]
+    assert all(p.pipe is not None for p in built) and built[0].pipe is not built[1].pipe
+    for images in runs[1:]:
+        assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(images, runs[0], strict=True))
+    assert [tuple(im.shape) for im in runs[0]] == [(3, h, w) for _, _, h, w in windows]
 
 
 @needs_dali
