@@ -121,6 +121,7 @@ class WorkerPool:
         self._procs: list[mp.process.BaseProcess] = []
         self._conns = []
         self.outstanding = [0] * num_workers
+        self._done: list[tuple[int, int, object]] = []  # results read, not yet handed out
         try:
             with inherited_objects_frozen():  # a forked worker must not free CUDA objects
                 self._start(producer, ring, num_workers, context, worker_init_fn)
@@ -148,8 +149,14 @@ class WorkerPool:
 
     def submit(self, task: tuple[int, int, tuple]) -> None:
         """Send ``(slot, step, args)`` to the least busy worker: it runs
-        ``producer.fill(slot's buffers, *args)``."""
+        ``producer.fill(slot's buffers, *args)``.
+
+        Results already sent are read first, so that a worker that has finished counts as
+        idle: otherwise ties go to the lowest-numbered workers, whose queues grow while
+        others idle (tasks of uneven length, the GPU path's CPU share above all).
+        """
         self._check_open()
+        self._collect(0)
         wid = int(np.argmin(self.outstanding))
         try:
             self._conns[wid].send(task)
@@ -170,16 +177,20 @@ class WorkerPool:
             RuntimeError: a worker died, or a task failed in a worker (with its traceback).
         """
         self._check_open()
+        self._collect(0 if self._done else timeout)
+        done, self._done = self._done, []
+        return done
+
+    def _collect(self, timeout: float) -> None:
+        """Read the results that arrive within ``timeout`` s into ``_done``."""
         sentinels = {p.sentinel: wid for wid, p in enumerate(self._procs)}
         ready = wait([*self._conns, *sentinels], timeout)
-        done = []
         for wid, conn in enumerate(self._conns):
             if conn in ready:  # before the sentinels: a failing worker reports, then exits
-                done.append(self._message(wid))
+                self._done.append(self._message(wid))
         for obj in ready:
             if obj in sentinels:
                 self._raise_dead(sentinels[obj])
-        return done
 
     def _check_open(self) -> None:
         # Waiting on no pipes would return nothing forever: a hang, not an error.
@@ -232,4 +243,4 @@ class WorkerPool:
                 proc.join()
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._done = [], [], []
