@@ -3,13 +3,14 @@
 # GPU machine, after the wheels are installed in /tmp/site (../shared/GPU.md), with the
 # photographs in .photos. Usage: benchmarks/gpu_run.sh STAGE... (tests, probe, decoders,
 # bench, profile, ingest, ddp); logs and JSON go to $OUT. MAX_SIZE=512 makes "bench" compare
-# every pipeline on images capped at 512 px (imfeed-bench --max-size).
+# every pipeline on images capped at 512 px (imfeed-bench --max-size); SHORT_SIDE=800-1000
+# makes camera-sized images instead of ImageNet-shaped ones (--short-side).
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=/tmp/bw N=${IMAGES:-20000}
 prepare() {
   [ -n "$(ls -d $W/store-* 2>/dev/null)" ] ||
-    python3 -m loader.bench --prepare-only --images "$N" --photos .photos --workdir $W > $OUT/prepare.log 2>&1
+    python3 -m loader.bench --prepare-only --images "$N" --photos .photos --workdir $W ${SHORT_SIDE:+--short-side $SHORT_SIDE} > $OUT/prepare.log 2>&1
   STORE=$(ls -d $W/store-* | head -1); FOLDER=$(ls -d $W/images-* $W/folder-* 2>/dev/null | head -1)
 }
 for stage in "$@"; do
@@ -18,7 +19,7 @@ for stage in "$@"; do
     tests) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_dali.py > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
     probe) prepare; timeout 240 python3 benchmarks/gpu_path_probe.py "$STORE" --epochs ${EPOCHS:-5} --cpu-share ${SHARES:-0,0.15} --out $OUT/probe.json > $OUT/probe.log 2>&1; grep -v "^  " $OUT/probe.log | cut -c1-150 ;;
     decoders) prepare; timeout 200 python3 benchmarks/gpu_decoders.py "$STORE" --out $OUT/gpu-decoders.json 2>&1 | tee $OUT/gpu-decoders.log | tail -20 ;;
-    bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W ${MAX_SIZE:+--max-size $MAX_SIZE} \
+    bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W ${MAX_SIZE:+--max-size $MAX_SIZE} ${SHORT_SIDE:+--short-side $SHORT_SIDE} \
         --batch-size 256 --workers 16 --dtype float16 --channels-last --passes ${PASSES:-3} --train-check \
         --train-steps 30 --only "${ONLY:-torch-pil,loader-nvjpeg,loader-dali,loader-dali-auto,dali-crop,dali-ram}" \
         --name "${NAME:-gpu-h200-dali}" --out $OUT --logs /tmp/blogs > $OUT/bench.log 2>&1; tail -25 $OUT/bench.log ;;

@@ -375,3 +375,22 @@ def test_training_warmup_drains_what_a_pipeline_holds_ready():
     for workers in (0, 4, 16):
         assert train_warmup(30, workers) >= 2 * workers + 2
     assert train_warmup(30, 0) == 6 and train_warmup(100, 0) == 20
+
+
+def test_short_side_makes_larger_images_that_max_size_caps(tmp_path, capsys):
+    said = []
+    data = bench_data.prepare(
+        None, 20, tmp_path, None, said.append, max_size=160, short_side=(200, 240)
+    )
+    assert data.origin == "generated, short side 200-240 px, capped at 160 px"
+    made = sorted(p for p in (tmp_path / "images-10x2-short200-240").rglob("*.JPEG"))
+    assert len(made) == data.images == 20
+    assert all(200 <= min(cv2.imread(str(p)).shape[:2]) <= 240 for p in made)
+    st = Store(data.store)
+    assert int(np.maximum(st.index["height"], st.index["width"]).max()) == 160
+    default = bench_data.prepare(None, 20, tmp_path, None, said.append)
+    assert default.folder == tmp_path / "images-10x2" and default.origin == "generated"
+    with pytest.raises(SystemExit) as bad:
+        main(["--short-side", "800", "--prepare-only", "--workdir", str(tmp_path)])
+    assert bad.value.code == 2
+    assert "'800': give two sizes in px as LO-HI" in capsys.readouterr().err

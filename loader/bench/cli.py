@@ -69,11 +69,31 @@ def parser() -> argparse.ArgumentParser:
         help="build the store with `ingest build "
         "--max-size PX`; the folder peers read the same capped images",
     )
+    a(
+        "--short-side",
+        type=_side_range,
+        default="300-450",
+        metavar="LO-HI",
+        help="short side of the generated images, in px (default 300-450, ImageNet's; "
+        "e.g. 800-1000 for camera-sized photos, to see what --max-size buys)",
+    )
     a("--prepare-only", action="store_true", help="only make the images and the store, then exit")
     a("--logs", type=Path, help="where pipelines' own output goes (default: OUT/logs)")
     a("--replot", type=Path, metavar="JSON", help="only redo the table and chart of a run")
     a("--note", default="", help="free text stored in the JSON (e.g. 'machine not quiet')")
     return p
+
+
+def _side_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in text.split("-"))
+    except ValueError:
+        lo = hi = 0
+    if not 16 <= lo <= hi:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give two sizes in px as LO-HI, 16 <= LO <= HI (e.g. 800-1000)"
+        )
+    return lo, hi
 
 
 def settle(args: argparse.Namespace) -> argparse.Namespace:
@@ -119,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("imfeed-bench: --train-check needs a CUDA device (it trains ResNets)")
     try:
         data = bench_data.prepare(
-            args.data, args.images, args.workdir, args.photos, say, args.max_size
+            args.data, args.images, args.workdir, args.photos, say, args.max_size, args.short_side
         )
     except ValueError as e:
         raise SystemExit(f"imfeed-bench: {e}") from None

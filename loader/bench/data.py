@@ -14,6 +14,7 @@ from pathlib import Path
 from ingest.format import MANIFEST
 
 CLASSES = 10
+SHORT_SIDE = (300, 450)  # ImageNet's shape; larger makes photos as cameras take them
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,10 @@ def prepare(
     photos: Path | None,
     say=print,
     max_size: int | None = None,
+    short_side: tuple[int, int] = SHORT_SIDE,
 ) -> Data:
-    """Resolve ``--data`` (or make ``images`` JPEGs), build the store if needed, warm both.
+    """Resolve ``--data`` (or make ``images`` JPEGs, their short side in ``short_side``),
+    build the store if needed, warm both.
 
     With ``max_size`` the store is built with ``ingest build --max-size``, and its records
     are also written out as an image folder, so that the pipelines reading a folder (PIL,
@@ -51,8 +54,10 @@ def prepare(
             with ``max_size`` (there is nothing to cap it from).
     """
     if data is None:
-        folder = make_folder(workdir, images, photos, say)
+        folder = make_folder(workdir, images, photos, say, short_side)
         store, origin = workdir / f"store-{folder.name.removeprefix('images-')}", "generated"
+        if short_side != SHORT_SIDE:
+            origin += f", short side {short_side[0]}-{short_side[1]} px"
     elif is_store(data):
         folder, store, origin = None, data, "store given"
     elif data.is_dir():
@@ -85,19 +90,27 @@ def prepare(
     return Data(folder, store, count, round(sizes / max(count, 1) / 1024, 1), origin)
 
 
-def make_folder(workdir: Path, images: int, photos: Path | None, say) -> Path:
-    """``images`` ImageNet-shaped JPEGs (short side 300-450 px) in 10 classes, made once,
-    a class per process."""
+def make_folder(
+    workdir: Path,
+    images: int,
+    photos: Path | None,
+    say,
+    short_side: tuple[int, int] = SHORT_SIDE,
+) -> Path:
+    """``images`` JPEGs cut from the photographs (short side in ``short_side``: by default
+    ImageNet's 300-450 px) in 10 classes, made once, a class per process."""
     per_class = -(-images // CLASSES)
-    folder = workdir / f"images-{CLASSES}x{per_class}"
+    size = "" if short_side == SHORT_SIDE else f"-short{short_side[0]}-{short_side[1]}"
+    folder = workdir / f"images-{CLASSES}x{per_class}{size}"
     stamp = folder / f".made-{photos.name if photos else 'bundled'}"
     if stamp.exists():
         say(f"reusing {CLASSES * per_class} images in {folder}")
         return folder
-    say(f"making {CLASSES * per_class} ImageNet-shaped JPEGs in {folder} ...")
-    parts = workdir / f".making-{CLASSES}x{per_class}"
+    lo, hi = short_side
+    say(f"making {CLASSES * per_class} JPEGs (short side {lo}-{hi} px) in {folder} ...")
+    parts = workdir / f".making-{CLASSES}x{per_class}{size}"
     shutil.rmtree(parts, ignore_errors=True)
-    jobs = [(parts / str(c), per_class, c, photos) for c in range(CLASSES)]
+    jobs = [(parts / str(c), per_class, c, photos, short_side) for c in range(CLASSES)]
     workers = min(CLASSES, os.cpu_count() or 1)
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
         list(pool.map(_make_class, jobs))
@@ -112,8 +125,10 @@ def make_folder(workdir: Path, images: int, photos: Path | None, say) -> Path:
 def _make_class(job: tuple) -> None:
     from ingest.synth import make_image_folder
 
-    dst, per_class, seed, photos = job
-    make_image_folder(dst, 1, per_class, seed=seed, photos=photos, quality=(90, 97))
+    dst, per_class, seed, photos, short_side = job
+    make_image_folder(
+        dst, 1, per_class, seed=seed, photos=photos, quality=(90, 97), short_side=short_side
+    )
 
 
 def build_store(folder: Path, store: Path, say, max_size: int | None = None) -> None:
