@@ -8,7 +8,10 @@ reject, a replaced sample) instead of noise on the user's terminal.
 
 Another thread of the same process that writes to stderr during the call is captured
 too: ``captured`` is for worker processes, where nothing else writes to stderr;
-``filtered`` keeps only a library's own lines and writes the rest back.
+``filtered`` keeps only a library's own lines and writes the rest back. Calls that
+overlap in one process (two decode threads) share one redirection: the first in points
+fd 2 at the scratch file, the last out points it back and takes everything written
+meanwhile.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 
 _SCRATCH: dict[int, int] = {}  # pid -> descriptor of that process's scratch file
 _MAX_TEXT = 4096  # keep the first bytes of a flood of warnings
+_LOCK = threading.Lock()
+_INSIDE: dict[int, list[int]] = {}  # pid -> [calls inside, the saved fd 2]
 
 
 def _scratch() -> int:
@@ -43,19 +49,26 @@ def _redirected(limit: int | None) -> Iterator[list[bytes]]:
     out: list[bytes] = []
     with contextlib.suppress(Exception):
         sys.stderr.flush()
-    scratch = _scratch()
-    saved = os.dup(2)
-    os.dup2(scratch, 2)
+    with _LOCK:
+        scratch = _scratch()
+        inside = _INSIDE.setdefault(os.getpid(), [0, -1])
+        if not inside[0]:
+            inside[1] = os.dup(2)
+            os.dup2(scratch, 2)
+        inside[0] += 1
     try:
         yield out
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        size = os.lseek(scratch, 0, os.SEEK_CUR)
-        if size:
-            out.append(os.pread(scratch, size if limit is None else min(size, limit), 0))
-            os.ftruncate(scratch, 0)
-            os.lseek(scratch, 0, os.SEEK_SET)
+        with _LOCK:
+            inside[0] -= 1
+            if not inside[0]:  # the last call out restores fd 2 and takes the text
+                os.dup2(inside[1], 2)
+                os.close(inside[1])
+                size = os.lseek(scratch, 0, os.SEEK_CUR)
+                if size:
+                    out.append(os.pread(scratch, size if limit is None else min(size, limit), 0))
+                    os.ftruncate(scratch, 0)
+                    os.lseek(scratch, 0, os.SEEK_SET)
 
 
 @contextlib.contextmanager

@@ -156,13 +156,17 @@ def inherited_objects_frozen() -> Iterator[None]:
     copies (a CUDA tensor or event, a DALI pipeline: the worker aborts). Objects frozen
     before the fork are left alone by the collector, in the worker for good (a forked
     worker never leaves the block: it ends with ``os._exit``); the parent unfreezes its
-    own at the end of the block.
+    own at the end of the block, unless the caller had frozen objects before (a training
+    script may, against copy-on-write in its own workers): those stay frozen, with the
+    objects made since.
     """
+    had_frozen = gc.get_freeze_count() > 0
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not had_frozen:
+            gc.unfreeze()
 
 
 def _start() -> tuple[int, Connection]:

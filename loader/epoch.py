@@ -158,6 +158,9 @@ class EpochIterator:
 
     def _close(self, finished: bool, failed: bool = False) -> None:
         self._closed = True
+        # A failure found while refilling (a worker's error, read when a task was placed)
+        # means a chunk that will never come: no draining waits for it.
+        failed = failed or self._failure is not None
         self._loader._iteration_ended(self, finished, drained=not self._pending, failed=failed)
 
     def drain(self, timeout: float) -> bool:

@@ -219,6 +219,9 @@ class _DecodeThreads:
 
     def submit(self, fn) -> Future:
         future: Future = Future()
+        if self._stopping.is_set():  # cancelled or stopped: nothing would ever run it
+            future.cancel()
+            return future
         if not self._threads:
             for k in range(self._count):
                 thread = threading.Thread(

@@ -50,3 +50,31 @@ def test_filtered_keeps_the_library_lines_and_writes_the_rest_back():
     assert got.stdout == "2 True\n"
     assert got.stderr == "epoch 3: 50%\n"
     assert re.search("Invalid marker", got.stdout + got.stderr) is None
+
+
+def test_overlapping_calls_restore_stderr_and_drop_only_the_library_lines():
+    """Two decode threads: A enters, B enters, A leaves, B leaves (the order that left fd 2
+    pointing at the scratch file for good)."""
+    got = run("""
+        import os, re, threading
+        from ingest.cstderr import filtered
+        noise = re.compile(r"^NOISE")
+        before = os.fstat(2).st_ino
+        a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+        def a():
+            with filtered(noise):
+                a_in.set(); b_in.wait(10)
+                os.write(2, b"NOISE from a\\n")
+            a_out.set()
+        def b():
+            a_in.wait(10)
+            with filtered(noise):
+                b_in.set(); a_out.wait(10)
+                os.write(2, b"NOISE from b\\nkept from b\\n")
+        threads = [threading.Thread(target=a), threading.Thread(target=b)]
+        [t.start() for t in threads]; [t.join() for t in threads]
+        print(os.fstat(2).st_ino == before)
+        os.write(2, b"after\\n")
+        """)
+    assert got.stdout == "True\n"
+    assert got.stderr == "kept from b\nafter\n"

@@ -380,6 +380,29 @@ def test_a_worker_never_frees_what_it_inherits(store):
     assert seen == list(range(NUM_SAMPLES))
 
 
+def test_closing_after_a_failure_found_while_refilling_does_not_wait(store, monkeypatch):
+    fill = PixelBatches.fill
+
+    def failing(self, slot, lo, indices, *args):
+        if 8 in indices.tolist():
+            time.sleep(0.3)  # batch 1: slow, so batch 2's error arrives after it
+        if 16 in indices.tolist():
+            raise OSError("disk gone")  # batch 2
+        return fill(self, slot, lo, indices, *args)
+
+    monkeypatch.setattr(PixelBatches, "fill", failing)
+    dl = make(store, num_workers=1, prefetch_factor=4, persistent_workers=True)
+    it = iter(dl)
+    next(it)
+    time.sleep(1.0)  # the worker has sent batch 1, then batch 2's error
+    next(it)  # batch 1; the refill after it reads the error
+    start = time.monotonic()
+    it.close()
+    assert time.monotonic() - start < 5  # was 30 s: a drain waiting for batch 2
+    monkeypatch.setattr(PixelBatches, "fill", fill)
+    assert sorted(i for *_, ix in dl for i in ix.tolist()) == list(range(NUM_SAMPLES))
+
+
 def test_timeout(store):
     def slow_init(worker_id):
         time.sleep(30)

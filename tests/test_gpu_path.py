@@ -56,7 +56,7 @@ from ingest import format as fmt
 from ingest.synth import random_view, sample_photos
 from loader.augment import Transform, plan_crops
 from loader.augment_gpu import GpuAugment
-from loader.prefetch import ring_slots
+from loader.prefetch import _DecodeThreads, ring_slots
 from loader.sampler import batch_seed
 from loader.store import Store
 
@@ -355,6 +355,16 @@ def test_the_next_batch_waits_inside_the_decoder_not_for_the_gil(store):
     for k in (1, 2):  # labels, indices
         assert torch.equal(flat(two, k), flat(one, k))
     assert mean_diff(flat(two, 0), flat(one, 0)) == 0
+
+
+def test_a_stopped_decoder_runs_nothing_more():
+    threads = _DecodeThreads(2)
+    ran = threading.Event()
+    assert threads.submit(lambda: 7).result(timeout=10) == 7
+    assert threads.stop(10)
+    late = threads.submit(ran.set)  # a call from a thread that outlived the stop
+    assert late.cancelled() and not ran.wait(0.2)
+    assert threads.stop(1)  # no thread was started for it
 
 
 def test_argument_errors_and_auto(store):

@@ -13,7 +13,14 @@ import time
 import pytest
 from fixtures import REPO, ParentOnly
 
-from ingest.parallel import ForkPool, InlinePool, WorkerDied, WorkerError, ordered
+from ingest.parallel import (
+    ForkPool,
+    InlinePool,
+    WorkerDied,
+    WorkerError,
+    inherited_objects_frozen,
+    ordered,
+)
 
 
 def _payload(i: int) -> tuple[list, bytes]:
@@ -166,3 +173,17 @@ def test_a_worker_never_finalises_what_it_inherits(no_workers_left):
     finally:
         gc.enable()
     assert got == {i: True for i in range(4)}
+
+
+def test_the_callers_own_freeze_is_kept():
+    with inherited_objects_frozen():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0  # ours undone
+    gc.freeze()  # a training script's, against copy-on-write in its own workers
+    try:
+        frozen = gc.get_freeze_count()
+        with inherited_objects_frozen():
+            pass
+        assert gc.get_freeze_count() >= frozen > 0
+    finally:
+        gc.unfreeze()
