@@ -39,6 +39,8 @@ class Ring:
 
     def __init__(self, layout: dict[str, tuple[tuple[int, ...], str]], slots: int, shared: bool):
         self.slots = slots
+        if shared:
+            check_shared_memory(ring_bytes(layout, slots))
         self.tensors: dict[str, torch.Tensor] = {}
         for name, (shape, dtype) in layout.items():
             t = torch.empty((slots, *shape), dtype=getattr(torch, dtype))
@@ -47,6 +49,37 @@ class Ring:
     def slot(self, i: int) -> dict[str, torch.Tensor]:
         """Tensor views of slot ``i`` (valid until the slot is handed out again)."""
         return {name: t[i] for name, t in self.tensors.items()}
+
+
+def ring_bytes(layout: dict[str, tuple[tuple[int, ...], str]], slots: int) -> int:
+    """Bytes of a ring of ``slots`` slots of ``layout``."""
+    return slots * sum(
+        int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values()
+    )
+
+
+_SHM = "/dev/shm"
+
+
+def shm_free() -> int | None:
+    """Free bytes where shared memory lives (/dev/shm); None where there is no such place."""
+    try:
+        st = os.statvfs(_SHM)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_shared_memory(need: int) -> None:
+    """Raise unless ``need`` bytes of shared memory are free: a full /dev/shm would kill the
+    process that touches the missing pages (SIGBUS), at any hour, not now."""
+    free = shm_free()
+    if free is not None and need > free:
+        raise RuntimeError(
+            f"the DataLoader's batch ring needs {need / 2**20:,.0f} MiB of shared memory and "
+            f"{_SHM} has {free / 2**20:,.0f} MiB free: give it more (in Docker, "
+            "`--shm-size`), or lower batch_size, num_workers or prefetch_factor"
+        )
 
 
 def _worker_loop(wid: int, producer, tensors: dict, conn, init_fn, parent: int) -> None:
@@ -94,6 +127,11 @@ def death_cause(exitcode: int | None) -> str:
             hint = (
                 " (often the kernel's out-of-memory killer: see `dmesg`; lower num_workers"
                 " or batch_size)"
+            )
+        elif name == "SIGBUS":
+            hint = (
+                f" (often shared memory running out: see `df {_SHM}`; in Docker, give it "
+                "more with `--shm-size`)"
             )
         return f"killed by signal {name}{hint}"
     return f"exited with code {exitcode}"

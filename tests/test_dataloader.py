@@ -21,6 +21,7 @@ from loader_data import NUM_SAMPLES, corrupt, make_store
 
 import loader
 from ingest import format as fmt
+from loader import workers as loader_workers
 from loader.batch import PixelBatches
 from loader.store import Store
 
@@ -279,17 +280,23 @@ def test_lmdb_dataset_without_transform_takes_the_fast_path(store):
 # -- failures -----------------------------------------------------------------------------
 
 
-def test_killed_worker_raises_naming_it(store):
+@pytest.mark.parametrize(
+    "sig, hint",
+    [
+        (signal.SIGKILL, r"often the kernel's out-of-memory killer"),
+        (signal.SIGBUS, r"often shared memory running out: see `df /dev/shm`"),
+    ],
+)
+def test_killed_worker_raises_naming_it(store, sig, hint):
     dl = make(store, batch_size=2, num_workers=2)
     it = iter(dl)
     next(it)
     victim = dl.worker_pids[0]
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, sig)
     start = time.monotonic()
     with pytest.raises(
         RuntimeError,
-        match=rf"worker 0 \(pid {victim}\) died: killed by signal "
-        r"SIGKILL",
+        match=rf"worker 0 \(pid {victim}\) died: killed by signal {sig.name} \({hint}",
     ):
         for _ in it:
             pass
@@ -401,6 +408,21 @@ def test_closing_after_a_failure_found_while_refilling_does_not_wait(store, monk
     assert time.monotonic() - start < 5  # was 30 s: a drain waiting for batch 2
     monkeypatch.setattr(PixelBatches, "fill", fill)
     assert sorted(i for *_, ix in dl for i in ix.tolist()) == list(range(NUM_SAMPLES))
+
+
+def test_too_little_shared_memory_is_said_before_anything_breaks(store, monkeypatch):
+    """A full /dev/shm kills whoever touches the missing pages (SIGBUS), maybe hours in."""
+    monkeypatch.setattr(loader_workers, "shm_free", lambda: 4 << 20)
+    with pytest.raises(
+        RuntimeError,
+        match=r"batch ring needs [\d,]+ MiB of shared memory and "
+        r"/dev/shm has 4 MiB free: give it more \(in Docker, `--shm-size`\)",
+    ):
+        make(store, num_workers=2, batch_size=64)
+    assert len(epoch(make(store, num_workers=0, batch_size=64))) == 1  # no ring to share
+    dl = make(store, num_workers=2, batch_size=2)  # a ring that fits
+    need = loader_workers.ring_bytes(dl._producer.buffers(), dl._ring.slots)
+    assert need == sum(t.nbytes for t in dl._ring.tensors.values()) <= 4 << 20
 
 
 def test_timeout(store):
