@@ -72,7 +72,9 @@ def shm_free() -> int | None:
 
 def check_shared_memory(need: int) -> None:
     """Raise unless ``need`` bytes of shared memory are free: a full /dev/shm would kill the
-    process that touches the missing pages (SIGBUS), at any hour, not now."""
+    process that touches the missing pages (SIGBUS), at any hour, not now. Free space counts
+    only pages already written, so rings made at once by several processes (DDP ranks)
+    are each checked alone."""
     free = shm_free()
     if free is not None and need > free:
         raise RuntimeError(
