@@ -8,10 +8,11 @@
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=/tmp/bw N=${IMAGES:-20000}
-prepare() {
-  [ -n "$(ls -d $W/store-* 2>/dev/null)" ] ||
+prepare() {  # the images and store imfeed-bench makes for IMAGES and SHORT_SIDE (10 classes)
+  local name="10x$(( (N + 9) / 10 ))${SHORT_SIDE:+-short$SHORT_SIDE}"
+  [ -d "$W/store-$name" ] ||
     python3 -m loader.bench --prepare-only --images "$N" --photos .photos --workdir $W ${SHORT_SIDE:+--short-side $SHORT_SIDE} > $OUT/prepare.log 2>&1
-  STORE=$(ls -d $W/store-* | head -1); FOLDER=$(ls -d $W/images-* $W/folder-* 2>/dev/null | head -1)
+  STORE=$W/store-$name FOLDER=$W/images-$name
 }
 for stage in "$@"; do
   echo "== $stage $(date -u +%T)"
