@@ -5,10 +5,10 @@ GPU decoder (one batched call), retries any image the decoder rejects on the CPU
 like the CPU path, replaces a record that fails there too), crops/resizes/flips/normalises
 every GPU-decoded image straight into the output batch (``loader.augment_gpu``), copies the
 rows the workers decoded on the CPU through pinned memory and normalises them into the
-same batch. Decoding runs on one high-priority side stream (``start``, in the caller's
-decode threads; several at once where the decoder allows), the rest on another
-(``finish``), which ends with an event the training stream waits on; nothing synchronises
-the device.
+same batch. The decode (which ``start`` hands to the caller's decode threads: several at
+once where the decoder allows) runs on one high-priority side stream, the rest
+(``finish``) on another, which ends with an event the training stream waits on; nothing
+synchronises the device.
 
 With ``cpu_share="auto"`` it sizes the workers' share of each batch by feedback: the
 prefetch thread should never wait for the workers (they decode their share while the GPU
