@@ -1,9 +1,11 @@
 """Where does the GPU path lose against its decoder alone? One store, one process.
 
-1. **Bare**: torchvision's batched nvjpeg on batches of the store's baseline JPEGs held
-   in RAM (as ``gpu_decoders.py``), then the same bytes as slices of one buffer (as the
-   loader's ring slot hands them over), then decode followed by our augmentation kernels
-   (GPU milliseconds per batch of each, from CUDA events).
+1. **Bare**: the decoder (``--decoder``: torchvision's batched nvjpeg by default; DALI
+   decodes the sampler's windows) on batches of the store's baseline JPEGs held in RAM
+   (as ``gpu_decoders.py``), then the same bytes as slices of one buffer (as the loader's
+   ring slot hands them over), then decode followed by our augmentation kernels (GPU
+   milliseconds per batch of each, from CUDA events), then called from as many threads
+   as the decoder takes, back to back, as the loader calls it.
 2. **Loader**: ``loader.DataLoader(decoder=...)`` alone for several epochs (persistent
    workers), for each ``--cpu-share``, with per-epoch img/s, the GPU's share of the
    decoding, ``dl.stats()`` per image and a sampling profiler: a thread reads every
@@ -23,6 +25,7 @@ import json
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,6 +99,11 @@ def bare(store: Store, device: torch.device, decoder: str, count: int) -> dict:
 
     work = batches(store, 256, count)
     dec = get_decoder(decoder, device=device)
+    windowed = bool(getattr(dec, "crop_windows", False))  # DALI: decodes the windows only
+
+    def decode(data, windows):
+        return dec.decode_batch(data, windows) if windowed else dec.decode_batch(data)
+
     spec = Transform("train", 224)
     augment = GpuAugment(spec.size, spec.mean, spec.std, spec.antialias)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda d=None: None)
@@ -121,8 +129,10 @@ def bare(store: Store, device: torch.device, decoder: str, count: int) -> dict:
         e0 = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
         if e0 is not None:
             e0.record()
-        images = dec.decode_batch(data)
+        images = decode(data, windows)
         crops = _crops(store, len(images), windows)
+        if windowed:
+            crops[:, :2] = 0  # each decoded image is its window
         out = torch.empty((len(images), 3, 224, 224), dtype=torch.float16, device=device)
         out = out.contiguous(memory_format=torch.channels_last)
         if e0 is not None:
@@ -136,10 +146,21 @@ def bare(store: Store, device: torch.device, decoder: str, count: int) -> dict:
             gpu_ms["decode"].append(e0.elapsed_time(e1))
             gpu_ms["augment"].append(e1.elapsed_time(e2))
 
-    rates = {"decode": timed(work, lambda d, w: dec.decode_batch(d))}
-    rates["decode_again"] = [timed(work, lambda d, w: dec.decode_batch(d)) for _ in range(3)]
-    rates["decode_slices"] = timed(sliced, lambda d, w: dec.decode_batch(d))
+    rates = {"decode": timed(work, decode)}
+    rates["decode_again"] = [timed(work, decode) for _ in range(3)]
+    rates["decode_slices"] = timed(sliced, decode)
     rates["decode_augment"] = timed(work, decode_augment)
+    # As the loader calls it: as many threads as the decoder takes, calls back to back.
+    threads = int(getattr(dec, "concurrent_calls", 1))
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda item: decode(*item), work[:threads]))
+        sync(device)
+        t0 = time.perf_counter()
+        list(pool.map(lambda item: decode(*item), work))
+        sync(device)
+    rates[f"decode_{threads}_threads"] = round(
+        sum(len(d) for d, _ in work) / (time.perf_counter() - t0)
+    )
     ms = {k: round(float(np.median(v)), 2) for k, v in gpu_ms.items()}
     return {"img_per_s": rates, "median_ms_per_batch": ms}
 
@@ -210,7 +231,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="gpu-path-probe.json")
     a = ap.parse_args()
-    if a.decoder == "tvcpu":  # a dry run without CUDA (the tests' stand-in decoder)
+    if a.decoder in ("tvcpu", "dalicpu"):  # a dry run without CUDA (the tests' stand-ins)
         from gpu_path_data import STAND_INS
 
         import loader.decode as registry
