@@ -126,6 +126,18 @@ class EpochIterator:
             self._take(self._pool.receive(wait))
         return self._ready.pop(step)
 
+    def _next_ready(self) -> bool:
+        """Whether ``_produce`` would return (or end the epoch) without waiting for the
+        workers."""
+        if self._pool is None:
+            return True
+        self._dispatch()
+        step = self._next_step
+        if step not in self._pending:
+            return True  # ready, or the epoch is over
+        self._take(self._pool.receive(0))
+        return step in self._ready
+
     def _take(self, results) -> None:
         for step, _, report in results:
             entry = self._pending[step]

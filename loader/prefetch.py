@@ -141,8 +141,12 @@ class GpuEpochIterator(EpochIterator):
         """Thread side: the next finished batch, or raise StopIteration at the epoch's end."""
         cpu0 = time.thread_time()
         try:
-            # The next batches decode while this one finishes.
+            # The next batches decode while this one finishes; but a batch the workers have
+            # not delivered yet is not waited for while one is decoded or decoding: a slow
+            # batch holds up neither those before it nor their ring slots.
             while len(self._started) < self._depth:
+                if self._started and not self._next_ready():
+                    break
                 try:
                     self._started.append(self._start_next())
                 except StopIteration:

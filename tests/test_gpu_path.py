@@ -56,6 +56,7 @@ from ingest import format as fmt
 from ingest.synth import random_view, sample_photos
 from loader.augment import Transform, plan_crops
 from loader.augment_gpu import GpuAugment
+from loader.encoded import EncodedBatches
 from loader.prefetch import _DecodeThreads, ring_slots
 from loader.sampler import batch_seed
 from loader.store import Store
@@ -365,6 +366,26 @@ def test_a_stopped_decoder_runs_nothing_more():
     late = threads.submit(ran.set)  # a call from a thread that outlived the stop
     assert late.cancelled() and not ran.wait(0.2)
     assert threads.stop(1)  # no thread was started for it
+
+
+def test_a_slow_batch_holds_up_none_of_those_before_it(store, monkeypatch):
+    """The prefetch thread finishes the batches it has while the workers are still on a
+    slow one (a huge PNG, a stalled read), instead of waiting for it first."""
+    fill = EncodedBatches.fill
+
+    def slow(self, slot, lo, indices, *args):
+        if 16 in indices.tolist():
+            time.sleep(4.0)  # batch 2 of 3
+        return fill(self, slot, lo, indices, *args)
+
+    monkeypatch.setattr(EncodedBatches, "fill", slow)
+    dl = make(store, shuffle=False, cpu_share=0.0)
+    start = time.monotonic()
+    it = iter(dl)
+    head = [next(it), next(it)]
+    assert time.monotonic() - start < 2.5  # was 4 s and more: batch 1 waited for batch 2
+    batches = head + list(it)
+    assert flat(batches, 2).tolist() == list(range(NUM_SAMPLES))
 
 
 def test_argument_errors_and_auto(store):
