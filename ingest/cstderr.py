@@ -30,6 +30,15 @@ _LOCK = threading.Lock()
 _INSIDE: dict[int, list[int]] = {}  # pid -> [calls inside, the saved fd 2]
 
 
+def _new_lock_in_child() -> None:
+    """A process forked while another thread held the lock would wait for it forever."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def _scratch() -> int:
     fd = _SCRATCH.get(os.getpid())
     if fd is None:

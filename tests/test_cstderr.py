@@ -78,3 +78,19 @@ def test_overlapping_calls_restore_stderr_and_drop_only_the_library_lines():
         """)
     assert got.stdout == "True\n"
     assert got.stderr == "kept from b\nafter\n"
+
+
+def test_a_process_forked_while_the_lock_is_held_can_still_capture():
+    got = run("""
+        import os
+        from ingest import cstderr
+        with cstderr._LOCK:  # another thread of the parent, mid-redirection
+            pid = os.fork()
+            if pid == 0:
+                with cstderr.captured() as text:
+                    os.write(2, b"libjpeg: premature end\\n")
+                os.write(1, (repr(text) + "\\n").encode())
+                os._exit(0)
+        os.waitpid(pid, 0)
+        """)
+    assert got.stdout == "['libjpeg: premature end']\n"
