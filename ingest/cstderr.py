@@ -27,16 +27,31 @@ from collections.abc import Iterator
 _SCRATCH: dict[int, int] = {}  # pid -> descriptor of that process's scratch file
 _MAX_TEXT = 4096  # keep the first bytes of a flood of warnings
 _LOCK = threading.Lock()
-_INSIDE: dict[int, list[int]] = {}  # pid -> [calls inside, the saved fd 2]
+_STATE = {"inside": 0, "saved": -1}  # calls inside a redirection, the saved fd 2
 
 
-def _new_lock_in_child() -> None:
-    """A process forked while another thread held the lock would wait for it forever."""
+def _before_fork() -> None:
+    _LOCK.acquire()  # fork with the state settled, never mid-change
+
+
+def _after_fork_in_parent() -> None:
+    _LOCK.release()
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while a call was inside a redirection gets the real stderr back (it
+    would write into the parent's scratch file for good), and a lock of its own."""
     global _LOCK
     _LOCK = threading.Lock()
+    if _STATE["inside"]:
+        os.dup2(_STATE["saved"], 2)
+        os.close(_STATE["saved"])
+    _STATE.update(inside=0, saved=-1)
 
 
-os.register_at_fork(after_in_child=_new_lock_in_child)
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+)
 
 
 def _scratch() -> int:
@@ -60,19 +75,18 @@ def _redirected(limit: int | None) -> Iterator[list[bytes]]:
         sys.stderr.flush()
     with _LOCK:
         scratch = _scratch()
-        inside = _INSIDE.setdefault(os.getpid(), [0, -1])
-        if not inside[0]:
-            inside[1] = os.dup(2)
+        if not _STATE["inside"]:
+            _STATE["saved"] = os.dup(2)
             os.dup2(scratch, 2)
-        inside[0] += 1
+        _STATE["inside"] += 1
     try:
         yield out
     finally:
         with _LOCK:
-            inside[0] -= 1
-            if not inside[0]:  # the last call out restores fd 2 and takes the text
-                os.dup2(inside[1], 2)
-                os.close(inside[1])
+            _STATE["inside"] -= 1
+            if not _STATE["inside"]:  # the last call out restores fd 2 and takes the text
+                os.dup2(_STATE["saved"], 2)
+                os.close(_STATE["saved"])
                 size = os.lseek(scratch, 0, os.SEEK_CUR)
                 if size:
                     out.append(os.pread(scratch, size if limit is None else min(size, limit), 0))

@@ -150,23 +150,29 @@ def ordered(pool: InlinePool, fn: Callable, arglist: list[tuple]) -> Iterator:
 
 @contextlib.contextmanager
 def inherited_objects_frozen() -> Iterator[None]:
-    """Fork workers inside this block: they never finalise what they inherit.
+    """Fork workers inside this block, each calling ``freeze_inherited()`` first: they
+    never finalise what they inherit.
 
     A garbage collection in a forked worker would run the parent's destructors on its
-    copies (a CUDA tensor or event, a DALI pipeline: the worker aborts). Objects frozen
-    before the fork are left alone by the collector, in the worker for good (a forked
-    worker never leaves the block: it ends with ``os._exit``); the parent unfreezes its
-    own at the end of the block, unless the caller had frozen objects before (a training
-    script may, against copy-on-write in its own workers): those stay frozen, with the
-    objects made since.
+    copies (a CUDA tensor or event, a DALI pipeline: the worker aborts). The collector is
+    off during the block, so nothing is collected between the fork and the worker's
+    freeze; the parent's own generations are left alone (a freeze of the caller's stays
+    as it was, and nothing of the parent is exempted from collection for good).
     """
-    had_frozen = gc.get_freeze_count() > 0
-    gc.freeze()
+    enabled = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        if not had_frozen:
-            gc.unfreeze()
+        if enabled:
+            gc.enable()
+
+
+def freeze_inherited() -> None:
+    """First thing in a worker forked inside ``inherited_objects_frozen``: what it inherited
+    is never collected there; what it makes itself is, as usual."""
+    gc.freeze()
+    gc.enable()
 
 
 def _start() -> tuple[int, Connection]:
@@ -175,6 +181,7 @@ def _start() -> tuple[int, Connection]:
     with inherited_objects_frozen():
         pid = os.fork()
         if pid == 0:  # the worker: never returns
+            freeze_inherited()
             status = 1
             try:
                 parent_end.close()

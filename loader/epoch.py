@@ -173,6 +173,7 @@ class EpochIterator:
         # A failure found while refilling (a worker's error, read when a task was placed)
         # means a chunk that will never come: no draining waits for it.
         failed = failed or self._failure is not None
+        self._failure = None  # its traceback holds this iterator: let it go now
         self._loader._iteration_ended(self, finished, drained=not self._pending, failed=failed)
 
     def drain(self, timeout: float) -> bool:

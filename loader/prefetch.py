@@ -84,6 +84,7 @@ class GpuEpochIterator(EpochIterator):
         self._decoder = _DecodeThreads(threads) if self._ring.slots > 1 else None
         self._depth = 1 if self._decoder is None else batches_on_gpu(threads)
         self._started: collections.deque = collections.deque()  # (slot, Started, waited)
+        self._thread_failed = False
 
     def __next__(self):
         if self._closed:
@@ -197,7 +198,7 @@ class GpuEpochIterator(EpochIterator):
             thread.join(_JOIN_S)
             # A thread still inside a hung call must not share the workers' pipes with a
             # drain: stop the workers without waiting for them.
-            failed = failed or thread.is_alive()
+            failed = failed or thread.is_alive() or self._thread_failed
         if self._decoder is not None:
             # A decode still reading a slot's bytes must end before the ring may go.
             failed = not self._decoder.stop(_JOIN_S) or failed
@@ -285,6 +286,9 @@ def _run(ref: weakref.ref, out: queue.Queue, stop: threading.Event, device) -> N
             item = ("end", None)
         except BaseException as e:  # reaches the training loop, raised there
             item = ("error", e)
+            # A chunk that failed will never come: closing must not wait for it (a flag,
+            # not the exception: its traceback would hold the iterator in a cycle).
+            it._thread_failed = not isinstance(e, _Stopped)
         del it  # wait without keeping the iterator alive
         while not stop.is_set():
             try:

@@ -21,7 +21,7 @@ from multiprocessing.connection import wait
 import numpy as np
 import torch
 
-from ingest.parallel import inherited_objects_frozen
+from ingest.parallel import freeze_inherited, inherited_objects_frozen
 from loader.decode import mark_worker_process
 
 _PARENT_CHECK_S = 2.0  # how often an idle worker checks that the main process still exists
@@ -86,6 +86,7 @@ def check_shared_memory(need: int) -> None:
 
 def _worker_loop(wid: int, producer, tensors: dict, conn, init_fn, parent: int) -> None:
     """Body of worker ``wid``: run tasks from ``conn`` until told to stop or orphaned."""
+    freeze_inherited()  # never finalise the training process's objects (CUDA ones abort)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     mark_worker_process()
     torch.set_num_threads(1)  # the workers are the parallelism

@@ -80,17 +80,42 @@ def test_overlapping_calls_restore_stderr_and_drop_only_the_library_lines():
     assert got.stderr == "kept from b\nafter\n"
 
 
-def test_a_process_forked_while_the_lock_is_held_can_still_capture():
+def test_a_fork_while_another_thread_holds_the_lock_leaves_the_child_able_to_capture():
     got = run("""
-        import os
+        import os, threading, time
         from ingest import cstderr
-        with cstderr._LOCK:  # another thread of the parent, mid-redirection
-            pid = os.fork()
-            if pid == 0:
-                with cstderr.captured() as text:
-                    os.write(2, b"libjpeg: premature end\\n")
-                os.write(1, (repr(text) + "\\n").encode())
-                os._exit(0)
+        held = threading.Event()
+        def hold():
+            with cstderr._LOCK:  # another thread, mid-redirection
+                held.set()
+                time.sleep(0.3)
+        t = threading.Thread(target=hold)
+        t.start()
+        held.wait()
+        pid = os.fork()
+        if pid == 0:
+            with cstderr.captured() as text:
+                os.write(2, b"libjpeg: premature end\\n")
+            os.write(1, (repr(text) + "\\n").encode())
+            os._exit(0)
         os.waitpid(pid, 0)
+        t.join()
         """)
     assert got.stdout == "['libjpeg: premature end']\n"
+
+
+def test_a_process_forked_mid_redirection_writes_to_the_real_stderr():
+    got = run("""
+        import os, re
+        from ingest.cstderr import filtered
+        go_r, go_w = os.pipe()
+        with filtered(re.compile(r"^NOISE")):  # a DALI call in another thread, say
+            pid = os.fork()
+            if pid == 0:
+                os.read(go_r, 1)  # until the parent's call is over
+                os.write(2, b"from the child\\n")
+                os._exit(0)
+        os.write(go_w, b"x")
+        os.waitpid(pid, 0)
+        """)
+    assert got.stderr == "from the child\n"

@@ -408,6 +408,7 @@ def test_closing_after_a_failure_found_while_refilling_does_not_wait(store, monk
     assert time.monotonic() - start < 5  # was 30 s: a drain waiting for batch 2
     monkeypatch.setattr(PixelBatches, "fill", fill)
     assert sorted(i for *_, ix in dl for i in ix.tolist()) == list(range(NUM_SAMPLES))
+    dl.close()
 
 
 def test_too_little_shared_memory_is_said_before_anything_breaks(store, monkeypatch):

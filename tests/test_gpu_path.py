@@ -388,6 +388,28 @@ def test_a_slow_batch_holds_up_none_of_those_before_it(store, monkeypatch):
     assert flat(batches, 2).tolist() == list(range(NUM_SAMPLES))
 
 
+def test_closing_after_a_worker_error_the_loop_has_not_taken_does_not_wait(store, monkeypatch):
+    fill = EncodedBatches.fill
+
+    def failing(self, slot, lo, indices, *args):
+        if 16 in indices.tolist():  # batch 2 of 3, once the others are delivered
+            time.sleep(0.5)
+            raise OSError("disk gone")
+        return fill(self, slot, lo, indices, *args)
+
+    monkeypatch.setattr(EncodedBatches, "fill", failing)
+    dl = make(store, shuffle=False, persistent_workers=True)
+    it = iter(dl)
+    next(it)
+    time.sleep(1.5)  # the prefetch thread has the error queued for the loop
+    start = time.monotonic()
+    it.close()
+    assert time.monotonic() - start < 5  # was 30 s: a drain waiting for batch 2
+    monkeypatch.setattr(EncodedBatches, "fill", fill)
+    assert flat(epoch(dl), 2).tolist() == list(range(NUM_SAMPLES))
+    dl.close()
+
+
 def test_argument_errors_and_auto(store):
     with pytest.raises(ValueError, match=r"decoder='nvjpeg' decodes on a CUDA device but"):
         make(store, decoder="nvjpeg", device="cpu")
