@@ -287,8 +287,9 @@ def _run(ref: weakref.ref, out: queue.Queue, stop: threading.Event, device) -> N
         except BaseException as e:  # reaches the training loop, raised there
             item = ("error", e)
             # A chunk that failed will never come: closing must not wait for it (a flag,
-            # not the exception: its traceback would hold the iterator in a cycle).
-            it._thread_failed = not isinstance(e, _Stopped)
+            # not the exception: its traceback would hold the iterator in a cycle). Once
+            # told to stop, what fails (a decode cancelled by the close) is the stop's doing.
+            it._thread_failed = not stop.is_set()
         del it  # wait without keeping the iterator alive
         while not stop.is_set():
             try:

@@ -494,8 +494,9 @@ def test_persistent_workers_serve_every_epoch(store):
     assert dl.worker_pids == []
 
 
-def test_an_epoch_left_early_keeps_the_persistent_workers(store):
-    dl = make(store, num_workers=2, persistent_workers=True)
+@pytest.mark.parametrize("decoder", [BACKEND, "serialising"])  # slow: calls still queued
+def test_an_epoch_left_early_keeps_the_persistent_workers(store, decoder):
+    dl = make(store, num_workers=2, persistent_workers=True, decoder=decoder)
     it = iter(dl)
     next(it)
     pids = dl.worker_pids
