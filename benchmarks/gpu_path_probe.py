@@ -117,12 +117,12 @@ def bare(store: Store, device: torch.device, decoder: str, count: int) -> dict:
         sync(device)
         return round(sum(len(d) for d, _ in items[1:]) / (time.perf_counter() - t0))
 
-    def as_slices(data, _windows):
+    def as_slices(data):
         flat = torch.cat(data)
         ends = np.cumsum([len(d) for d in data])
         return [flat[e - len(d) : e] for e, d in zip(ends, data, strict=True)]
 
-    sliced = [(as_slices(d, w), w) for d, w in work]
+    sliced = [(as_slices(d), w) for d, w in work]
     gpu_ms = collections.defaultdict(list)
 
     def decode_augment(data, windows):

@@ -192,12 +192,14 @@ class WorkerPool:
         """Send ``(slot, step, args)`` to the least busy worker: it runs
         ``producer.fill(slot's buffers, *args)``.
 
-        Results already sent are read first, so that a worker that has finished counts as
-        idle: otherwise ties go to the lowest-numbered workers, whose queues grow while
-        others idle (tasks of uneven length, the GPU path's CPU share above all).
+        When no worker is idle by the counts, results already sent are read first, so that
+        a worker that has finished counts as idle: otherwise ties go to the lowest-numbered
+        workers, whose queues grow while others idle (tasks of uneven length, the GPU
+        path's CPU share above all). With an idle worker there is nothing to read for.
         """
         self._check_open()
-        self._collect(0)
+        if min(self.outstanding) > 0:
+            self._collect(0)
         wid = int(np.argmin(self.outstanding))
         try:
             self._conns[wid].send(task)
