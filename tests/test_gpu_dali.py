@@ -11,6 +11,7 @@ sides decodes the window's pixels exactly as the whole image's); on CUDA within 
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -151,20 +152,40 @@ def test_the_decoder_rejects_only_the_bad_stream_and_goes_on(store):
 
 
 @needs_dali
-def test_two_callers_decode_at_once_each_on_a_pipeline_of_its_own(store):
+def test_two_callers_have_their_batches_in_the_pipeline_at_once(store):
     st = Store(store)
     jpegs = [k for k in range(NUM_SAMPLES) if st.index["format"][k] == fmt.FORMAT_CODES["jpeg"]][:4]
     data = [torch.frombuffer(bytearray(st.image(k)[0]), dtype=torch.uint8) for k in jpegs]
     windows = np.array([[0, 0, 16, 16], [3, 1, 9, 20], [5, 7, 12, 12], [2, 2, 20, 8]])
     decoder = decode_registry.get_decoder(DALI, device=DEVICE, batch_size=4)
     assert decoder.concurrent_calls == 2
+    alone = decoder.decode_batch(data, windows)
+    assert decoder._runner.most_in_flight == 1  # one caller: one batch at a time
+    shifted = [data[1:] + data[:1], np.roll(windows, -1, axis=0)]  # another batch
     with ThreadPoolExecutor(2) as pool:
-        runs = list(pool.map(lambda _: decoder.decode_batch(data, windows), range(6)))
-    built = [decoder._idle.get() for _ in range(2)]
-    assert all(p.pipe is not None for p in built) and built[0].pipe is not built[1].pipe
-    for images in runs[1:]:
-        assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(images, runs[0], strict=True))
-    assert [tuple(im.shape) for im in runs[0]] == [(3, h, w) for _, _, h, w in windows]
+        runs = list(pool.map(lambda k: decoder.decode_batch(*shifted) if k % 2 else
+                             decoder.decode_batch(data, windows), range(40)))  # fmt: skip
+    # Two callers: the pipeline took the second's batch before finishing the first's.
+    assert decoder._runner.most_in_flight == 2
+    other = decoder.decode_batch(*shifted)
+    for k, images in enumerate(runs):  # every caller got its own batch's windows back
+        want = other if k % 2 else alone
+        assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(images, want, strict=True))
+    assert [tuple(im.shape) for im in alone] == [(3, h, w) for _, _, h, w in windows]
+
+
+@needs_dali
+def test_the_pipeline_thread_ends_with_its_decoder(store):
+    st = Store(store)
+    data = [torch.frombuffer(bytearray(st.image(0)[0]), dtype=torch.uint8)]
+    decoder = decode_registry.get_decoder(DALI, device=DEVICE, batch_size=4)
+    decoder.decode_batch(data, np.array([[0, 0, 8, 8]]))
+    thread = decoder._runner._thread
+    assert thread.is_alive()
+    del decoder
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()  # and with it the pipeline and its memory
 
 
 @needs_dali
