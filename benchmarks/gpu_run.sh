@@ -17,7 +17,7 @@ prepare() {  # the images and store imfeed-bench makes for IMAGES and SHORT_SIDE
 for stage in "$@"; do
   echo "== $stage $(date -u +%T)"
   case $stage in
-    tests) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_dali.py > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
+    tests) timeout 120 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu_path.py tests/test_gpu_dali.py} > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
     probe) prepare; timeout 240 python3 benchmarks/gpu_path_probe.py "$STORE" --epochs ${EPOCHS:-5} --cpu-share ${SHARES:-0,0.15} --decoder ${DECODER:-nvjpeg} --out $OUT/probe.json > $OUT/probe.log 2>&1; grep -v "^  " $OUT/probe.log | cut -c1-150 ;;
     split) prepare; timeout 300 python3 benchmarks/gpu_split.py "$STORE" --out $OUT/gpu-split.json 2>&1 | tee $OUT/gpu-split.log | tail -30 ;;
     decoders) prepare; timeout 200 python3 benchmarks/gpu_decoders.py "$STORE" --out $OUT/gpu-decoders.json 2>&1 | tee $OUT/gpu-decoders.log | tail -20 ;;

@@ -29,6 +29,7 @@ import re
 import threading
 import weakref
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 import torch
@@ -86,6 +87,8 @@ class DaliDecoder:
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("decoder='dali' decodes on a CUDA device; use decoder='cpu'")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         try:
             importlib.import_module("nvidia.dali")
         except ImportError:
@@ -119,6 +122,8 @@ class DaliDecoder:
         windows = np.asarray(windows, dtype=np.int64)[:, :4]
         try:
             return self._runner.decode(encoded, windows)
+        except PipelineThreadError:
+            raise
         except RuntimeError as e:
             raise_if_not_the_data(e)
             # One bad stream fails the whole batch: find it by decoding one by one.
@@ -127,6 +132,8 @@ class DaliDecoder:
     def _one(self, data: torch.Tensor, window: np.ndarray):
         try:
             return self._runner.decode([data], window[None])[0]
+        except PipelineThreadError:
+            raise
         except RuntimeError as e:
             raise_if_not_the_data(e)
             return None
@@ -187,18 +194,46 @@ class _Runner:
                     name="imfeed-dali", daemon=True,
                 )  # fmt: skip
                 self._thread.start()
-        return future.result()
+        thread = self._thread
+        while True:
+            try:
+                return future.result(timeout=_IDLE_S)
+            except FutureTimeout:
+                if not thread.is_alive() and not future.done():
+                    raise PipelineThreadError("the DALI pipeline's thread ended") from None
+
+
+class PipelineThreadError(RuntimeError):
+    """The thread that runs the DALI pipeline failed (its error was raised to the batches
+    it held); the decoder cannot go on."""
 
 
 def _drive(owner: weakref.ref, requests: queue.SimpleQueue, build, device) -> None:
-    """The pipeline's thread: keep up to DEPTH batches in the pipeline, hand out results in
-    the order the batches came. A pipelined pipeline's first run takes DEPTH batches, so
-    the first batch is fed DEPTH times and the copies' results dropped (None in flight)."""
+    """The pipeline's thread: see ``_serve``. Should it fail, the batches it holds and
+    those still queued get the error, never a wait without end."""
+    flight: collections.deque = collections.deque()  # (future, windows) or None
+    try:
+        _serve(owner, requests, build, device, flight)
+    except BaseException as e:
+        error = PipelineThreadError(f"the DALI pipeline's thread failed: {e!r}")
+        _fail(flight, error, None)
+        while True:
+            try:
+                _fail(flight, error, requests.get_nowait()[2])
+            except queue.Empty:
+                break
+
+
+def _serve(owner, requests, build, device, flight: collections.deque) -> None:
+    """Keep up to DEPTH batches in the pipeline; hand out results in the order the batches
+    came. A pipelined pipeline's first run takes DEPTH batches, so the first batch is fed
+    DEPTH times and the copies' results dropped (None in ``flight``, which holds
+    (future, windows) in feed order)."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     stream = torch.cuda.Stream(device) if cuda else None
-    pipe, flight = None, collections.deque()  # (future, windows) or None, in feed order
+    pipe = None
     while True:
         if len(flight) < DEPTH:
             try:

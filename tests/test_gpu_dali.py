@@ -39,7 +39,9 @@ from test_gpu_path import make as make_loader
 import loader
 import loader.decode as decode_registry
 from ingest import format as fmt
+from loader import decode_dali
 from loader.augment import Transform
+from loader.decode_dali import PipelineThreadError
 from loader.store import Store
 
 TRAIN, EVAL = Transform("train", SIZE), Transform("eval", SIZE)
@@ -186,6 +188,32 @@ def test_the_pipeline_thread_ends_with_its_decoder(store):
     gc.collect()
     thread.join(5)
     assert not thread.is_alive()  # and with it the pipeline and its memory
+
+
+@needs_dali
+def test_a_failed_pipeline_or_thread_raises_in_the_caller_never_hangs(store, monkeypatch):
+    st = Store(store)
+    data = [torch.frombuffer(bytearray(st.image(0)[0]), dtype=torch.uint8)]
+    window = np.array([[0, 0, 8, 8]])
+    decoder = decode_registry.get_decoder(DALI, device=DEVICE, batch_size=4)
+
+    def broken():
+        raise ValueError("no pipeline today")
+
+    decoder._runner._build = broken
+    for _ in range(2):  # the pipeline is tried afresh for each batch
+        with pytest.raises(ValueError, match="no pipeline today"):
+            decoder.decode_batch(data, window)
+
+    def dead(*args):
+        raise OSError("the thread itself failed")
+
+    monkeypatch.setattr(decode_dali, "_serve", dead)
+    decoder = decode_registry.get_decoder(DALI, device=DEVICE, batch_size=4)
+    with pytest.raises(PipelineThreadError, match=r"thread failed: OSError\('the thread"):
+        decoder.decode_batch(data, window)
+    with pytest.raises(PipelineThreadError, match="the DALI pipeline's thread ended"):
+        decoder.decode_batch(data, window)  # later batches: at once, not a wait without end
 
 
 @needs_dali
