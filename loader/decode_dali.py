@@ -51,7 +51,11 @@ _LIBRARY_LINES = re.compile(
 # leaves the cores to the training process.
 HW_DECODER_LOAD = 1.0
 MAX_THREADS = 8  # DALI's CPU threads (4: 22.5k img/s, 8: 28.9k, 12: 24.8k on the H200)
-DEPTH = 2  # batches in the pipeline at once (its prefetch queue); one per decode thread
+# Batches in the pipeline at once (its prefetch queue), one per decode thread. With 2, the
+# pipeline ran one batch at a time in the loader (12.8-15.6k img/s on the H200,
+# gpu-h200-async): while its thread waits for the oldest batch, the next one often has not
+# come yet, and it is fed only once that wait ends.
+DEPTH = 3
 _IDLE_S = 1.0  # how often an idle pipeline thread checks that its decoder still exists
 
 
