@@ -8,28 +8,29 @@ the samples are the same on every backend; the rest of the augmentation (resize,
 normalise) is the loader's own kernels, as for the other GPU decoders.
 
 DALI is an optional extra (``pip install 'imfeed[dali]'``), imported when this decoder is
-made. One pipeline, asynchronous and pipelined as DALI's own loaders run theirs, is fed by
-the loader (``external_source``) ``DEPTH`` batches at a time, so one batch's CPU stage runs
-while another's GPU stage does. Only one thread of ours ever calls it (DALI's pipeline
-object is not made to be shared between threads): the loader's decode threads hand it
-their batches and wait. Each output is copied into one tensor of our allocator before the
-pipeline may reuse its buffers. On an H200, decode alone: 28.9k img/s this way against
-15-18k for synchronous pipelines (``benchmarks/results/gpu-h200-split.log``).
+made. A pipeline is fed by the loader (``external_source``), runs synchronously in the
+calling thread (one of the loader's decode threads) and its output is copied, on the
+caller's stream, into one tensor of the caller's allocator, so DALI's buffers are free
+again when the copy is done. Each decode thread gets a pipeline of its own (``PIPELINES``),
+so one batch's CPU stage runs while the other's GPU stage does: one synchronous pipeline
+leaves each side idle while the other works.
+
+Tried and measured on an H200 (``benchmarks/results/gpu-h200-split.log``,
+``gpu-h200-async*.md``): one asynchronous, pipelined pipeline, fed by a thread of its own,
+decodes 28.9k img/s alone (8 threads, all JPEGs to the hardware engines) where a
+synchronous one decodes 15-18k; but inside the loader it gave 12.8k (2 batches in it) and
+15.7k (3 batches in it), 0.57 and 0.67 of the nvjpeg path in the same runs, against 0.90
+for these two synchronous pipelines. Its one thread then does every batch's Python work
+(feeding 256 arrays, copying out) alone, behind the other threads for the GIL.
 """
 
 from __future__ import annotations
 
-import collections
 import ctypes
-import functools
 import importlib
 import os
 import queue
 import re
-import threading
-import weakref
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 import torch
@@ -46,17 +47,11 @@ _LIBRARY_LINES = re.compile(
 )
 
 # The share of the JPEGs DALI gives its hardware engines (the rest go to nvjpeg's CUDA
-# decoder, whose Huffman stage runs on DALI's CPU threads). On an H200 with 8 threads:
-# all of them 28.9k img/s, 65% 31.4k in one run each (gpu-h200-split.log); all of them
-# leaves the cores to the training process.
+# decoder, whose Huffman stage runs on DALI's CPU threads): all of them, and 4 threads,
+# decoded fastest on an H200 (benchmarks/results/gpu-h200-decoders.log).
 HW_DECODER_LOAD = 1.0
-MAX_THREADS = 8  # DALI's CPU threads (4: 22.5k img/s, 8: 28.9k, 12: 24.8k on the H200)
-# Batches in the pipeline at once (its prefetch queue), one per decode thread. With 2, the
-# pipeline ran one batch at a time in the loader (12.8-15.6k img/s on the H200,
-# gpu-h200-async): while its thread waits for the oldest batch, the next one often has not
-# come yet, and it is fed only once that wait ends.
-DEPTH = 3
-_IDLE_S = 1.0  # how often an idle pipeline thread checks that its decoder still exists
+MAX_THREADS = 4  # DALI's CPU threads per pipeline: they share the cores with training
+PIPELINES = 2  # pipelines, one per concurrent caller
 
 
 class DaliDecoder:
@@ -77,7 +72,7 @@ class DaliDecoder:
     in_workers = False
     devices = ("cuda",)
     crop_windows = True  # decode_batch takes each image's window and decodes only that
-    concurrent_calls = DEPTH  # callers whose batches the pipeline works on at once
+    concurrent_calls = PIPELINES
 
     def __init__(
         self,
@@ -91,8 +86,6 @@ class DaliDecoder:
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("decoder='dali' decodes on a CUDA device; use decoder='cpu'")
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         try:
             importlib.import_module("nvidia.dali")
         except ImportError:
@@ -103,10 +96,37 @@ class DaliDecoder:
         self.batch_size = int(batch_size)
         self.threads = threads or max(1, min(MAX_THREADS, (os.cpu_count() or 1) // 2))
         self.hw_decoder_load = float(hw_decoder_load)
-        build = functools.partial(
-            _build, self.batch_size, self.threads, self.device, self.hw_decoder_load
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()  # pipelines no call is using
+        for _ in range(self.concurrent_calls):
+            self._idle.put(_Pipeline())
+
+    def _build(self):
+        from nvidia.dali import fn, pipeline_def, types
+
+        cuda = self.device.type == "cuda"
+        mixed = {"hw_decoder_load": self.hw_decoder_load} if cuda else {}
+
+        @pipeline_def(
+            batch_size=self.batch_size,
+            num_threads=self.threads,
+            device_id=(self.device.index or 0) if cuda else None,
+            prefetch_queue_depth=1,
+            exec_async=False,  # run() decodes the batch it is given, in the caller's thread
+            exec_pipelined=False,
         )
-        self._runner = _Runner(build, self.device)
+        def graph():
+            jpegs = fn.external_source(name="jpegs", dtype=types.UINT8, ndim=1)
+            anchor = fn.external_source(name="anchor", dtype=types.FLOAT, ndim=1)
+            shape = fn.external_source(name="shape", dtype=types.FLOAT, ndim=1)
+            return fn.decoders.image_slice(
+                jpegs, anchor, shape, device="mixed" if cuda else "cpu",
+                output_type=types.RGB, axis_names="WH",
+                normalized_anchor=False, normalized_shape=False, **mixed,
+            )  # fmt: skip
+
+        pipe = graph()
+        pipe.build()
+        return pipe
 
     def decode_batch(
         self, encoded: list[torch.Tensor], windows: np.ndarray
@@ -114,9 +134,9 @@ class DaliDecoder:
         """Decode window ``windows[k]`` (y, x, h, w) of every JPEG of ``encoded``.
 
         Returns:
-            One RGB tensor [3, h, w] per input (views of one buffer, ready on return), or
-            None where that input could not be decoded (the caller retries those on the
-            CPU).
+            One RGB tensor [3, h, w] per input (views of one buffer allocated on the
+            current stream, ready in stream order), or None where that input could not be
+            decoded (the caller retries those on the CPU).
 
         Raises:
             RuntimeError: the device failed (out of memory, a CUDA error).
@@ -124,207 +144,74 @@ class DaliDecoder:
         if not encoded:
             return []
         windows = np.asarray(windows, dtype=np.int64)[:, :4]
+        own = self._idle.get()  # a pipeline of this call's own
         try:
-            return self._runner.decode(encoded, windows)
-        except PipelineThreadError:
-            raise
-        except RuntimeError as e:
-            raise_if_not_the_data(e)
-            # One bad stream fails the whole batch: find it by decoding one by one.
-            return [self._one(data, w) for data, w in zip(encoded, windows, strict=True)]
+            try:
+                return self._decode(own, encoded, windows)
+            except RuntimeError as e:
+                raise_if_not_the_data(e)
+                own.pipe = None  # start afresh after a failed run
+                # One bad stream fails the whole batch: find it by decoding one by one.
+                return [self._one(own, data, w) for data, w in zip(encoded, windows, strict=True)]
+        finally:
+            self._idle.put(own)
 
-    def _one(self, data: torch.Tensor, window: np.ndarray):
+    def _one(self, own: _Pipeline, data: torch.Tensor, window: np.ndarray):
         try:
-            return self._runner.decode([data], window[None])[0]
-        except PipelineThreadError:
-            raise
+            return self._decode(own, [data], window[None])[0]
         except RuntimeError as e:
             raise_if_not_the_data(e)
+            own.pipe = None
             return None
 
+    def _decode(self, own: _Pipeline, encoded: list[torch.Tensor], windows: np.ndarray) -> list:
+        if own.copied is not None:  # DALI may reuse its buffers once they are copied
+            own.copied.synchronize()
+            own.copied = None
+        if own.pipe is None:
+            with filtered(_LIBRARY_LINES):  # optional codecs it did not find, among others
+                own.pipe = self._build()
+        pipe = own.pipe
+        pipe.feed_input("jpegs", [t.numpy() for t in encoded])
+        pipe.feed_input("anchor", np.ascontiguousarray(windows[:, [1, 0]], dtype=np.float32))
+        pipe.feed_input("shape", np.ascontiguousarray(windows[:, [3, 2]], dtype=np.float32))
+        with filtered(_LIBRARY_LINES):  # its complaints about a bad stream: a None here
+            (out,) = pipe.run()
+        images, own.copied = self._to_torch(out, windows)
+        return images
 
-def _build(batch_size: int, threads: int, device: torch.device, hw_decoder_load: float):
-    """A built DALI pipeline: JPEG bytes, window anchors and shapes in; windows' RGB out."""
-    from nvidia.dali import fn, pipeline_def, types
-
-    cuda = device.type == "cuda"
-    mixed = {"hw_decoder_load": hw_decoder_load} if cuda else {}
-
-    @pipeline_def(
-        batch_size=batch_size,
-        num_threads=threads,
-        device_id=(device.index or 0) if cuda else None,
-        prefetch_queue_depth=DEPTH,
-        exec_async=True,
-        exec_pipelined=True,
-    )
-    def graph():
-        jpegs = fn.external_source(name="jpegs", dtype=types.UINT8, ndim=1)
-        anchor = fn.external_source(name="anchor", dtype=types.FLOAT, ndim=1)
-        shape = fn.external_source(name="shape", dtype=types.FLOAT, ndim=1)
-        return fn.decoders.image_slice(
-            jpegs, anchor, shape, device="mixed" if cuda else "cpu",
-            output_type=types.RGB, axis_names="WH",
-            normalized_anchor=False, normalized_shape=False, **mixed,
-        )  # fmt: skip
-
-    with filtered(_LIBRARY_LINES):  # optional codecs it did not find, among others
-        pipe = graph()
-        pipe.build()
-    return pipe
-
-
-class _Runner:
-    """The one thread that calls the pipeline, and the queue the callers put batches on.
-
-    The thread holds no reference to the decoder: once the decoder is gone, it ends and
-    lets the pipeline (and its GPU memory) go."""
-
-    def __init__(self, build, device: torch.device) -> None:
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._build, self._device = build, device
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self.most_in_flight = 0  # the most callers' batches in the pipeline at once
-
-    def decode(self, encoded: list[torch.Tensor], windows: np.ndarray) -> list:
-        future: Future = Future()
-        self._requests.put((encoded, windows, future))
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=_drive,
-                    args=(weakref.ref(self), self._requests, self._build, self._device),
-                    name="imfeed-dali", daemon=True,
-                )  # fmt: skip
-                self._thread.start()
-        thread = self._thread
-        while True:
-            try:
-                return future.result(timeout=_IDLE_S)
-            except FutureTimeout:
-                if not thread.is_alive() and not future.done():
-                    raise PipelineThreadError("the DALI pipeline's thread ended") from None
-
-
-class PipelineThreadError(RuntimeError):
-    """The thread that runs the DALI pipeline failed (its error was raised to the batches
-    it held); the decoder cannot go on."""
-
-
-def _drive(owner: weakref.ref, requests: queue.SimpleQueue, build, device) -> None:
-    """The pipeline's thread: see ``_serve``. Should it fail, the batches it holds and
-    those still queued get the error, never a wait without end."""
-    flight: collections.deque = collections.deque()  # (future, windows) or None
-    try:
-        _serve(owner, requests, build, device, flight)
-    except BaseException as e:
-        error = PipelineThreadError(f"the DALI pipeline's thread failed: {e!r}")
-        _fail(flight, error, None)
-        while True:
-            try:
-                _fail(flight, error, requests.get_nowait()[2])
-            except queue.Empty:
-                break
-
-
-def _serve(owner, requests, build, device, flight: collections.deque) -> None:
-    """Keep up to DEPTH batches in the pipeline; hand out results in the order the batches
-    came. A pipelined pipeline's first run takes DEPTH batches, so the first batch is fed
-    DEPTH times and the copies' results dropped (None in ``flight``, which holds
-    (future, windows) in feed order)."""
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.set_device(device)
-    stream = torch.cuda.Stream(device) if cuda else None
-    pipe = None
-    while True:
-        if len(flight) < DEPTH:
-            try:
-                request = requests.get(timeout=_IDLE_S) if not flight else requests.get_nowait()
-            except queue.Empty:
-                request = None
-            if request is None and not flight:
-                if owner() is None:
-                    return
-                continue
-            if request is not None:
-                encoded, windows, future = request
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    if pipe is None:
-                        pipe = build()
-                        _feed(pipe, encoded, windows)
-                        flight.append((future, windows))
-                        for _ in range(DEPTH - 1):
-                            _feed(pipe, encoded, windows)
-                            flight.append(None)
-                    else:
-                        _feed(pipe, encoded, windows)
-                        flight.append((future, windows))
-                    pipe.schedule_run()
-                except BaseException as e:
-                    _fail(flight, e, future)
-                    pipe = None
-                    continue
-                runner = owner()
-                if runner is not None:
-                    busy = sum(entry is not None for entry in flight)
-                    runner.most_in_flight = max(runner.most_in_flight, busy)
-                del runner
-                if len(flight) < DEPTH:
-                    continue  # take the next batch first, if one is waiting
-        entry = flight.popleft()
-        try:
-            with filtered(_LIBRARY_LINES):  # its complaints about a bad stream
-                (out,) = pipe.outputs()
-            if entry is not None:
-                future, windows = entry
-                future.set_result(_to_torch(out, windows, device, stream))
-        except BaseException as e:  # the pipeline is unusable: every batch in it fails
-            _fail(flight, e, None if entry is None else entry[0])
-            pipe = None
-
-
-def _feed(pipe, encoded: list[torch.Tensor], windows: np.ndarray) -> None:
-    """Queue one batch on the pipeline's inputs (DALI copies the bytes)."""
-    pipe.feed_input("jpegs", [t.numpy() for t in encoded])
-    pipe.feed_input("anchor", np.ascontiguousarray(windows[:, [1, 0]], dtype=np.float32))
-    pipe.feed_input("shape", np.ascontiguousarray(windows[:, [3, 2]], dtype=np.float32))
-
-
-def _fail(flight: collections.deque, error: BaseException, future: Future | None) -> None:
-    """Fail ``future`` and every batch in flight with ``error``; empty ``flight``."""
-    futures = [future] + [entry[0] for entry in flight if entry is not None]
-    flight.clear()
-    for f in futures:
-        if f is not None and not f.done():
-            f.set_exception(error)
-
-
-def _to_torch(out, windows: np.ndarray, device: torch.device, stream) -> list:
-    """Copy DALI's ragged output into one tensor; a sample of the wrong shape is None.
-    The copy is complete on return: the pipeline may reuse its buffers."""
-    shapes = [tuple(s) for s in out.shape()]
-    sizes = [int(np.prod(s)) for s in shapes]
-    if stream is not None:
-        with torch.cuda.stream(stream):
-            buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        _wait_for(out, stream, device)
+    def _to_torch(self, out, windows: np.ndarray) -> tuple[list[torch.Tensor | None], object]:
+        """Copy DALI's ragged output into one tensor; a sample of the wrong shape is None.
+        Also returns an event after the copy (None where the copy is done on return)."""
+        shapes = [tuple(s) for s in out.shape()]
+        sizes = [int(np.prod(s)) for s in shapes]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
         target = ctypes.c_void_p(buffer.data_ptr())
-        out.copy_to_external(target, stream.cuda_stream, non_blocking=True)
-        stream.synchronize()
-    else:
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        out.copy_to_external(ctypes.c_void_p(buffer.data_ptr()))
-    images, at = [], 0
-    for shape, size, (_, _, h, w) in zip(shapes, sizes, windows.tolist(), strict=True):
-        view = buffer[at : at + size]
-        at += size
-        ok = shape == (h, w, 3)
-        images.append(view.view(h, w, 3).permute(2, 0, 1) if ok else None)
-    return images
+        copied = None
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            _wait_for(out, stream, self.device)
+            out.copy_to_external(target, stream.cuda_stream, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        else:
+            out.copy_to_external(target)
+        images, at = [], 0
+        for shape, size, (_, _, h, w) in zip(shapes, sizes, windows.tolist(), strict=True):
+            view = buffer[at : at + size]
+            at += size
+            ok = shape == (h, w, 3)
+            images.append(view.view(h, w, 3).permute(2, 0, 1) if ok else None)
+        return images, copied
+
+
+class _Pipeline:
+    """One DALI pipeline (built on first use, None again after a failed run) and the event
+    after the last copy out of its buffers."""
+
+    def __init__(self) -> None:
+        self.pipe = None
+        self.copied = None
 
 
 def _wait_for(out, stream: torch.cuda.Stream, device: torch.device) -> None:

@@ -11,7 +11,6 @@ sides decodes the window's pixels exactly as the whole image's); on CUDA within 
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -39,9 +38,7 @@ from test_gpu_path import make as make_loader
 import loader
 import loader.decode as decode_registry
 from ingest import format as fmt
-from loader import decode_dali
 from loader.augment import Transform
-from loader.decode_dali import PipelineThreadError
 from loader.store import Store
 
 TRAIN, EVAL = Transform("train", SIZE), Transform("eval", SIZE)
@@ -154,66 +151,20 @@ def test_the_decoder_rejects_only_the_bad_stream_and_goes_on(store):
 
 
 @needs_dali
-def test_two_callers_have_their_batches_in_the_pipeline_at_once(store):
+def test_two_callers_decode_at_once_each_on_a_pipeline_of_its_own(store):
     st = Store(store)
     jpegs = [k for k in range(NUM_SAMPLES) if st.index["format"][k] == fmt.FORMAT_CODES["jpeg"]][:4]
     data = [torch.frombuffer(bytearray(st.image(k)[0]), dtype=torch.uint8) for k in jpegs]
     windows = np.array([[0, 0, 16, 16], [3, 1, 9, 20], [5, 7, 12, 12], [2, 2, 20, 8]])
     decoder = decode_registry.get_decoder(DALI, device=DEVICE, batch_size=4)
-    assert decoder.concurrent_calls == decode_dali.DEPTH
-    alone = decoder.decode_batch(data, windows)
-    assert decoder._runner.most_in_flight == 1  # one caller: one batch at a time
-    shifted = [data[1:] + data[:1], np.roll(windows, -1, axis=0)]  # another batch
+    assert decoder.concurrent_calls == 2
     with ThreadPoolExecutor(2) as pool:
-        runs = list(pool.map(lambda k: decoder.decode_batch(*shifted) if k % 2 else
-                             decoder.decode_batch(data, windows), range(40)))  # fmt: skip
-    # Two callers: the pipeline took the second's batch before finishing the first's.
-    assert decoder._runner.most_in_flight == 2
-    other = decoder.decode_batch(*shifted)
-    for k, images in enumerate(runs):  # every caller got its own batch's windows back
-        want = other if k % 2 else alone
-        assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(images, want, strict=True))
-    assert [tuple(im.shape) for im in alone] == [(3, h, w) for _, _, h, w in windows]
-
-
-@needs_dali
-def test_the_pipeline_thread_ends_with_its_decoder(store):
-    st = Store(store)
-    data = [torch.frombuffer(bytearray(st.image(0)[0]), dtype=torch.uint8)]
-    decoder = decode_registry.get_decoder(DALI, device=DEVICE, batch_size=4)
-    decoder.decode_batch(data, np.array([[0, 0, 8, 8]]))
-    thread = decoder._runner._thread
-    assert thread.is_alive()
-    del decoder
-    gc.collect()
-    thread.join(5)
-    assert not thread.is_alive()  # and with it the pipeline and its memory
-
-
-@needs_dali
-def test_a_failed_pipeline_or_thread_raises_in_the_caller_never_hangs(store, monkeypatch):
-    st = Store(store)
-    data = [torch.frombuffer(bytearray(st.image(0)[0]), dtype=torch.uint8)]
-    window = np.array([[0, 0, 8, 8]])
-    decoder = decode_registry.get_decoder(DALI, device=DEVICE, batch_size=4)
-
-    def broken():
-        raise ValueError("no pipeline today")
-
-    decoder._runner._build = broken
-    for _ in range(2):  # the pipeline is tried afresh for each batch
-        with pytest.raises(ValueError, match="no pipeline today"):
-            decoder.decode_batch(data, window)
-
-    def dead(*args):
-        raise OSError("the thread itself failed")
-
-    monkeypatch.setattr(decode_dali, "_serve", dead)
-    decoder = decode_registry.get_decoder(DALI, device=DEVICE, batch_size=4)
-    with pytest.raises(PipelineThreadError, match=r"thread failed: OSError\('the thread"):
-        decoder.decode_batch(data, window)
-    with pytest.raises(PipelineThreadError, match="the DALI pipeline's thread ended"):
-        decoder.decode_batch(data, window)  # later batches: at once, not a wait without end
+        runs = list(pool.map(lambda _: decoder.decode_batch(data, windows), range(6)))
+    built = [decoder._idle.get() for _ in range(2)]
+    assert all(p.pipe is not None for p in built) and built[0].pipe is not built[1].pipe
+    for images in runs[1:]:
+        assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(images, runs[0], strict=True))
+    assert [tuple(im.shape) for im in runs[0]] == [(3, h, w) for _, _, h, w in windows]
 
 
 @needs_dali
