@@ -76,7 +76,7 @@ def upload(device: torch.device, *arrays: np.ndarray | Rows) -> list[torch.Tenso
     for a, size in zip(arrays, sizes, strict=True):
         target = flat[at : at + a.nbytes].view(a.dtype).reshape(a.shape)
         if isinstance(a, Rows):
-            np.take(a.array, a.rows, axis=0, out=target)
+            gather(a, target)
         else:
             target[...] = a
         at += size
@@ -87,6 +87,13 @@ def upload(device: torch.device, *arrays: np.ndarray | Rows) -> list[torch.Tenso
         out.append(t.view(a.shape))
         at += size
     return out
+
+
+def gather(rows: Rows, target: np.ndarray) -> None:
+    """Write ``rows.array[rows.rows]`` into ``target``, with the GIL released: torch copies
+    without it, numpy (``np.take``) holds it throughout, stalling the decode threads."""
+    at = torch.from_numpy(np.ascontiguousarray(rows.rows, dtype=np.int64))
+    torch.index_select(torch.from_numpy(rows.array), 0, at, out=torch.from_numpy(target))
 
 
 def _host(a: np.ndarray | Rows) -> np.ndarray:

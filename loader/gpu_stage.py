@@ -124,7 +124,7 @@ class GpuStage:
         data = slot["data"]
         spans = zip(starts[gpu_rows].tolist(), lengths[gpu_rows].tolist(), strict=True)
         encoded = [data[s : s + m] for s, m in spans]
-        decode = functools.partial(self._decode, views, gpu_rows, encoded)
+        decode = functools.partial(self._decode, views, gpu_rows, encoded, n)
         if submit is None:
             future: Future = Future()
             future.set_result(decode())
@@ -138,7 +138,7 @@ class GpuStage:
         t0 = time.perf_counter()
         views, gpu_rows, report = started.views, started.gpu_rows, started.report
         n = report.n
-        crops, decoded, expected, decode_s, decoded_event = started.future.result()
+        crops, decoded, expected, decode_s, decoded_event, early = started.future.result()
         with self._on_side_stream(self.stream):
             if self.stream is not None:  # the decoded images are written in stream order
                 self.stream.wait_event(decoded_event)
@@ -151,26 +151,35 @@ class GpuStage:
             self.augment(images, crops[ok], gpu_rows[ok], out)
             cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
             indices = views["indices"][:n].copy()
-            if len(cpu_rows):
+            labels = self._labels[indices]
+            if early is not None and len(early[1]) == len(cpu_rows):  # no CPU retries
+                rows, labels = upload(self.device, cpu_rows, labels)
+                self.augment.pixels(early[0], rows, out)
+            elif len(cpu_rows):
                 pixels, rows, labels = upload(
-                    self.device, Rows(views["pixels"], cpu_rows), cpu_rows, self._labels[indices]
+                    self.device, Rows(views["pixels"], cpu_rows), cpu_rows, labels
                 )
                 self.augment.pixels(pixels, rows, out)
             else:
-                (labels,) = upload(self.device, self._labels[indices])
+                (labels,) = upload(self.device, labels)
             done = _event(self.device)
-        with self._in_flight_lock:
-            self._in_flight.append((images, done))
+        with self._in_flight_lock:  # with the pixels uploaded on the decode stream
+            self._in_flight.append(((images, early), done))
         self.stats.add_gpu_time("augment", begin, done)
         self._account(report, len(images), len(cpu_rows), decode_s)
         self._steer(waited, time.perf_counter() - t0 + started.busy)
         return out, labels, indices, done
 
-    def _decode(self, views, gpu_rows, encoded) -> tuple:
+    def _decode(self, views, gpu_rows, encoded, n: int) -> tuple:
         """GPU-decode ``encoded`` on the decode stream: (the crop rows to apply to the
         decoded images, the images or None, the (height, width) each must have, seconds,
-        an event after the decode's work on the decode stream)."""
-        t0 = time.perf_counter()
+        an event after the decode's work on the decode stream, and the pixels of the rows
+        the workers decoded with those rows, or None where there are none).
+
+        The workers' rows are sent to the device here, in a decode thread, not in
+        ``finish``: the prefetch thread was the limit with a CPU share on an H200
+        (gathering them took 15-19% of its time, gpu-h200-probe-shares2.log), while a
+        decode thread would wait for the decoder's lock."""
         # Images of two batches ago are let go, once their kernels are surely done: only
         # then may the decoders' allocations take their memory.
         with self._in_flight_lock:
@@ -180,6 +189,12 @@ class GpuStage:
         del done
         crops = views["crops"][gpu_rows]
         with self._on_side_stream(self.decode_stream):
+            cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
+            early = None
+            if len(cpu_rows):
+                (pixels,) = upload(self.device, Rows(views["pixels"], cpu_rows))
+                early = (pixels, cpu_rows)
+            t0 = time.perf_counter()
             if self.windows:
                 decoded = self.decoder.decode_batch(encoded, crops[:, 0:4])
                 expected = crops[:, [2, 3]]  # the windows' heights and widths
@@ -190,7 +205,7 @@ class GpuStage:
                 at = views["indices"][gpu_rows]
                 expected = np.stack([self._index["height"][at], self._index["width"][at]], 1)
             ready = _event(self.device)
-        return crops, decoded, expected, time.perf_counter() - t0, ready
+        return crops, decoded, expected, time.perf_counter() - t0, ready, early
 
     def _on_side_stream(self, stream) -> contextlib.AbstractContextManager:
         if stream is None:

@@ -586,3 +586,13 @@ def test_timeout_covers_the_gpu_stage(store, monkeypatch):
 )
 def test_the_ring_keeps_every_worker_busy(batch, workers, prefetch, on_gpu, slots):
     assert ring_slots(batch, workers, prefetch, on_gpu) == slots
+
+
+def test_gathering_rows_into_a_buffer_matches_numpy():
+    from loader.augment_gpu import Rows, gather
+
+    pixels = np.random.default_rng(0).integers(0, 256, (6, 5, 4, 3), dtype=np.uint8)
+    rows = np.array([4, 0, 5])
+    target = np.zeros((3, 5, 4, 3), dtype=np.uint8)
+    gather(Rows(pixels, rows), target)
+    assert np.array_equal(target, pixels[rows])
