@@ -98,7 +98,11 @@ def test_each_pass_reads_the_whole_epoch_and_figures_agree(run):
         spent = [p.get("loader_us_per_image") for p in r["passes"]]
         if r["side"] != "ours":
             assert spent == [None] * (PASSES + 1), name
+            assert "decode_share" not in r and "decoded" not in r["passes"][0], name
             continue
+        # Which decoder took which samples: here the workers, every delivered sample.
+        assert [p["decoded"] for p in r["passes"]] == [{"gpu": 0, "cpu": IMAGES}] * (PASSES + 1)
+        assert r["decode_share"] == {"gpu": 0.0, "cpu": 1.0}
         for pass_, us in zip(r["passes"], spent, strict=True):
             assert us["wait"] >= 0 and us["cpu_decode"] > 0, name  # the CPU decoder's time
             # Worker time adds up over workers; one worker here, so within the pass's.
@@ -128,6 +132,7 @@ def test_summary(run):
     else:
         assert summary["vs_dali"] is None
     assert "resnet50_share" not in summary  # no --train-check
+    assert summary["decode_share"] == {n: results[n]["decode_share"] for n in ours}
 
 
 def test_fingerprint_and_settings(run):
@@ -153,6 +158,7 @@ def test_table_chart_and_stdout(run):
             assert f"| {r['img_per_s']:.1f} |" in table, name
         else:
             assert f"- {name}: skipped, {r['reason']}" in table
+    assert "Decoded (timed passes): loader-cpu: 0% on the GPU, 100% by the workers" in table
     assert report["table"] in stdout
     logs = {p.name for p in (out / "logs").glob("*")} if (out / "logs").exists() else set()
     assert all((out / "logs" / name).stat().st_size > 0 for name in logs)  # empty ones go

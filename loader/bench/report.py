@@ -16,7 +16,7 @@ def pipeline_figures(passes: list[dict]) -> dict:
     timed = passes[1:]  # pass 0 is the warm-up
     rates = [p["images"] / p["seconds"] for p in timed]
     gpu = [p["gpu_memory_mib"] for p in passes if p.get("gpu_memory_mib") is not None]
-    return {
+    return _decode_share(timed) | {
         "img_per_s": round(statistics.median(rates), 1),
         "rates": [round(r, 2) for r in rates],
         "spread": [round(min(rates), 1), round(max(rates), 1)],
@@ -27,6 +27,16 @@ def pipeline_figures(passes: list[dict]) -> dict:
         "gpu_memory_mib": max(gpu) if gpu else None,
         "passes": passes,
     }
+
+
+def _decode_share(timed: list[dict]) -> dict:
+    """``{"decode_share": {"gpu": f, "cpu": f}}``: the share of the timed passes' samples
+    each side decoded (our loader only; empty for a peer)."""
+    counts = [p["decoded"] for p in timed if "decoded" in p]
+    total = sum(sum(c.values()) for c in counts)
+    if not counts or not total:
+        return {}
+    return {"decode_share": {s: round(sum(c[s] for c in counts) / total, 4) for s in counts[0]}}
 
 
 def ratio(results: dict, a: str, b: str) -> float:
@@ -53,6 +63,9 @@ def summarise(results: dict, trained: bool) -> dict:
     out["vs_best_peer"] = ratio(results, ours, peer) if ours and peer else None
     busy = {n: results[n]["cpu_cores_busy"] for n in ok}
     out["cpu_cores_busy"] = busy | ({"ours": busy[ours]} if ours else {})
+    shares = {n: results[n]["decode_share"] for n in ok if "decode_share" in results[n]}
+    if shares:  # which decoder took which share of the samples, per pipeline of ours
+        out["decode_share"] = shares
     if trained:
         mine = [n for n in ok if side.get(n) == "ours"]
         for model in ("resnet18", "resnet50"):
@@ -119,8 +132,14 @@ def table(results: dict, summary: dict, ceiling: dict) -> str:
         rows.append(row)
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
+    shares = [
+        f"{n}: {d['gpu']:.0%} on the GPU, {d['cpu']:.0%} by the workers"
+        for n in ok
+        if (d := results[n].get("decode_share"))
+    ]
+    shares = ["", "Decoded (timed passes): " + "; ".join(shares)] if shares else []
     skipped = [f"- {n}: skipped, {results[n]['reason']}" for n in results if n not in ok]
-    return "\n".join(lines + (["", *skipped] if skipped else []))
+    return "\n".join(lines + shares + (["", *skipped] if skipped else []))
 
 
 def headline(summary: dict, results: dict) -> str:

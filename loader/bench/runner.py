@@ -19,7 +19,14 @@ import traceback
 from pathlib import Path
 
 from loader.bench.pipelines import Settings, build
-from loader.bench.train import forever, loader_times, per_image, train_check
+from loader.bench.train import (
+    decoded_between,
+    decoded_counts,
+    forever,
+    loader_times,
+    per_image,
+    train_check,
+)
 from loader.proctree import PeakMemory, tree_cpu_seconds
 
 READY_TIMEOUT = 600.0  # seconds for a pipeline to start (imports, DALI's first batches)
@@ -62,7 +69,7 @@ def _gpu_memory_mib() -> float | None:
 def timed_pass(pipe, s: Settings) -> dict:
     """One epoch of ``pipe``: images, wall and CPU seconds of the process tree, memory."""
     memory = PeakMemory().start()
-    before = loader_times(pipe)
+    before, counted = loader_times(pipe), decoded_counts(pipe)
     cpu0, t0, n = tree_cpu_seconds(), time.perf_counter(), 0
     for _images, labels in pipe.epoch():
         n += int(labels.shape[0])
@@ -74,13 +81,17 @@ def timed_pass(pipe, s: Settings) -> dict:
     cpu = tree_cpu_seconds() - cpu0
     if n == 0:
         raise RuntimeError("an epoch gave no batches")
-    return {
-        "images": n,
-        "seconds": round(seconds, 4),
-        "cpu_seconds": round(cpu, 3),
-        "memory_mib": memory.stop(),
-        "gpu_memory_mib": _gpu_memory_mib(),
-    } | per_image(before, loader_times(pipe), n)
+    return (
+        {
+            "images": n,
+            "seconds": round(seconds, 4),
+            "cpu_seconds": round(cpu, 3),
+            "memory_mib": memory.stop(),
+            "gpu_memory_mib": _gpu_memory_mib(),
+        }
+        | per_image(before, loader_times(pipe), n)
+        | decoded_between(counted, decoded_counts(pipe))
+    )
 
 
 def serve(name: str, s: Settings, conn, log: str) -> None:

@@ -85,6 +85,23 @@ def loader_times(pipe) -> dict | None:
     return {k: v for k, v in dl.stats().items() if k.endswith("_s") and isinstance(v, float)}
 
 
+def decoded_counts(pipe) -> dict | None:
+    """Our loader's cumulative samples decoded on each side, None for a peer."""
+    dl = getattr(pipe, "dl", None)
+    if not hasattr(dl, "stats"):
+        return None
+    stats = dl.stats()
+    return {side: int(stats.get(f"{side}_decoded", 0)) for side in ("gpu", "cpu")}
+
+
+def decoded_between(before: dict | None, after: dict | None) -> dict:
+    """``{"decoded": {"gpu": n, "cpu": n}}`` between two ``decoded_counts``; empty for a
+    peer."""
+    if before is None or after is None:
+        return {}
+    return {"decoded": {side: after[side] - before[side] for side in after}}
+
+
 def per_image(before: dict | None, after: dict | None, images: int) -> dict:
     """``{"loader_us_per_image": {stage: us}}`` spent between two ``loader_times``: where
     our loader's time went (worker times add up over the workers); empty for a peer."""
