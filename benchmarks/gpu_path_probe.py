@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import sys
 import threading
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 import loader
+from loader import augment_gpu
 from loader.augment import Transform
 from loader.augment_gpu import GpuAugment
 from loader.decode import get_decoder
@@ -219,6 +221,23 @@ def loader_epochs(store_path: str, a, cpu_share) -> dict:
     return {"epochs": epochs, "stacks": sampler.report()}
 
 
+@contextlib.contextmanager
+def gathering(how: str):
+    """The workers' rows gathered by torch (the loader's way: the GIL released, to be got
+    back) or, for comparison, by numpy (``np.take``: the GIL held throughout)."""
+    if how == "torch":
+        yield
+        return
+    if how != "numpy":
+        raise SystemExit(f"--cpu-share: unknown gather {how!r}; use SHARE/numpy or SHARE")
+    real = augment_gpu.gather
+    augment_gpu.gather = lambda rows, target: np.take(rows.array, rows.rows, axis=0, out=target)
+    try:
+        yield
+    finally:
+        augment_gpu.gather = real
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("store")
@@ -227,7 +246,11 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--batches", type=int, default=30, help="batches of the bare part")
     ap.add_argument("--decoder", default="nvjpeg")
-    ap.add_argument("--cpu-share", default="0", help="comma-separated values, one run each")
+    ap.add_argument(
+        "--cpu-share", default="0",
+        help="comma-separated values, one run each; SHARE/numpy gathers the workers' rows "
+        "with numpy instead of torch",
+    )  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="gpu-path-probe.json")
     a = ap.parse_args()
@@ -240,10 +263,12 @@ def main() -> None:
     result = {"settings": vars(a)}
     result["bare"] = bare(Store(a.store), torch.device(a.device), a.decoder, a.batches)
     print("bare:", result["bare"], flush=True)
-    for share in a.cpu_share.split(","):
-        print(f"== loader, cpu_share={share}", flush=True)
-        run = loader_epochs(a.store, a, share if share == "auto" else float(share))
-        result[f"loader cpu_share={share}"] = run
+    for entry in a.cpu_share.split(","):
+        share, _, how = entry.partition("/")
+        print(f"== loader, cpu_share={entry}", flush=True)
+        with gathering(how or "torch"):
+            run = loader_epochs(a.store, a, share if share == "auto" else float(share))
+        result[f"loader cpu_share={entry}"] = run
         for name, sites in run["stacks"].items():
             print(f"-- {name}")
             for site, count in sites[:4]:
