@@ -91,7 +91,9 @@ def upload(device: torch.device, *arrays: np.ndarray | Rows) -> list[torch.Tenso
 
 def gather(rows: Rows, target: np.ndarray) -> None:
     """Write ``rows.array[rows.rows]`` into ``target``, with the GIL released: torch copies
-    without it, numpy (``np.take``) holds it throughout, stalling the decode threads."""
+    without it, where numpy (``np.take``) holds it throughout, stalling the loader's other
+    threads (whether getting it back costs more is measured by the GPU probe's
+    ``--cpu-share SHARE/numpy``)."""
     at = torch.from_numpy(np.ascontiguousarray(rows.rows, dtype=np.int64))
     torch.index_select(torch.from_numpy(rows.array), 0, at, out=torch.from_numpy(target))
 

@@ -98,7 +98,7 @@ class GpuStage:
         # _decode); decoding runs on a stream of its own, so its allocations never reuse
         # memory our kernels may still read (the decoders write on internal streams).
         self.decode_stream = torch.cuda.Stream(device, priority=-1) if cuda else None
-        self._in_flight: collections.deque = collections.deque()  # (images, done event)
+        self._in_flight: collections.deque = collections.deque()  # (tensors, done event)
         self._in_flight_lock = threading.Lock()  # decode threads release, finish appends
         # Threads that may decode at once (see ``loader.decode.Decoder``).
         self.concurrent_calls = int(getattr(self.decoder, "concurrent_calls", 1))
