@@ -61,8 +61,9 @@ class Rows(NamedTuple):
         return int(np.prod(self.shape)) * self.array.itemsize
 
 
-def upload(device: torch.device, *arrays: np.ndarray | Rows) -> list[torch.Tensor]:
-    """``arrays`` on ``device`` through one pinned buffer and one copy, without blocking.
+def upload(device: torch.device, *arrays: np.ndarray | Rows, stats=None) -> list[torch.Tensor]:
+    """``arrays`` on ``device`` through one pinned buffer and one copy, without blocking;
+    the bytes copied are counted in ``stats`` (a ``LoaderStats``) as ``h2d_bytes``.
 
     One copy instead of one per array: each torch call of the prefetch thread gives up the
     GIL and may wait a whole switch interval (5 ms) to get it back from a busy training
@@ -81,6 +82,8 @@ def upload(device: torch.device, *arrays: np.ndarray | Rows) -> list[torch.Tenso
             target[...] = a
         at += size
     dev = host.to(device, non_blocking=True)
+    if stats is not None:
+        stats.add(h2d_bytes=host.nbytes)
     out, at = [], 0
     for a, size in zip(arrays, sizes, strict=True):
         t = dev[at : at + a.nbytes].view(_TORCH_DTYPES[a.dtype.type])
@@ -171,12 +174,20 @@ class GpuAugment:
         backend: "triton" (the kernels; the default on CUDA) or "torch" (the same filter as
             two matrix products per image: the default on the CPU, where the CPU test
             suite runs the GPU path's pipeline).
+        stats: a ``LoaderStats`` counting the bytes of the kernels' tables it copies.
     """
 
     def __init__(
-        self, size: tuple[int, int], mean, std, antialias: bool = True, backend: str = "auto"
+        self,
+        size: tuple[int, int],
+        mean,
+        std,
+        antialias: bool = True,
+        backend: str = "auto",
+        stats=None,
     ) -> None:
         self.size, self.antialias, self.backend = tuple(size), bool(antialias), backend
+        self.stats = stats
         std64 = np.asarray(std, dtype=np.float64)
         self._scale = [float(v) for v in 1.0 / (255.0 * std64)]
         self._bias = [float(v) for v in -np.asarray(mean, dtype=np.float64) / std64]
@@ -205,7 +216,7 @@ class GpuAugment:
         params, row_image = image_params(crops, shapes, strides, out_rows)
         dev = out.device
         addresses = np.array([im.data_ptr() for im in images], dtype=np.int64)
-        table, p, rows = upload(out.device, addresses, params, row_image)
+        table, p, rows = upload(out.device, addresses, params, row_image, stats=self.stats)
         h_out, w_out = self.size
         scratch = torch.empty((len(row_image), 3, w_out), dtype=torch.float32, device=dev)
         taps_x = _max_taps(crops[:, _P_W], crops[:, _P_RW], self.antialias)

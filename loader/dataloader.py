@@ -151,9 +151,11 @@ class DataLoader:
         self.device = resolve_device(device)
         self.decoder = opt.resolve_decoder(decoder, self.device)
         cpu_share = opt.check_cpu_share(cpu_share)
+        self._stats = LoaderStats()
         self._output = BatchOutput(
-            self.transform, resolve_dtype(dtype), bool(channels_last), self.device, pin_memory
-        )
+            self.transform, resolve_dtype(dtype), bool(channels_last), self.device, pin_memory,
+            stats=self._stats,
+        )  # fmt: skip
         self.store, self.dataset = opt.open_store(
             dataset, cache=cache, cache_limit=cache_limit, cache_root=cache_root
         )
@@ -176,7 +178,6 @@ class DataLoader:
         if self._follows:
             self._plan.set_epoch(sampler.epoch)
         self._labels = self.store.labels
-        self._stats = LoaderStats()
         self._gpu_stage: GpuStage | None = None
         if runs_in_workers(self.decoder):
             self._producer = PixelBatches(
@@ -277,8 +278,12 @@ class DataLoader:
         ``cpu_share``: the workers' current share of the GPU-decodable samples;
         ``prefetch_cpu_s``: the GPU path's prefetch thread's own CPU time;
         ``stage_wait_s``/``stage_busy_s``: that thread's time waiting for the workers and
-        working (what ``cpu_share="auto"`` balances). Worker times add up over workers
-        (CPU seconds, not wall time).
+        working (what ``cpu_share="auto"`` balances); ``h2d_bytes``: bytes this loader
+        copied to the device (batches decoded on the CPU, labels, the GPU kernels' tables;
+        a GPU decoder copies the JPEG bytes inside its call, in ``gpu_decode_s``) and
+        ``h2d_s``: GPU time of the CPU path's batch copies (CUDA events; on the GPU path
+        its few copies run between the augmentation's events, in ``augment_s``). Worker
+        times add up over workers (CPU seconds, not wall time).
         """
         out = self._stats.snapshot()
         out["decoder"] = self.decoder

@@ -86,7 +86,7 @@ class GpuStage:
         self.decoder = get_decoder(decoder, device=device, batch_size=producer.batch_size)
         # A decoder that decodes only the crop windows (DALI) gets them with the bytes.
         self.windows = bool(getattr(self.decoder, "crop_windows", False))
-        self.augment = GpuAugment(spec.size, spec.mean, spec.std, spec.antialias)
+        self.augment = GpuAugment(spec.size, spec.mean, spec.std, spec.antialias, stats=stats)
         # Data before training work; the device may be the CPU only in tests.
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device, priority=-1) if cuda else None
@@ -153,15 +153,16 @@ class GpuStage:
             indices = views["indices"][:n].copy()
             labels = self._labels[indices]
             if early is not None and len(early[1]) == len(cpu_rows):  # no CPU retries
-                rows, labels = upload(self.device, cpu_rows, labels)
+                rows, labels = upload(self.device, cpu_rows, labels, stats=self.stats)
                 self.augment.pixels(early[0], rows, out)
             elif len(cpu_rows):
                 pixels, rows, labels = upload(
-                    self.device, Rows(views["pixels"], cpu_rows), cpu_rows, labels
-                )
+                    self.device, Rows(views["pixels"], cpu_rows), cpu_rows, labels,
+                    stats=self.stats,
+                )  # fmt: skip
                 self.augment.pixels(pixels, rows, out)
             else:
-                (labels,) = upload(self.device, labels)
+                (labels,) = upload(self.device, labels, stats=self.stats)
             done = _event(self.device)
         with self._in_flight_lock:  # with the pixels uploaded on the decode stream
             self._in_flight.append(((images, early), done))
@@ -192,7 +193,7 @@ class GpuStage:
             cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
             early = None
             if len(cpu_rows):
-                (pixels,) = upload(self.device, Rows(views["pixels"], cpu_rows))
+                (pixels,) = upload(self.device, Rows(views["pixels"], cpu_rows), stats=self.stats)
                 early = (pixels, cpu_rows)
             t0 = time.perf_counter()
             if self.windows:

@@ -98,6 +98,8 @@ class BatchOutput:
         device: where to deliver.
         pin_memory: pin host memory (only when CUDA is available; a no-op otherwise).
         threads: threads converting on the CPU (default: ``conversion_threads()``).
+        stats: a ``LoaderStats`` where copies to a CUDA device are counted (``h2d_bytes``)
+            and timed (``h2d_s``, CUDA events).
     """
 
     def __init__(
@@ -108,8 +110,10 @@ class BatchOutput:
         device: torch.device,
         pin_memory: bool,
         threads: int | None = None,
+        stats=None,
     ) -> None:
         self.dtype, self.device, self.channels_last = dtype, device, channels_last
+        self.stats = stats
         self.threads = conversion_threads() if threads is None else threads
         self._pool: ThreadPoolExecutor | None = None
         self._memory = HostMemory()
@@ -134,15 +138,27 @@ class BatchOutput:
         if self.pin:  # the ring slot is reused as soon as this returns: stage it, pinned
             host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
             host.numpy()[...] = pixels.numpy()  # numpy: torch's copy would spin OpenMP threads
-            x = host.to(self.device, non_blocking=True)
+            x = self._copy(host, non_blocking=True)
         else:  # a pageable copy has read the slot by the time it returns
-            x = pixels.to(self.device)
+            x = self._copy(pixels, non_blocking=False)
         x = x.permute(0, 3, 1, 2) if self.channels_last else x
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         if self.dtype == torch.uint8:
             return x.contiguous(memory_format=fmt)
         out = torch.empty(x.shape, dtype=self.dtype, device=self.device, memory_format=fmt)
         return torch.addcmul(self.bias, x, self.scale, out=out)
+
+    def _copy(self, host: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        """``host`` on the device, on the current stream; counted and timed in ``stats``."""
+        if self.stats is None:
+            return host.to(self.device, non_blocking=non_blocking)
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        x = host.to(self.device, non_blocking=non_blocking)
+        end.record()
+        self.stats.add(h2d_bytes=host.nbytes)
+        self.stats.add_gpu_time("h2d", start, end)
+        return x
 
     def _on_cpu(self, pixels: torch.Tensor) -> torch.Tensor:
         n = pixels.shape[0]
@@ -191,4 +207,8 @@ class BatchOutput:
     def labels(self, values: np.ndarray) -> torch.Tensor:
         """Labels (int64) on the delivery device."""
         t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
-        return t if self.device.type == "cpu" else t.to(self.device)
+        if self.device.type == "cpu":
+            return t
+        if self.stats is not None:
+            self.stats.add(h2d_bytes=t.nbytes)
+        return t.to(self.device)

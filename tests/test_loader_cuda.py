@@ -59,3 +59,17 @@ def test_cuda_batches_equal_cpu_batches(store, dtype, tol, channels_last, pin_me
         assert gi.dtype == dtype and gi.is_contiguous(memory_format=fmt)
         assert torch.equal(gl.cpu(), cl)
         assert torch.allclose(gi.cpu().float(), ci.float(), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_stats_count_and_time_the_copies_to_the_device(store, pin_memory):
+    dl = loader.DataLoader(
+        store, batch_size=16, transform="train", device="cuda", decoder="cpu",
+        dtype=torch.float16, pin_memory=pin_memory, num_workers=2,
+    )  # fmt: skip
+    n = sum(len(labels) for _, labels in dl)
+    stats = dl.stats()
+    h, w = dl.transform.size
+    # uint8 pixels cross to the device (converted there), then int64 labels.
+    assert stats["h2d_bytes"] == n * (3 * h * w + 8)
+    assert stats["h2d_s"] > 0.0
