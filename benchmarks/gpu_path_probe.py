@@ -221,17 +221,27 @@ def loader_epochs(store_path: str, a, cpu_share) -> dict:
     return {"epochs": epochs, "stacks": sampler.report()}
 
 
+_GATHERS = {  # the alternatives to the loader's own gather (memoryview copies, GIL kept)
+    "numpy": lambda rows, target: np.take(rows.array, rows.rows, axis=0, out=target),
+    "torch": lambda rows, target: torch.index_select(
+        torch.from_numpy(rows.array), 0, torch.from_numpy(rows.rows.astype(np.int64)),
+        out=torch.from_numpy(target),
+    ),
+}  # fmt: skip
+
+
 @contextlib.contextmanager
 def gathering(how: str):
-    """The workers' rows gathered by torch (the loader's way: the GIL released, to be got
-    back) or, for comparison, by numpy (``np.take``: the GIL held throughout)."""
-    if how == "torch":
+    """The workers' rows gathered the loader's way (``how`` empty) or, for comparison, by
+    numpy's ``np.take`` or torch's ``index_select`` (both let the GIL go)."""
+    if not how:
         yield
         return
-    if how != "numpy":
-        raise SystemExit(f"--cpu-share: unknown gather {how!r}; use SHARE/numpy or SHARE")
+    if how not in _GATHERS:
+        known = ", ".join(f"SHARE/{name}" for name in _GATHERS)
+        raise SystemExit(f"--cpu-share: unknown gather {how!r}; use SHARE or {known}")
     real = augment_gpu.gather
-    augment_gpu.gather = lambda rows, target: np.take(rows.array, rows.rows, axis=0, out=target)
+    augment_gpu.gather = _GATHERS[how]
     try:
         yield
     finally:
@@ -248,8 +258,8 @@ def main() -> None:
     ap.add_argument("--decoder", default="nvjpeg")
     ap.add_argument(
         "--cpu-share", default="0",
-        help="comma-separated values, one run each; SHARE/numpy gathers the workers' rows "
-        "with numpy instead of torch",
+        help="comma-separated values, one run each; SHARE/numpy or SHARE/torch gathers the "
+        "workers' rows with np.take or index_select instead of the loader's way",
     )  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="gpu-path-probe.json")
@@ -266,7 +276,7 @@ def main() -> None:
     for entry in a.cpu_share.split(","):
         share, _, how = entry.partition("/")
         print(f"== loader, cpu_share={entry}", flush=True)
-        with gathering(how or "torch"):
+        with gathering(how):
             run = loader_epochs(a.store, a, share if share == "auto" else float(share))
         result[f"loader cpu_share={entry}"] = run
         for name, sites in run["stacks"].items():

@@ -605,10 +605,20 @@ def test_the_ring_keeps_every_worker_busy(batch, workers, prefetch, on_gpu, slot
 
 
 def test_gathering_rows_into_a_buffer_matches_numpy():
-    from loader.augment_gpu import Rows, gather
+    from loader.augment_gpu import Rows, copy_holding_gil, gather
 
     pixels = np.random.default_rng(0).integers(0, 256, (6, 5, 4, 3), dtype=np.uint8)
-    rows = np.array([4, 0, 5])
-    target = np.zeros((3, 5, 4, 3), dtype=np.uint8)
+    rows = np.array([4, 0, 5, 4])
+    target = np.zeros((4, 5, 4, 3), dtype=np.uint8)
     gather(Rows(pixels, rows), target)
     assert np.array_equal(target, pixels[rows])
+    strided = pixels[:, :, ::2]  # not contiguous: numpy gathers it
+    target = np.zeros((4, 5, 2, 3), dtype=np.uint8)
+    gather(Rows(strided, rows), target)
+    assert np.array_equal(target, strided[rows])
+    params = np.arange(48, dtype=np.int32).reshape(3, 16)
+    into = np.zeros(48 * 4, dtype=np.uint8).view(np.int32).reshape(3, 16)
+    copy_holding_gil(into, params)
+    assert np.array_equal(into, params)
+    copy_holding_gil(into, np.asfortranarray(params))  # any layout of the source
+    assert np.array_equal(into, params)

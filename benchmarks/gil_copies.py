@@ -1,0 +1,105 @@
+"""What a copy costs a loader thread beside a busy Python thread (the training loop).
+
+numpy and torch let the GIL go around a large copy; a thread that lets it go must then get
+it back from a thread running Python, which drops it only when asked, after a switch
+interval (5 ms). This times, per call, the copies the GPU path's threads make each batch
+(the workers' rows of a 10% CPU share at batch 256; the augmentation kernels' row table),
+alone and beside a thread running a pure Python loop, done by numpy, torch and the
+loader's own ``gather`` / ``copy_holding_gil`` (memoryview copies, which keep the GIL).
+Prints a table and writes JSON with the machine.
+
+    python3 benchmarks/gil_copies.py [--calls 40] [--out gil-copies.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
+
+import numpy as np
+import torch
+
+from loader.augment_gpu import Rows, copy_holding_gil, gather
+
+SIZE = 224
+
+
+def cases() -> dict:
+    """name -> a copy to time (each writes the same bytes every call)."""
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (256, SIZE, SIZE, 3), dtype=np.uint8)  # a ring slot
+    rows = np.sort(rng.choice(256, 26, replace=False))  # 10% of a batch of 256
+    target = np.empty((len(rows), SIZE, SIZE, 3), dtype=np.uint8)
+    table, into = np.ones(76_800, np.int32), np.empty(76_800, np.int32)  # ~300 window rows
+    src, idx, out = (torch.from_numpy(a) for a in (pixels, rows.astype(np.int64), target))
+    return {
+        "26 rows, np.take": lambda: np.take(pixels, rows, axis=0, out=target),
+        "26 rows, torch.index_select": lambda: torch.index_select(src, 0, idx, out=out),
+        "26 rows, loader gather": lambda: gather(Rows(pixels, rows), target),
+        "row table 300 KB, numpy": lambda: into.__setitem__(Ellipsis, table),
+        "row table 300 KB, copy_holding_gil": lambda: copy_holding_gil(into, table),
+    }
+
+
+def per_call_ms(fn, calls: int) -> float:
+    """Mean milliseconds of one call (the mean, not the median: the waits for the GIL
+    come now and then, and they are what adds up)."""
+    fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.fmean(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--out", default="gil-copies.json")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    results = {name: {} for name in cases()}
+    for setting in ("alone", "beside a busy Python thread"):
+        stop = threading.Event()
+
+        def busy(stop=stop):
+            n = 0
+            while not stop.is_set():
+                n += 1
+
+        spinner = threading.Thread(target=busy, daemon=True) if "busy" in setting else None
+        if spinner:
+            spinner.start()
+        for name, fn in cases().items():
+            results[name][setting] = round(per_call_ms(fn, a.calls), 3)
+        stop.set()
+        if spinner:
+            spinner.join()
+    machine = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "switch_interval_ms": sys.getswitchinterval() * 1e3,
+    }
+    print(f"{'copy':40s} {'alone ms':>10s} {'beside a busy thread ms':>24s}")
+    for name, r in results.items():
+        print(f"{name:40s} {r['alone']:10.3f} {r['beside a busy Python thread']:24.3f}")
+    print(machine)
+    report = {"machine": machine, "mean_ms_per_call": results}
+    Path(a.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
