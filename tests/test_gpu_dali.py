@@ -179,3 +179,24 @@ def test_every_sample_once_per_epoch_and_resume(store):
     del it
     assert sorted(flat(head + rest, 2).tolist()) == list(range(NUM_SAMPLES))
     assert len(head + rest) == 3
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["one-call", "per-image"])
+def test_views_of_the_copied_images_in_one_call_or_one_by_one(monkeypatch, nested):
+    from loader.decode_dali import hwc_views
+
+    if not nested:  # a torch without the nested view: the per-image views
+        monkeypatch.delattr(torch, "_nested_view_from_buffer")
+    shapes = [(4, 5, 3), (2, 3, 3), (7, 7, 3), (6, 1, 3)]
+    expected = np.array([[4, 5], [2, 3], [5, 5], [6, 1]])  # the third is not its window
+    buffer = torch.arange(sum(int(np.prod(s)) for s in shapes), dtype=torch.int32)
+    buffer = buffer.to(torch.uint8)
+    views = hwc_views(buffer, shapes, expected)
+    at = 0
+    for shape, view in zip(shapes, views, strict=True):
+        pixels = buffer[at : at + int(np.prod(shape))].view(shape).permute(2, 0, 1)
+        at += int(np.prod(shape))
+        if shape == (7, 7, 3):
+            assert view is None
+            continue
+        assert torch.equal(view, pixels) and view.data_ptr() == pixels.data_ptr()
