@@ -72,6 +72,7 @@ class DaliDecoder:
     in_workers = False
     devices = ("cuda",)
     crop_windows = True  # decode_batch takes each image's window and decodes only that
+    takes_numpy = True  # the bytes may come as numpy arrays (what DALI is fed)
     concurrent_calls = PIPELINES
 
     def __init__(
@@ -131,7 +132,8 @@ class DaliDecoder:
     def decode_batch(
         self, encoded: list[torch.Tensor], windows: np.ndarray
     ) -> list[torch.Tensor | None]:
-        """Decode window ``windows[k]`` (y, x, h, w) of every JPEG of ``encoded``.
+        """Decode window ``windows[k]`` (y, x, h, w) of every JPEG of ``encoded`` (uint8
+        CPU tensors or numpy arrays).
 
         Returns:
             One RGB tensor [3, h, w] per input (views of one buffer allocated on the
@@ -172,7 +174,7 @@ class DaliDecoder:
             with filtered(_LIBRARY_LINES):  # optional codecs it did not find, among others
                 own.pipe = self._build()
         pipe = own.pipe
-        pipe.feed_input("jpegs", [t.numpy() for t in encoded])
+        pipe.feed_input("jpegs", [_as_numpy(t) for t in encoded])
         pipe.feed_input("anchor", np.ascontiguousarray(windows[:, [1, 0]], dtype=np.float32))
         pipe.feed_input("shape", np.ascontiguousarray(windows[:, [3, 2]], dtype=np.float32))
         with filtered(_LIBRARY_LINES):  # its complaints about a bad stream: a None here
@@ -197,6 +199,10 @@ class DaliDecoder:
         else:
             out.copy_to_external(target)
         return hwc_views(buffer, shapes, windows[:, 2:4]), copied
+
+
+def _as_numpy(data) -> np.ndarray:
+    return data if isinstance(data, np.ndarray) else data.numpy()
 
 
 def hwc_views(buffer: torch.Tensor, shapes: list[tuple], expected: np.ndarray) -> list:

@@ -121,7 +121,9 @@ class GpuStage:
         views = {k: v.numpy() for k, v in slot.items()}
         lengths, starts = views["lengths"][:n], views["starts"][:n]
         gpu_rows = np.flatnonzero(lengths >= 0)
-        data = slot["data"]
+        # A decoder fed numpy arrays (DALI) gets numpy slices: a torch tensor's .numpy()
+        # per image would be 256 torch calls a batch, each letting the GIL go.
+        data = views["data"] if getattr(self.decoder, "takes_numpy", False) else slot["data"]
         spans = zip(starts[gpu_rows].tolist(), lengths[gpu_rows].tolist(), strict=True)
         encoded = [data[s : s + m] for s, m in spans]
         decode = functools.partial(self._decode, views, gpu_rows, encoded, n)
