@@ -84,10 +84,19 @@ def upload(device: torch.device, *arrays: np.ndarray | Rows, stats=None) -> list
     dev = host.to(device, non_blocking=True)
     if stats is not None:
         stats.add(h2d_bytes=host.nbytes)
+    return unpack(dev, arrays, sizes)
+
+
+def unpack(flat: torch.Tensor, arrays, sizes: list[int]) -> list[torch.Tensor]:
+    """Views of ``flat`` (uint8) laid out as ``arrays`` in slots of ``sizes`` bytes: their
+    shapes and dtypes. Slicing keeps the GIL, a view call lets it go: only the views that
+    change something are made."""
     out, at = [], 0
     for a, size in zip(arrays, sizes, strict=True):
-        t = dev[at : at + a.nbytes].view(_TORCH_DTYPES[a.dtype.type])
-        out.append(t.view(a.shape))
+        t = flat[at : at + a.nbytes]
+        if a.dtype != np.uint8:
+            t = t.view(_TORCH_DTYPES[a.dtype.type])
+        out.append(t.view(a.shape) if len(a.shape) != 1 else t)
         at += size
     return out
 

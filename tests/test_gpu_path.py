@@ -622,3 +622,27 @@ def test_gathering_rows_into_a_buffer_matches_numpy():
     assert np.array_equal(into, params)
     copy_holding_gil(into, np.asfortranarray(params))  # any layout of the source
     assert np.array_equal(into, params)
+
+
+def test_one_copy_unpacks_into_arrays_of_their_shapes_and_dtypes():
+    from loader.augment_gpu import Rows, unpack
+
+    pixels = np.arange(2 * 3 * 2 * 3, dtype=np.uint8).reshape(2, 3, 2, 3)
+    arrays = [
+        np.array([7, -1, 2**40], dtype=np.int64),
+        np.arange(32, dtype=np.int32).reshape(2, 16),
+        Rows(pixels, np.array([1])),
+        np.array([5, 6, 7], dtype=np.uint8),
+    ]
+    sizes = [-(-a.nbytes // 8) * 8 for a in arrays]
+    flat = np.zeros(sum(sizes), dtype=np.uint8)
+    at = 0
+    for a, size in zip(arrays, sizes, strict=True):
+        data = a.array[a.rows] if isinstance(a, Rows) else a
+        flat[at : at + a.nbytes] = np.frombuffer(data.tobytes(), dtype=np.uint8)
+        at += size
+    got = unpack(torch.from_numpy(flat), arrays, sizes)
+    wants = [arrays[0], arrays[1], pixels[[1]], arrays[3]]
+    for t, want in zip(got, wants, strict=True):
+        assert t.dtype == torch.from_numpy(want).dtype and t.shape == want.shape
+        assert np.array_equal(t.numpy(), want)
