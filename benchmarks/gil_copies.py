@@ -3,7 +3,8 @@
 numpy and torch let the GIL go around a large copy; a thread that lets it go must then get
 it back from a thread running Python, which drops it only when asked, after a switch
 interval (5 ms). This times, per call, the copies the GPU path's threads make each batch
-(the workers' rows of a 10% CPU share at batch 256; the augmentation kernels' row table),
+(the workers' rows of a 10% CPU share at batch 256; the augmentation kernels' row table)
+and the torch calls a thread could make per image (a batch of DALI's windows as views),
 alone and beside a thread running a pure Python loop, done by numpy, torch and the
 loader's own ``gather`` / ``copy_holding_gil`` (memoryview copies, which keep the GIL).
 Prints a table and writes JSON with the machine.
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from loader.augment_gpu import Rows, copy_holding_gil, gather
+from loader.decode_dali import hwc_views
 
 SIZE = 224
 
@@ -41,7 +43,22 @@ def cases() -> dict:
     target = np.empty((len(rows), SIZE, SIZE, 3), dtype=np.uint8)
     table, into = np.ones(76_800, np.int32), np.empty(76_800, np.int32)  # ~300 window rows
     src, idx, out = (torch.from_numpy(a) for a in (pixels, rows.astype(np.int64), target))
+    shapes = [(int(h), int(w), 3) for h, w in rng.integers(50, SIZE, (256, 2))]  # windows
+    windows = np.array([s[:2] for s in shapes])
+    decoded = torch.zeros(sum(h * w * 3 for h, w, _ in shapes), dtype=torch.uint8)
+    offsets = np.concatenate([[0], np.cumsum([h * w * 3 for h, w, _ in shapes])[:-1]]).tolist()
+
+    def per_image_views():
+        return [
+            decoded[o : o + h * w * 3].view(h, w, 3).permute(2, 0, 1)
+            for o, (h, w, _) in zip(offsets, shapes, strict=True)
+        ]
+
+    pieces = [torch.zeros(5000, dtype=torch.uint8) for _ in range(256)]
     return {
+        "256 images' views, view + permute each": per_image_views,
+        "256 images' views, hwc_views (one call)": lambda: hwc_views(decoded, shapes, windows),
+        "256 .numpy() calls": lambda: [t.numpy() for t in pieces],
         "26 rows, np.take": lambda: np.take(pixels, rows, axis=0, out=target),
         "26 rows, torch.index_select": lambda: torch.index_select(src, 0, idx, out=out),
         "26 rows, loader gather": lambda: gather(Rows(pixels, rows), target),
@@ -93,9 +110,9 @@ def main() -> None:
         "torch": torch.__version__,
         "switch_interval_ms": sys.getswitchinterval() * 1e3,
     }
-    print(f"{'copy':40s} {'alone ms':>10s} {'beside a busy thread ms':>24s}")
+    print(f"{'call':44s} {'alone ms':>10s} {'beside a busy thread ms':>24s}")
     for name, r in results.items():
-        print(f"{name:40s} {r['alone']:10.3f} {r['beside a busy Python thread']:24.3f}")
+        print(f"{name:44s} {r['alone']:10.3f} {r['beside a busy Python thread']:24.3f}")
     print(machine)
     report = {"machine": machine, "mean_ms_per_call": results}
     Path(a.out).write_text(json.dumps(report, indent=1))
