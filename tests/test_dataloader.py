@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import os
@@ -280,6 +281,10 @@ def test_lmdb_dataset_without_transform_takes_the_fast_path(store):
 # -- failures -----------------------------------------------------------------------------
 
 
+def _no_fault_handler(worker_id: int) -> None:
+    faulthandler.disable()
+
+
 @pytest.mark.parametrize(
     "sig, hint",
     [
@@ -288,7 +293,8 @@ def test_lmdb_dataset_without_transform_takes_the_fast_path(store):
     ],
 )
 def test_killed_worker_raises_naming_it(store, sig, hint):
-    dl = make(store, batch_size=2, num_workers=2)
+    # pytest's fault handler, inherited, would print the killed worker's stack
+    dl = make(store, batch_size=2, num_workers=2, worker_init_fn=_no_fault_handler)
     it = iter(dl)
     next(it)
     victim = dl.worker_pids[0]
