@@ -55,7 +55,10 @@ def cases() -> dict:
         ]
 
     pieces = [torch.zeros(5000, dtype=torch.uint8) for _ in range(256)]
+    slot = torch.zeros(256 * 50_000, dtype=torch.uint8)  # a batch's JPEG bytes
+    spans = [(k * 50_000, 42_000) for k in range(256)]
     return {
+        "256 JPEGs cut out of a slot, torch slices": lambda: [slot[s : s + m] for s, m in spans],
         "256 images' views, view + permute each": per_image_views,
         "256 images' views, hwc_views (one call)": lambda: hwc_views(decoded, shapes, windows),
         "256 .numpy() calls": lambda: [t.numpy() for t in pieces],

@@ -124,9 +124,8 @@ class GpuStage:
         # A decoder fed numpy arrays (DALI) gets numpy slices: a torch tensor's .numpy()
         # per image would be 256 torch calls a batch, each letting the GIL go.
         data = views["data"] if getattr(self.decoder, "takes_numpy", False) else slot["data"]
-        spans = zip(starts[gpu_rows].tolist(), lengths[gpu_rows].tolist(), strict=True)
-        encoded = [data[s : s + m] for s, m in spans]
-        decode = functools.partial(self._decode, views, gpu_rows, encoded, n)
+        spans = (starts[gpu_rows].tolist(), lengths[gpu_rows].tolist())
+        decode = functools.partial(self._decode, views, gpu_rows, data, spans, n)
         if submit is None:
             future: Future = Future()
             future.set_result(decode())
@@ -173,16 +172,20 @@ class GpuStage:
         self._steer(waited, time.perf_counter() - t0 + started.busy)
         return out, labels, indices, done
 
-    def _decode(self, views, gpu_rows, encoded, n: int) -> tuple:
-        """GPU-decode ``encoded`` on the decode stream: (the crop rows to apply to the
-        decoded images, the images or None, the (height, width) each must have, seconds,
-        an event after the decode's work on the decode stream, and the pixels of the rows
-        the workers decoded with those rows, or None where there are none).
+    def _decode(self, views, gpu_rows, data, spans: tuple[list, list], n: int) -> tuple:
+        """GPU-decode the JPEGs at ``spans`` (starts, lengths) of ``data`` on the decode
+        stream: (the crop rows to apply to the decoded images, the images or None, the
+        (height, width) each must have, seconds, an event after the decode's work on the
+        decode stream, and the pixels of the rows the workers decoded with those rows, or
+        None where there are none).
 
         The workers' rows are sent to the device here, in a decode thread, not in
         ``finish``: the prefetch thread was the limit with a CPU share on an H200
         (gathering them took 15-19% of its time, gpu-h200-probe-shares2.log), while a
-        decode thread would wait for the decoder's lock."""
+        decode thread would wait for the decoder's lock. So are the JPEGs cut out of the
+        slot: 256 torch slices a batch, which beside a busy Python thread take several ms
+        where alone they take 0.2 (``benchmarks/gil_copies.py``), time the decoder does not
+        wait for here."""
         # Images of two batches ago are let go, once their kernels are surely done: only
         # then may the decoders' allocations take their memory.
         with self._in_flight_lock:
@@ -191,6 +194,7 @@ class GpuStage:
             event.synchronize()
         del done
         crops = views["crops"][gpu_rows]
+        encoded = [data[s : s + m] for s, m in zip(*spans, strict=True)]
         with self._on_side_stream(self.decode_stream):
             cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
             early = None
