@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 import loader
-from loader import augment_gpu
+from loader import augment_gpu, prefetch
 from loader.augment import Transform
 from loader.augment_gpu import GpuAugment
 from loader.decode import get_decoder
@@ -175,7 +175,32 @@ def _crops(store: Store, n: int, windows: np.ndarray) -> np.ndarray:
     return crops
 
 
+@contextlib.contextmanager
+def busy_python_thread(on: bool):
+    """A thread running a pure Python loop beside the loader, as a training loop holds the
+    GIL: the loader's threads then wait for it each time they let it go."""
+    if not on:
+        yield
+        return
+    stop = threading.Event()
+
+    def spin() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    thread = threading.Thread(target=spin, name="busy-python", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def loader_epochs(store_path: str, a, cpu_share) -> dict:
+    if a.gather_chunk:  # samples per worker task (fewer tasks: fewer pipe messages a batch)
+        prefetch._MIN_GATHER_CHUNK = a.gather_chunk
     dl = loader.DataLoader(
         store_path,
         batch_size=256,
@@ -193,32 +218,35 @@ def loader_epochs(store_path: str, a, cpu_share) -> dict:
     )
     epochs, sampler = [], StackSampler()
     try:
-        for epoch in range(a.epochs):
-            before = dl.stats()
-            t0, n = time.perf_counter(), 0
-            if epoch == min(1, a.epochs - 1):  # the first epoch warms up
-                sampler.__enter__()
-            for images, _ in dl:
-                n += len(images)
-            if images.is_cuda:
-                torch.cuda.synchronize(images.device)
-            seconds = time.perf_counter() - t0
-            after = dl.stats()
-            per = {
-                k.removesuffix("_s"): round((after[k] - before.get(k, 0.0)) / n * 1e6, 1)
-                for k in after
-                if k.endswith("_s") and isinstance(after[k], float)
-            }
-            gpu, cpu = (after.get(k, 0) - before.get(k, 0) for k in ("gpu_decoded", "cpu_decoded"))
-            share = round(gpu / max(gpu + cpu, 1), 3)
-            epochs.append(
-                {"img_per_s": round(n / seconds), "gpu_share": share, "us_per_image": per}
-            )
-            print(f"epoch {epoch}: {n / seconds:,.0f} img/s gpu_share {share} {per}", flush=True)
+        with busy_python_thread(a.busy_thread):
+            epochs += [one_epoch(dl, epoch, a, sampler) for epoch in range(a.epochs)]
     finally:
         sampler.__exit__()
         dl.close()
     return {"epochs": epochs, "stacks": sampler.report()}
+
+
+def one_epoch(dl, epoch: int, a, sampler) -> dict:
+    """One epoch of ``dl``: img/s, the GPU's share of the decoding, stage times per image."""
+    before = dl.stats()
+    t0, n = time.perf_counter(), 0
+    if epoch == min(1, a.epochs - 1):  # the first epoch warms up
+        sampler.__enter__()
+    for images, _ in dl:
+        n += len(images)
+    if images.is_cuda:
+        torch.cuda.synchronize(images.device)
+    seconds = time.perf_counter() - t0
+    after = dl.stats()
+    per = {
+        k.removesuffix("_s"): round((after[k] - before.get(k, 0.0)) / n * 1e6, 1)
+        for k in after
+        if k.endswith("_s") and isinstance(after[k], float)
+    }
+    gpu, cpu = (after.get(k, 0) - before.get(k, 0) for k in ("gpu_decoded", "cpu_decoded"))
+    share = round(gpu / max(gpu + cpu, 1), 3)
+    print(f"epoch {epoch}: {n / seconds:,.0f} img/s gpu_share {share} {per}", flush=True)
+    return {"img_per_s": round(n / seconds), "gpu_share": share, "us_per_image": per}
 
 
 _GATHERS = {  # the alternatives to the loader's own gather (memoryview copies, GIL kept)
@@ -262,6 +290,14 @@ def main() -> None:
         "workers' rows with np.take or index_select instead of the loader's way",
     )  # fmt: skip
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--busy-thread", action="store_true",
+        help="run a pure Python loop beside the loader (a training loop's hold on the GIL)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--gather-chunk", type=int, default=0,
+        help="samples per worker task (default: the loader's; larger: fewer pipe messages)",
+    )  # fmt: skip
     ap.add_argument("--out", default="gpu-path-probe.json")
     a = ap.parse_args()
     if a.decoder in ("tvcpu", "dalicpu"):  # a dry run without CUDA (the tests' stand-ins)
