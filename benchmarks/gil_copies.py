@@ -35,6 +35,27 @@ from loader.decode_dali import hwc_views
 SIZE = 224
 
 
+def _echo(conn) -> None:
+    while (message := conn.recv()) is not None:
+        conn.send(message)
+
+
+def round_trip():
+    """A message to a worker process and its answer (what each worker task costs the
+    loader's thread: a send and a receive, each a system call that lets the GIL go)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    here, there = ctx.Pipe()
+    ctx.Process(target=_echo, args=(there,), daemon=True).start()
+
+    def call() -> None:
+        here.send((0, 1, 2))
+        here.recv()
+
+    return call
+
+
 def cases() -> dict:
     """name -> a copy to time (each writes the same bytes every call)."""
     rng = np.random.default_rng(0)
@@ -58,6 +79,7 @@ def cases() -> dict:
     slot = torch.zeros(256 * 50_000, dtype=torch.uint8)  # a batch's JPEG bytes
     spans = [(k * 50_000, 42_000) for k in range(256)]
     return {
+        "a worker task's message and answer (pipes)": round_trip(),
         "256 JPEGs cut out of a slot, torch slices": lambda: [slot[s : s + m] for s, m in spans],
         "256 images' views, view + permute each": per_image_views,
         "256 images' views, hwc_views (one call)": lambda: hwc_views(decoded, shapes, windows),

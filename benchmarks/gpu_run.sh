@@ -4,7 +4,8 @@
 # photographs in .photos. Usage: benchmarks/gpu_run.sh STAGE... (tests, probe, split, decoders,
 # bench, profile, ingest, ddp); logs and JSON go to $OUT. MAX_SIZE=512 makes "bench" compare
 # every pipeline on images capped at 512 px (imfeed-bench --max-size); SHORT_SIDE=800-1000
-# makes camera-sized images instead of ImageNet-shaped ones (--short-side).
+# makes camera-sized images instead of ImageNet-shaped ones (--short-side). PROBE_ARGS go
+# to the probe (e.g. "--busy-thread --gather-chunk 256").
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=/tmp/bw N=${IMAGES:-20000}
@@ -18,7 +19,7 @@ for stage in "$@"; do
   echo "== $stage $(date -u +%T)"
   case $stage in
     tests) timeout 120 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu_path.py tests/test_gpu_dali.py} > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
-    probe) prepare; timeout 240 python3 benchmarks/gpu_path_probe.py "$STORE" --epochs ${EPOCHS:-5} --cpu-share ${SHARES:-0,0.15} --decoder ${DECODER:-nvjpeg} --out $OUT/probe.json > $OUT/probe.log 2>&1; grep -v "^  " $OUT/probe.log | cut -c1-150 ;;
+    probe) prepare; timeout 240 python3 benchmarks/gpu_path_probe.py "$STORE" --epochs ${EPOCHS:-5} --cpu-share ${SHARES:-0,0.15} --decoder ${DECODER:-nvjpeg} ${PROBE_ARGS:-} --out $OUT/probe.json > $OUT/probe.log 2>&1; grep -v "^  " $OUT/probe.log | cut -c1-150 ;;
     split) prepare; timeout 300 python3 benchmarks/gpu_split.py "$STORE" --out $OUT/gpu-split.json 2>&1 | tee $OUT/gpu-split.log | tail -30 ;;
     decoders) prepare; timeout 200 python3 benchmarks/gpu_decoders.py "$STORE" --out $OUT/gpu-decoders.json 2>&1 | tee $OUT/gpu-decoders.log | tail -20 ;;
     bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W ${MAX_SIZE:+--max-size $MAX_SIZE} ${SHORT_SIDE:+--short-side $SHORT_SIDE} \
