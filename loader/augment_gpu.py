@@ -106,7 +106,7 @@ def copy_holding_gil(dst: np.ndarray, src: np.ndarray) -> None:
     GIL. numpy and torch let the GIL go around a large copy, and a thread that lets it go
     waits for a busy one (the training loop) to drop it: up to a switch interval (5 ms)
     each time. On the dev machine, beside a busy Python thread, the kernels' 300 KB row
-    table took 0.86-2.6 ms by numpy and 0.003 ms this way (``benchmarks/gil_copies.py``)."""
+    table took 2.0-2.7 ms by numpy and 0.003 ms this way (``benchmarks/gil_copies.py``)."""
     view = memoryview(dst).cast("B")
     view[:] = memoryview(np.ascontiguousarray(src)).cast("B")
 

@@ -211,7 +211,7 @@ def hwc_views(buffer: torch.Tensor, shapes: list[tuple], expected: np.ndarray) -
 
     The views are made in one call (a nested tensor over the buffer, unbound): a view and
     a permute per image are 512 torch calls a batch, each letting the GIL go, and on the
-    dev machine beside a busy Python thread 256 images took 117-203 ms that way, 35-50
+    dev machine beside a busy Python thread 256 images took 183-218 ms that way, 39-51
     this way (``benchmarks/gil_copies.py``).
     Where that private torch call is missing, it falls back to the calls per image.
     """
