@@ -107,8 +107,9 @@ def copy_holding_gil(dst: np.ndarray, src: np.ndarray) -> None:
     waits for a busy one (the training loop) to drop it: up to a switch interval (5 ms)
     each time. On the dev machine, beside a busy Python thread, the kernels' 300 KB row
     table took 2.0-2.7 ms by numpy and 0.003 ms this way (``benchmarks/gil_copies.py``)."""
-    view = memoryview(dst).cast("B")
-    view[:] = memoryview(np.ascontiguousarray(src)).cast("B")
+    if dst.nbytes:  # (memoryview cannot cast an empty array)
+        view = memoryview(dst).cast("B")
+        view[:] = memoryview(np.ascontiguousarray(src)).cast("B")
 
 
 def gather(rows: Rows, target: np.ndarray) -> None:
@@ -116,6 +117,8 @@ def gather(rows: Rows, target: np.ndarray) -> None:
     the GIL (see ``copy_holding_gil``; ``np.take`` and ``torch.index_select`` both let it
     go: 15.7 and 5.2 ms for 26 rows of 224x224x3 beside a busy thread, against 0.07)."""
     src = rows.array
+    if not target.nbytes:
+        return
     if not src.flags.c_contiguous:
         np.take(src, rows.rows, axis=0, out=target)
         return

@@ -622,6 +622,8 @@ def test_gathering_rows_into_a_buffer_matches_numpy():
     assert np.array_equal(into, params)
     copy_holding_gil(into, np.asfortranarray(params))  # any layout of the source
     assert np.array_equal(into, params)
+    copy_holding_gil(np.zeros((0, 16), np.int32), np.zeros((0, 16), np.int32))  # empty: no-op
+    gather(Rows(pixels, np.zeros(0, np.int64)), np.zeros((0, 5, 4, 3), np.uint8))
 
 
 def test_one_copy_unpacks_into_arrays_of_their_shapes_and_dtypes():
