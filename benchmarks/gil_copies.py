@@ -15,6 +15,7 @@ Prints a table and writes JSON with the machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -66,13 +67,17 @@ def cases() -> dict:
     src, idx, out = (torch.from_numpy(a) for a in (pixels, rows.astype(np.int64), target))
     shapes = [(int(h), int(w), 3) for h, w in rng.integers(50, SIZE, (256, 2))]  # windows
     windows = np.array([s[:2] for s in shapes])
-    decoded = torch.zeros(sum(h * w * 3 for h, w, _ in shapes), dtype=torch.uint8)
-    offsets = np.concatenate([[0], np.cumsum([h * w * 3 for h, w, _ in shapes])[:-1]]).tolist()
+    sizes = [h * w * 3 for h, w, _ in shapes]
+    decoded = torch.zeros(sum(sizes), dtype=torch.uint8)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+
+    def one_call_views():
+        return hwc_views(decoded, shapes, sizes, windows)
 
     def per_image_views():
         return [
-            decoded[o : o + h * w * 3].view(h, w, 3).permute(2, 0, 1)
-            for o, (h, w, _) in zip(offsets, shapes, strict=True)
+            decoded[o : o + size].view(h, w, 3).permute(2, 0, 1)
+            for o, size, (h, w, _) in zip(offsets, sizes, shapes, strict=True)
         ]
 
     pieces = [torch.zeros(5000, dtype=torch.uint8) for _ in range(256)]
@@ -82,7 +87,7 @@ def cases() -> dict:
         "a worker task's message and answer (pipes)": round_trip(),
         "256 JPEGs cut out of a slot, torch slices": lambda: [slot[s : s + m] for s, m in spans],
         "256 images' views, view + permute each": per_image_views,
-        "256 images' views, hwc_views (one call)": lambda: hwc_views(decoded, shapes, windows),
+        "256 images' views, hwc_views (one call)": one_call_views,
         "256 .numpy() calls": lambda: [t.numpy() for t in pieces],
         "26 rows, np.take": lambda: np.take(pixels, rows, axis=0, out=target),
         "26 rows, torch.index_select": lambda: torch.index_select(src, 0, idx, out=out),
@@ -90,6 +95,26 @@ def cases() -> dict:
         "row table 300 KB, numpy": lambda: into.__setitem__(Ellipsis, table),
         "row table 300 KB, copy_holding_gil": lambda: copy_holding_gil(into, table),
     }
+
+
+@contextlib.contextmanager
+def busy_python_thread():
+    """A thread running a pure Python loop meanwhile, as a training loop holds the GIL:
+    other threads wait for it each time they let it go."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    thread = threading.Thread(target=spin, name="busy-python", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def per_call_ms(fn, calls: int) -> float:
@@ -110,23 +135,15 @@ def main() -> None:
     ap.add_argument("--out", default="gil-copies.json")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    results = {name: {} for name in cases()}
-    for setting in ("alone", "beside a busy Python thread"):
-        stop = threading.Event()
-
-        def busy(stop=stop):
-            n = 0
-            while not stop.is_set():
-                n += 1
-
-        spinner = threading.Thread(target=busy, daemon=True) if "busy" in setting else None
-        if spinner:
-            spinner.start()
-        for name, fn in cases().items():
-            results[name][setting] = round(per_call_ms(fn, a.calls), 3)
-        stop.set()
-        if spinner:
-            spinner.join()
+    calls = cases()
+    results = {name: {} for name in calls}
+    for setting, around in (
+        ("alone", contextlib.nullcontext),
+        ("beside a busy Python thread", busy_python_thread),
+    ):
+        with around():
+            for name, fn in calls.items():
+                results[name][setting] = round(per_call_ms(fn, a.calls), 3)
     machine = {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),

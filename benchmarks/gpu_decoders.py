@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
@@ -44,25 +45,46 @@ def batches(store: Store, batch: int, count: int, seed: int = 0):
     return out
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's work (nothing to wait for on the CPU, in dry runs)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def rate(decode, work, device) -> float:
-    decode(*work[0])  # warm-up: pipelines, allocations
-    torch.cuda.synchronize(device)
+    """img/s of ``decode(data, windows)`` over ``work`` after a warm-up on its first batch
+    (pipelines, allocations), which is not counted."""
+    decode(*work[0])
+    sync(device)
     t0 = time.perf_counter()
     for data, windows in work[1:]:
         decode(data, windows)
-    torch.cuda.synchronize(device)
+    sync(device)
     return sum(len(d) for d, _ in work[1:]) / (time.perf_counter() - t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def from_threads(decode, work, threads: int) -> int:
+    """``decode(data, windows)`` every batch of ``work`` from ``threads`` threads taking
+    batches in turn, back to back, as the loader's decode threads call it; images decoded."""
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda item: decode(*item), work))
+    return sum(len(d) for d, _ in work)
+
+
+def setup(doc: str, out: str) -> tuple[argparse.Namespace, torch.device, list]:
+    """The decoder benchmarks' command line (STORE, --batch-size, --batches, --out), the
+    CUDA device and the store's batches in RAM."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("store")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--batches", type=int, default=40)
-    ap.add_argument("--out", default="gpu-decoders.json")
+    ap.add_argument("--out", default=out)
     a = ap.parse_args()
-    device = torch.device("cuda")
-    work = batches(Store(a.store), a.batch_size, a.batches)
+    return a, torch.device("cuda"), batches(Store(a.store), a.batch_size, a.batches)
+
+
+def main() -> None:
+    a, device, work = setup(__doc__, "gpu-decoders.json")
     results = []
     nvjpeg = get_decoder("nvjpeg", device=device)
     settings = [("nvjpeg", "whole image", lambda d, w: nvjpeg.decode_batch(d))]

@@ -26,7 +26,6 @@ import json
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,6 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 import numpy as np
 import torch
+from gil_copies import busy_python_thread
 
 import loader
 from loader import augment_gpu, prefetch
@@ -97,7 +97,7 @@ def _ours(filename: str) -> bool:
 
 def bare(store: Store, device: torch.device, decoder: str, count: int) -> dict:
     """Decoder alone, decoder on slot-like slices, and decoder + augmentation."""
-    from gpu_decoders import batches
+    from gpu_decoders import batches, from_threads, rate, sync
 
     work = batches(store, 256, count)
     dec = get_decoder(decoder, device=device)
@@ -108,16 +108,9 @@ def bare(store: Store, device: torch.device, decoder: str, count: int) -> dict:
 
     spec = Transform("train", 224)
     augment = GpuAugment(spec.size, spec.mean, spec.std, spec.antialias)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda d=None: None)
 
-    def timed(items, fn) -> float:
-        fn(*items[0])
-        sync(device)
-        t0 = time.perf_counter()
-        for item in items[1:]:
-            fn(*item)
-        sync(device)
-        return round(sum(len(d) for d, _ in items[1:]) / (time.perf_counter() - t0))
+    def timed(items, fn) -> int:
+        return round(rate(fn, items, device))
 
     def as_slices(data):
         flat = torch.cat(data)
@@ -154,15 +147,12 @@ def bare(store: Store, device: torch.device, decoder: str, count: int) -> dict:
     rates["decode_augment"] = timed(work, decode_augment)
     # As the loader calls it: as many threads as the decoder takes, calls back to back.
     threads = int(getattr(dec, "concurrent_calls", 1))
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda item: decode(*item), work[:threads]))
-        sync(device)
-        t0 = time.perf_counter()
-        list(pool.map(lambda item: decode(*item), work))
-        sync(device)
-    rates[f"decode_{threads}_threads"] = round(
-        sum(len(d) for d, _ in work) / (time.perf_counter() - t0)
-    )
+    from_threads(decode, work[:threads], threads)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    n = from_threads(decode, work, threads)
+    sync(device)
+    rates[f"decode_{threads}_threads"] = round(n / (time.perf_counter() - t0))
     ms = {k: round(float(np.median(v)), 2) for k, v in gpu_ms.items()}
     return {"img_per_s": rates, "median_ms_per_batch": ms}
 
@@ -173,29 +163,6 @@ def _crops(store: Store, n: int, windows: np.ndarray) -> np.ndarray:
     crops[:, :4] = windows[:n]
     crops[:, 4:6] = 224
     return crops
-
-
-@contextlib.contextmanager
-def busy_python_thread(on: bool):
-    """A thread running a pure Python loop beside the loader, as a training loop holds the
-    GIL: the loader's threads then wait for it each time they let it go."""
-    if not on:
-        yield
-        return
-    stop = threading.Event()
-
-    def spin() -> None:
-        n = 0
-        while not stop.is_set():
-            n += 1
-
-    thread = threading.Thread(target=spin, name="busy-python", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def loader_epochs(store_path: str, a, cpu_share) -> dict:
@@ -218,7 +185,7 @@ def loader_epochs(store_path: str, a, cpu_share) -> dict:
     )
     epochs, sampler = [], StackSampler()
     try:
-        with busy_python_thread(a.busy_thread):
+        with busy_python_thread() if a.busy_thread else contextlib.nullcontext():
             epochs += [one_epoch(dl, epoch, a, sampler) for epoch in range(a.epochs)]
     finally:
         sampler.__exit__()

@@ -16,7 +16,6 @@ bytes in RAM and batches of the sampler's crop windows:
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import sys
@@ -29,9 +28,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 import numpy as np
 import torch
 
-from benchmarks.gpu_decoders import batches
+from benchmarks.gpu_decoders import from_threads, setup, sync
 from loader.decode import get_decoder
-from loader.store import Store
 
 DEPTH = 2
 
@@ -97,32 +95,17 @@ class AsyncDali:
 
 
 def timed(fn, device) -> float:
-    torch.cuda.synchronize(device)
+    """img/s of ``fn()``, which returns the images it decoded."""
+    sync(device)
     t0 = time.perf_counter()
     n = fn()
-    torch.cuda.synchronize(device)
+    sync(device)
     return n / (time.perf_counter() - t0)
 
 
 def torchvision_threads(nvjpeg, work, threads: int) -> int:
-    """Decode ``work`` with ``threads`` threads taking batches in turn; images decoded."""
-    it = iter(work)
-    lock = threading.Lock()
-
-    def serve():
-        while True:
-            with lock:
-                item = next(it, None)
-            if item is None:
-                return
-            nvjpeg.decode_batch(item[0])
-
-    pool = [threading.Thread(target=serve) for _ in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    return sum(len(d) for d, _ in work)
+    """Decode ``work`` (whole images) from ``threads`` threads; images decoded."""
+    return from_threads(lambda data, _windows: nvjpeg.decode_batch(data), work, threads)
 
 
 def split(work, share: float):
@@ -147,14 +130,7 @@ def side_by_side(nvjpeg, pipe: AsyncDali, work, share: float) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("store")
-    ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--batches", type=int, default=40)
-    ap.add_argument("--out", default="gpu-split.json")
-    a = ap.parse_args()
-    device = torch.device("cuda")
-    work = batches(Store(a.store), a.batch_size, a.batches)
+    a, device, work = setup(__doc__, "gpu-split.json")
     nvjpeg = get_decoder("nvjpeg", device=device)
     results = []
 

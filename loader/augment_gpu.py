@@ -106,7 +106,7 @@ def copy_holding_gil(dst: np.ndarray, src: np.ndarray) -> None:
     GIL. numpy and torch let the GIL go around a large copy, and a thread that lets it go
     waits for a busy one (the training loop) to drop it: up to a switch interval (5 ms)
     each time. On the dev machine, beside a busy Python thread, the kernels' 300 KB row
-    table took 2.0-2.7 ms by numpy and 0.003 ms this way (``benchmarks/gil_copies.py``)."""
+    table took 2.4-2.6 ms by numpy and 0.004-0.006 ms this way (``benchmarks/gil_copies.py``)."""
     if dst.nbytes:  # (memoryview cannot cast an empty array)
         view = memoryview(dst).cast("B")
         view[:] = memoryview(np.ascontiguousarray(src)).cast("B")
@@ -115,7 +115,7 @@ def copy_holding_gil(dst: np.ndarray, src: np.ndarray) -> None:
 def gather(rows: Rows, target: np.ndarray) -> None:
     """Write ``rows.array[rows.rows]`` into ``target`` (C-contiguous), row by row, keeping
     the GIL (see ``copy_holding_gil``; ``np.take`` and ``torch.index_select`` both let it
-    go: 15.7 and 5.2 ms for 26 rows of 224x224x3 beside a busy thread, against 0.07)."""
+    go: 15.6 and 5.2 ms for 26 rows of 224x224x3 beside a busy thread, against 0.07)."""
     src = rows.array
     if not target.nbytes:
         return

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import math
 import os
 import queue
 import re
@@ -186,7 +187,7 @@ class DaliDecoder:
         """Copy DALI's ragged output into one tensor; a sample of the wrong shape is None.
         Also returns an event after the copy (None where the copy is done on return)."""
         shapes = [tuple(s) for s in out.shape()]
-        sizes = [int(np.prod(s)) for s in shapes]
+        sizes = [math.prod(s) for s in shapes]
         buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
         target = ctypes.c_void_p(buffer.data_ptr())
         copied = None
@@ -198,24 +199,26 @@ class DaliDecoder:
             copied.record(stream)
         else:
             out.copy_to_external(target)
-        return hwc_views(buffer, shapes, windows[:, 2:4]), copied
+        return hwc_views(buffer, shapes, sizes, windows[:, 2:4]), copied
 
 
 def _as_numpy(data) -> np.ndarray:
     return data if isinstance(data, np.ndarray) else data.numpy()
 
 
-def hwc_views(buffer: torch.Tensor, shapes: list[tuple], expected: np.ndarray) -> list:
+def hwc_views(
+    buffer: torch.Tensor, shapes: list[tuple], sizes: list[int], expected: np.ndarray
+) -> list:
     """[3, h, w] views of images stored back to back in ``buffer`` as HWC pixels, of
-    DALI's ``shapes``; None where a shape is not the ``expected`` (h, w) with 3 channels.
+    DALI's ``shapes`` (``sizes`` elements each); None where a shape is not the
+    ``expected`` (h, w) with 3 channels.
 
     The views are made in one call (a nested tensor over the buffer, unbound): a view and
     a permute per image are 512 torch calls a batch, each letting the GIL go, and on the
-    dev machine beside a busy Python thread 256 images took 183-218 ms that way, 39-51
+    dev machine beside a busy Python thread 256 images took 191-208 ms that way, 36-41
     this way (``benchmarks/gil_copies.py``).
     Where that private torch call is missing, it falls back to the calls per image.
     """
-    sizes = [int(np.prod(s)) for s in shapes]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     ok = [s == (h, w, 3) for s, (h, w) in zip(shapes, expected.tolist(), strict=True)]
     good = np.flatnonzero(ok)

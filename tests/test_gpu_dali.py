@@ -191,7 +191,7 @@ def test_views_of_the_copied_images_in_one_call_or_one_by_one(monkeypatch, neste
     expected = np.array([[4, 5], [2, 3], [5, 5], [6, 1]])  # the third is not its window
     buffer = torch.arange(sum(int(np.prod(s)) for s in shapes), dtype=torch.int32)
     buffer = buffer.to(torch.uint8)
-    views = hwc_views(buffer, shapes, expected)
+    views = hwc_views(buffer, shapes, [int(np.prod(s)) for s in shapes], expected)
     at = 0
     for shape, view in zip(shapes, views, strict=True):
         pixels = buffer[at : at + int(np.prod(shape))].view(shape).permute(2, 0, 1)
