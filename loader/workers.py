@@ -160,6 +160,7 @@ class WorkerPool:
         worker_init_fn: Callable[[int], None] | None = None,
     ) -> None:
         self._procs: list[mp.process.BaseProcess] = []
+        self._sentinels: dict[int, int] = {}  # a worker's process sentinel -> its number
         self._conns = []
         self.outstanding = [0] * num_workers
         self._done: list[tuple[int, int, object]] = []  # results read, not yet handed out
@@ -182,6 +183,7 @@ class WorkerPool:
             proc.start()
             there.close()
             self._procs.append(proc)
+            self._sentinels[proc.sentinel] = wid
             self._conns.append(here)
 
     @property
@@ -226,7 +228,7 @@ class WorkerPool:
 
     def _collect(self, timeout: float) -> None:
         """Read the results that arrive within ``timeout`` s into ``_done``."""
-        sentinels = {p.sentinel: wid for wid, p in enumerate(self._procs)}
+        sentinels = self._sentinels
         ready = wait([*self._conns, *sentinels], timeout)
         for wid, conn in enumerate(self._conns):
             if conn in ready:  # before the sentinels: a failing worker reports, then exits
@@ -286,4 +288,4 @@ class WorkerPool:
                 proc.join()
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns, self._done = [], [], []
+        self._procs, self._conns, self._done, self._sentinels = [], [], [], {}
