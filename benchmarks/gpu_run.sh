@@ -5,7 +5,8 @@
 # bench, profile, ingest, ddp); logs and JSON go to $OUT. MAX_SIZE=512 makes "bench" compare
 # every pipeline on images capped at 512 px (imfeed-bench --max-size); SHORT_SIDE=800-1000
 # makes camera-sized images instead of ImageNet-shaped ones (--short-side). PROBE_ARGS go
-# to the probe (e.g. "--busy-thread --gather-chunk 256").
+# to the probe (e.g. "--busy-thread --gather-chunk 256"); TRAIN_STEPS sets the timed steps of
+# the bench's training checks (30).
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=/tmp/bw N=${IMAGES:-20000}
@@ -24,7 +25,7 @@ for stage in "$@"; do
     decoders) prepare; timeout 200 python3 benchmarks/gpu_decoders.py "$STORE" --out $OUT/gpu-decoders.json 2>&1 | tee $OUT/gpu-decoders.log | tail -20 ;;
     bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W ${MAX_SIZE:+--max-size $MAX_SIZE} ${SHORT_SIDE:+--short-side $SHORT_SIDE} \
         --batch-size 256 --workers 16 --dtype float16 --channels-last --passes ${PASSES:-3} --train-check \
-        --train-steps 30 --only "${ONLY:-torch-pil,loader-nvjpeg,loader-dali,loader-dali-auto,dali-crop,dali-ram}" \
+        --train-steps ${TRAIN_STEPS:-30} --only "${ONLY:-torch-pil,loader-nvjpeg,loader-dali,loader-dali-auto,dali-crop,dali-ram}" \
         --name "${NAME:-gpu-h200-dali}" --out $OUT --logs /tmp/blogs > $OUT/bench.log 2>&1; tail -25 $OUT/bench.log ;;
     profile) prepare; timeout 300 python3 benchmarks/profile_example.py "$FOLDER" "$STORE" > $OUT/profile.log 2>&1; cat $OUT/profile.log | tail -20 ;;
     ingest) timeout ${INGEST_S:-300} python3 benchmarks/bench_ingest.py --images 20000 --workdir /tmp/bi --out $OUT > $OUT/ingest.log 2>&1; tail -25 $OUT/ingest.log ;;

@@ -128,6 +128,22 @@ def gather(rows: Rows, target: np.ndarray) -> None:
         into[k * size : (k + 1) * size] = source[j * size : (j + 1) * size]
 
 
+def cut(data: torch.Tensor, starts: list[int], lengths: list[int]) -> list[torch.Tensor]:
+    """``[data[s : s + m] for s, m in zip(starts, lengths)]`` in one torch call where the
+    spans come in order without overlap (as the workers pack a batch's JPEGs): each torch
+    call lets the GIL go, and a batch's 256 slices took 6.4-8.8 ms beside a busy Python
+    thread, 0.2 alone (``benchmarks/gil_copies.py``)."""
+    if not starts:
+        return []
+    sizes, end = [], starts[0]
+    for s, m in zip(starts, lengths, strict=True):
+        if s < end or m < 0:  # out of order or overlapping: one slice each
+            return [data[s : s + m] for s, m in zip(starts, lengths, strict=True)]
+        sizes += (s - end, m)  # the gap before the span (maybe 0), then the span
+        end = s + m
+    return list(data[starts[0] : end].split(sizes)[1::2])
+
+
 def _host(a: np.ndarray | Rows) -> np.ndarray:
     return a.array[a.rows] if isinstance(a, Rows) else a
 

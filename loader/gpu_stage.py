@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from loader.augment import Transform
-from loader.augment_gpu import GpuAugment, Rows, upload
+from loader.augment_gpu import GpuAugment, Rows, cut, upload
 from loader.decode import get_decoder
 from loader.decode_nvjpeg import check_decoded
 from loader.encoded import EncodedBatches
@@ -183,9 +183,8 @@ class GpuStage:
         ``finish``: the prefetch thread was the limit with a CPU share on an H200
         (gathering them took 15-19% of its time, gpu-h200-probe-shares2.log), while a
         decode thread would wait for the decoder's lock. So are the JPEGs cut out of the
-        slot: 256 torch slices a batch, which beside a busy Python thread take several ms
-        where alone they take 0.2 (``benchmarks/gil_copies.py``), time the decoder does not
-        wait for here."""
+        slot (``cut``: one torch call where 256 slices took several ms beside a busy Python
+        thread)."""
         # Images of two batches ago are let go, once their kernels are surely done: only
         # then may the decoders' allocations take their memory.
         with self._in_flight_lock:
@@ -194,7 +193,10 @@ class GpuStage:
             event.synchronize()
         del done
         crops = views["crops"][gpu_rows]
-        encoded = [data[s : s + m] for s, m in zip(*spans, strict=True)]
+        if isinstance(data, torch.Tensor):
+            encoded = cut(data, *spans)
+        else:  # numpy slices keep the GIL
+            encoded = [data[s : s + m] for s, m in zip(*spans, strict=True)]
         with self._on_side_stream(self.decode_stream):
             cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
             early = None

@@ -4,6 +4,7 @@ consistent figures (never speeds), the others as skipped with the reason; a char
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -21,7 +22,8 @@ from ingest.synth import make_image_folder
 from loader.bench import chart, report, runner
 from loader.bench import data as bench_data
 from loader.bench.cli import main
-from loader.bench.pipelines import Settings, build, specs, unavailable
+from loader.bench.pipelines import Settings, Spec, build, share_variant, specs, unavailable
+from loader.bench.run import choose
 from loader.decode import decoders
 from loader.store import Store
 
@@ -170,6 +172,25 @@ def test_unavailable_reasons():
     by_name = {spec.name: unavailable(spec, s) for spec in specs()}
     assert by_name["torch-pil"] == "needs an image folder: give --data a folder rather than a store"
     assert by_name["torch-lmdb"] is None and by_name["loader-cpu"] is None
+
+
+def test_a_fixed_cpu_share_is_a_pipeline_named_by_its_share():
+    spec = share_variant("loader-nvjpeg-0.25")
+    label = "loader.DataLoader, decoder='nvjpeg', cpu_share=0.25"
+    assert spec == Spec("loader-nvjpeg-0.25", label, "ours")
+    # Not a GPU decoder, not a share in (0, 1), not a number: not such a pipeline.
+    for name in ("loader-cpu-0.25", "loader-nvjpeg-1.5", "loader-nvjpeg-0", "loader-nvjpeg-auto",
+                 "loader-nvjpeg", "dali-crop-0.2", "loader-nope-0.2"):  # fmt: skip
+        assert share_variant(name) is None, name
+    s = Settings(folder=None, store="x", batch_size=8, workers=1, dtype="float32",
+                 channels_last=False, eval=False, device="cpu")  # fmt: skip
+    known, skipped = choose(argparse.Namespace(only="loader-cpu,loader-nvjpeg-0.25"), s)
+    assert known[-1].name == "loader-nvjpeg-0.25"
+    reason = "decodes on a CUDA device, and this run delivers to the CPU"
+    assert skipped["loader-nvjpeg-0.25"] == reason
+    assert "loader-cpu" not in skipped and skipped["loader-nvjpeg"] == "not in --only"
+    with pytest.raises(SystemExit, match="unknown name"):
+        choose(argparse.Namespace(only="loader-nvjpeg-2"), s)
 
 
 def test_a_pipeline_that_fails_to_start_is_skipped_with_the_reason(tmp_path):

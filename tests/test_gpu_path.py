@@ -626,6 +626,29 @@ def test_gathering_rows_into_a_buffer_matches_numpy():
     gather(Rows(pixels, np.zeros(0, np.int64)), np.zeros((0, 5, 4, 3), np.uint8))
 
 
+@pytest.mark.parametrize(
+    "starts, lengths",
+    [
+        ([0, 5, 9], [5, 4, 3]),  # packed back to back
+        ([2, 9, 20], [3, 0, 7]),  # gaps (CPU-decoded rows between), an empty span
+        ([10, 0, 4], [3, 4, 2]),  # out of order: sliced one by one
+        ([0, 3], [5, 4]),  # overlapping: sliced one by one
+        ([], []),
+    ],
+)
+def test_cutting_spans_out_of_a_slot_matches_slicing(starts, lengths):
+    from loader.augment_gpu import cut
+
+    data = torch.arange(40, dtype=torch.uint8)
+    pieces = cut(data, starts, lengths)
+    assert [p.tolist() for p in pieces] == [
+        data[s : s + m].tolist() for s, m in zip(starts, lengths, strict=True)
+    ]
+    assert all(
+        p.data_ptr() == data.data_ptr() + s for p, s in zip(pieces, starts, strict=True) if len(p)
+    )
+
+
 def test_one_copy_unpacks_into_arrays_of_their_shapes_and_dtypes():
     from loader.augment_gpu import Rows, unpack
 

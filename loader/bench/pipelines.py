@@ -66,6 +66,23 @@ def specs() -> list[Spec]:
     return found
 
 
+def share_variant(name: str) -> Spec | None:
+    """``loader-<GPU decoder>-<share>`` (e.g. ``loader-nvjpeg-0.2``): the workers decode that
+    fixed share of every batch; None for any other name."""
+    from loader.decode import decoders, runs_in_workers
+
+    decoder, _, share = name.removeprefix("loader-").partition("-")
+    if not name.startswith("loader-") or decoder not in decoders() or runs_in_workers(decoder):
+        return None
+    try:
+        value = float(share)
+    except ValueError:
+        return None
+    if not 0.0 < value < 1.0:
+        return None
+    return Spec(name, f"loader.DataLoader, decoder={decoder!r}, cpu_share={value}", "ours")
+
+
 def unavailable(spec: Spec, s: Settings) -> str | None:
     """Why ``spec`` cannot run with these settings (checked before starting it), or None."""
     dali = spec.name.startswith("dali-")
@@ -105,7 +122,8 @@ def build(name: str, s: Settings):
         return TorchPipeline(LMDBDataset(s.store, transform=torch_transform(s)), s)
     if name.startswith("loader-"):
         decoder, _, variant = name.removeprefix("loader-").partition("-")
-        return OurPipeline(decoder, s, cpu_share="auto" if variant == "auto" else 0.0)
+        share = "auto" if variant == "auto" else float(variant) if variant else 0.0
+        return OurPipeline(decoder, s, cpu_share=share)
     if name == "synthetic":
         from loader.bench.train import Synthetic
 

@@ -10,7 +10,7 @@ from loader.bench import report as rep
 from loader.bench import runner
 from loader.bench.data import Data
 from loader.bench.machine import fingerprint
-from loader.bench.pipelines import Settings, specs, unavailable
+from loader.bench.pipelines import Settings, share_variant, specs, unavailable
 from loader.bench.train import MODELS
 
 
@@ -38,8 +38,8 @@ def train_warmup(train_steps: int, workers: int) -> int:
 
 def choose(args, s: Settings) -> tuple[list, dict]:
     """The pipelines to run and, for the others, why not."""
-    known = specs()
     only = {n.strip() for n in args.only.split(",")} if args.only else None
+    known = specs() + [v for n in sorted(only or ()) if (v := share_variant(n))]
     if only and only - {k.name for k in known}:
         names = ", ".join(k.name for k in known)
         raise SystemExit(f"imfeed-bench: --only {args.only}: unknown name; known: {names}")
