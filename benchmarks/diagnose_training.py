@@ -1,19 +1,25 @@
 """Why does a model train slower when fed by the GPU path than the wait for data explains?
 
-Runs ResNet-50 (bf16 autocast, channels_last, SGD, batch 256) for a fixed number of steps
-in one process, under each condition below, and prints img/s, the share of step time the
-loop waited in ``next()`` and NVML's GPU utilisation:
+Runs ResNet-50 or -18 (bf16 autocast, channels_last, SGD, batch 256) for a fixed number of
+steps in one process, under each condition below, and prints img/s, the share of step time
+the loop waited in ``next()`` and NVML's GPU utilisation:
 
 - ``synthetic``: one batch already on the GPU (the ceiling);
 - ``synthetic+gil``: the same with a Python thread doing small numpy work without pause
   (how much a busy Python thread beside the loop costs it);
 - ``synthetic+decode``: the same with a thread calling torchvision's batched nvjpeg decode
   on 256 JPEGs in a loop (the GPU decoder's own cost);
+- ``decode``: that decode thread alone, no training (its rate by itself);
+- ``synthetic+nvimgcodec`` / ``synthetic+nvimgcodec-hi``: the same with nvImageCodec's
+  batched decode (where installed) on a normal- / high-priority stream of ours: whether a
+  decoder that takes our stream keeps its speed beside training, where torchvision's runs
+  on a normal-priority stream of its own; ``nvimgcodec``: alone;
 - ``fed``: fed by ``loader.DataLoader(decoder="nvjpeg", cpu_share=0)``, with the prefetch
-  thread's CPU time per batch from ``dl.stats()``;
-- ``fed+switch``: the same with ``sys.setswitchinterval(2e-4)`` (GIL hand-offs 25x sooner).
+  thread's CPU time per batch from ``dl.stats()``; ``fed-0.3``: the workers decode 30%;
+- ``fed+switch``: ``fed`` with ``sys.setswitchinterval(2e-4)`` (GIL hand-offs 25x sooner).
 
-    python3 benchmarks/diagnose_training.py STORE [--steps 40] [--workers 16]
+    python3 benchmarks/diagnose_training.py STORE [--model resnet18] [--steps 40]
+        [--workers 16] [--only synthetic,synthetic+decode,...]
 """
 
 from __future__ import annotations
@@ -35,9 +41,13 @@ import torchvision
 import loader
 from loader.store import Store
 
+CONDITIONS = ("synthetic", "synthetic+gil", "decode", "synthetic+decode", "nvimgcodec",
+              "synthetic+nvimgcodec", "synthetic+nvimgcodec-hi", "fed", "fed-0.3",
+              "fed+switch")  # fmt: skip
 
-def step_fn():
-    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+
+def step_fn(name: str = "resnet50"):
+    model = getattr(torchvision.models, name)().cuda().to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
 
@@ -95,43 +105,97 @@ class Side:
         self.per_s = self.rounds / (time.perf_counter() - self.t0)
 
 
+def alone(work, seconds: float = 3.0) -> float:
+    """Rounds per second of ``work`` by itself (after one untimed round)."""
+    work()
+    t0, rounds = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        work()
+        rounds += 1
+    return rounds / (time.perf_counter() - t0)
+
+
+def nvimgcodec_work(blobs: list[np.ndarray], priority: int):
+    """One batched nvImageCodec decode of ``blobs`` on a stream of ours of ``priority``,
+    waited for; None where nvImageCodec is not installed."""
+    try:
+        from nvidia import nvimgcodec
+    except ImportError:
+        return None
+    decoder = nvimgcodec.Decoder(device_id=torch.cuda.current_device())
+    stream = torch.cuda.Stream(priority=priority)
+
+    def work() -> None:
+        images = decoder.decode([nvimgcodec.CodeStream(b) for b in blobs],
+                                cuda_stream=stream.cuda_stream)  # fmt: skip
+        assert all(image is not None for image in images)
+        stream.synchronize()
+
+    return work
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("store")
+    ap.add_argument("--model", default="resnet50")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--only", default=",".join(CONDITIONS))
     args = ap.parse_args()
-    step = step_fn()
+    only = args.only.split(",")
+    step = step_fn(args.model)
     x = torch.randn(256, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
     x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (256,), device="cuda")
     synthetic = itertools.repeat((x, y))
-    out = {"synthetic": run(step, synthetic, args.steps)}
-    print("synthetic", out["synthetic"], flush=True)
+    out = {"model": args.model}
 
-    a = np.random.default_rng(0).random(1000)
-    with Side(lambda: float(np.sort(a)[0])) as side:
-        out["synthetic+gil"] = run(step, synthetic, args.steps)
-    out["synthetic+gil"]["side_per_s"] = round(side.per_s)
-    print("synthetic+gil", out["synthetic+gil"], flush=True)
+    def say(name: str) -> None:
+        print(name, out[name], flush=True)
+
+    if "synthetic" in only:
+        out["synthetic"] = run(step, synthetic, args.steps)
+        say("synthetic")
+    if "synthetic+gil" in only:
+        a = np.random.default_rng(0).random(1000)
+        with Side(lambda: float(np.sort(a)[0])) as side:
+            out["synthetic+gil"] = run(step, synthetic, args.steps)
+        out["synthetic+gil"]["side_per_s"] = round(side.per_s)
+        say("synthetic+gil")
 
     st = Store(args.store)
-    blobs = [torch.frombuffer(bytearray(st.image(i)[0]), dtype=torch.uint8) for i in range(256)]
+    raw = [np.frombuffer(st.image(i)[0], dtype=np.uint8) for i in range(256)]
+    blobs = [torch.from_numpy(b.copy()) for b in raw]
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    with Side(lambda: decode_jpeg(blobs, mode=ImageReadMode.RGB, device="cuda")) as side:
-        out["synthetic+decode"] = run(step, synthetic, args.steps)
-    out["synthetic+decode"]["decoded_per_s"] = round(256 * side.per_s)
-    print("synthetic+decode", out["synthetic+decode"], flush=True)
+    sides = {
+        "decode": lambda: decode_jpeg(blobs, mode=ImageReadMode.RGB, device="cuda"),
+        "nvimgcodec": nvimgcodec_work(raw, priority=0),
+        "nvimgcodec-hi": nvimgcodec_work(raw, priority=-1),
+    }
+    for name in ("decode", "nvimgcodec"):
+        if name in only and sides[name] is not None:
+            out[name] = {"decoded_per_s": round(256 * alone(sides[name]))}
+            say(name)
+    for name in ("decode", "nvimgcodec", "nvimgcodec-hi"):
+        key = f"synthetic+{name}"
+        if key in only and sides[name] is not None:
+            with Side(sides[name]) as side:
+                out[key] = run(step, synthetic, args.steps)
+            out[key]["decoded_per_s"] = round(256 * side.per_s)
+            say(key)
 
-    for name, interval in (("fed", None), ("fed+switch", 2e-4)):
+    for name, interval, share in (("fed", None, 0.0), ("fed-0.3", None, 0.3),
+                                  ("fed+switch", 2e-4, 0.0)):  # fmt: skip
+        if name not in only:
+            continue
         old = sys.getswitchinterval()
         if interval:
             sys.setswitchinterval(interval)
         dl = loader.DataLoader(args.store, batch_size=256, shuffle=True, drop_last=True,
                                num_workers=args.workers, transform="train",
                                dtype=torch.bfloat16, channels_last=True, device="cuda",
-                               decoder="nvjpeg", cpu_share=0.0,
+                               decoder="nvjpeg", cpu_share=share,
                                persistent_workers=True)  # fmt: skip
 
         def forever(dl=dl):
@@ -144,7 +208,7 @@ def main() -> None:
                      for k in ("prefetch_cpu_s", "gpu_decode_s", "augment_s", "wait_s",
                                "stage_wait_s", "stage_busy_s") if k in stats}  # fmt: skip
         out[name]["ms_per_batch"] = per_batch
-        print(name, out[name], flush=True)
+        say(name)
         dl.close()
         sys.setswitchinterval(old)
     print(json.dumps(out, indent=1))
