@@ -199,8 +199,10 @@ def one_epoch(dl, epoch: int, a, sampler) -> dict:
     t0, n = time.perf_counter(), 0
     if epoch == min(1, a.epochs - 1):  # the first epoch warms up
         sampler.__enter__()
-    for images, _ in dl:
+    for k, (images, _) in enumerate(dl, 1):
         n += len(images)
+        if k == a.epoch_batches:  # a short epoch (beside a busy thread a whole one is slow)
+            break
     if images.is_cuda:
         torch.cuda.synchronize(images.device)
     seconds = time.perf_counter() - t0
@@ -250,6 +252,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--batches", type=int, default=30, help="batches of the bare part")
+    ap.add_argument(
+        "--epoch-batches", type=int, default=0,
+        help="end each loader epoch after this many batches (0: whole epochs)",
+    )  # fmt: skip
     ap.add_argument("--decoder", default="nvjpeg")
     ap.add_argument(
         "--cpu-share", default="0",
