@@ -12,7 +12,9 @@
    thread's Python stack every millisecond and counts where the prefetch thread, the
    decode thread and the main thread are (the innermost frame of this repository, and the
    innermost frame of all). A thread inside a C call that has released the GIL shows at
-   the Python line that made the call.
+   the Python line that made the call. With ``--cprofile``, also the CPU the prefetch
+   thread and the decode threads spend per batch, by function (cProfile, after the first
+   epoch): what they take from the training loop's interpreter.
 
     python3 benchmarks/gpu_path_probe.py STORE [--epochs 4] [--workers 16] [--out probe.json]
 """
@@ -22,7 +24,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import cProfile
 import json
+import pstats
 import sys
 import threading
 import time
@@ -36,7 +40,7 @@ import torch
 from gil_copies import busy_python_thread
 
 import loader
-from loader import augment_gpu, prefetch
+from loader import augment_gpu, gpu_stage, prefetch
 from loader.augment import Transform
 from loader.augment_gpu import GpuAugment
 from loader.decode import get_decoder
@@ -165,6 +169,62 @@ def _crops(store: Store, n: int, windows: np.ndarray) -> np.ndarray:
     return crops
 
 
+class ThreadProfiles:
+    """cProfile of the prefetch thread's batches (``GpuEpochIterator._produce_one``) and of
+    the decode threads' calls (``GpuStage._decode``): one profiler per thread, merged."""
+
+    TARGETS = (("prefetch", prefetch.GpuEpochIterator, "_produce_one"),
+               ("decode", gpu_stage.GpuStage, "_decode"))  # fmt: skip
+
+    def __init__(self) -> None:
+        self.on = False
+        self.profiles: dict[str, list] = {name: [] for name, _, _ in self.TARGETS}
+        self._local = threading.local()
+        self._real: dict = {}
+
+    def __enter__(self) -> ThreadProfiles:
+        for name, cls, attr in self.TARGETS:
+            real = self._real[name] = getattr(cls, attr)
+            setattr(cls, attr, self._wrap(name, real))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, cls, attr in self.TARGETS:
+            setattr(cls, attr, self._real[name])
+
+    def _wrap(self, name: str, real):
+        def profiled(*args, **kwargs):
+            if not self.on:
+                return real(*args, **kwargs)
+            prof = getattr(self._local, name, None)
+            if prof is None:
+                prof = cProfile.Profile()
+                setattr(self._local, name, prof)
+                self.profiles[name].append(prof)
+            prof.enable()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                prof.disable()
+
+        return profiled
+
+    def report(self, batches: int, top: int = 15) -> dict:
+        """{thread group: [(function, ms of its own CPU per batch, calls per batch)]}."""
+        out = {}
+        for name, profs in self.profiles.items():
+            if not profs or not batches:
+                continue
+            stats = pstats.Stats(*profs)
+            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+            out[name] = [
+                (f"{Path(file).name}:{line}({func})", round(tt / batches * 1e3, 3),
+                 round(nc / batches, 1))
+                for (file, line, func), (_, nc, tt, _, _) in rows
+            ]  # fmt: skip
+        return out
+
+
 def loader_epochs(store_path: str, a, cpu_share) -> dict:
     if a.gather_chunk:  # samples per worker task (fewer tasks: fewer pipe messages a batch)
         prefetch._MIN_GATHER_CHUNK = a.gather_chunk
@@ -183,14 +243,19 @@ def loader_epochs(store_path: str, a, cpu_share) -> dict:
         prefetch_factor=a.prefetch,
         cpu_share=cpu_share,
     )
-    epochs, sampler = [], StackSampler()
+    epochs, sampler, profiles = [], StackSampler(), ThreadProfiles()
+    busy = busy_python_thread() if a.busy_thread else contextlib.nullcontext()
     try:
-        with busy_python_thread() if a.busy_thread else contextlib.nullcontext():
-            epochs += [one_epoch(dl, epoch, a, sampler) for epoch in range(a.epochs)]
+        with profiles, busy:
+            for epoch in range(a.epochs):
+                profiles.on = a.cprofile and epoch >= min(1, a.epochs - 1)  # after warm-up
+                epochs.append(one_epoch(dl, epoch, a, sampler))
     finally:
         sampler.__exit__()
         dl.close()
-    return {"epochs": epochs, "stacks": sampler.report()}
+    timed = epochs[min(1, len(epochs) - 1) :]
+    batches = sum(e["batches"] for e in timed) if a.cprofile else 0
+    return {"epochs": epochs, "stacks": sampler.report(), "cpu_per_batch": profiles.report(batches)}
 
 
 def one_epoch(dl, epoch: int, a, sampler) -> dict:
@@ -215,7 +280,9 @@ def one_epoch(dl, epoch: int, a, sampler) -> dict:
     gpu, cpu = (after.get(k, 0) - before.get(k, 0) for k in ("gpu_decoded", "cpu_decoded"))
     share = round(gpu / max(gpu + cpu, 1), 3)
     print(f"epoch {epoch}: {n / seconds:,.0f} img/s gpu_share {share} {per}", flush=True)
-    return {"img_per_s": round(n / seconds), "gpu_share": share, "us_per_image": per}
+    batches = round(after.get("batches", 0) - before.get("batches", 0))
+    return {"img_per_s": round(n / seconds), "gpu_share": share, "us_per_image": per,
+            "batches": batches}  # fmt: skip
 
 
 _GATHERS = {  # the alternatives to the loader's own gather (memoryview copies, GIL kept)
@@ -271,6 +338,10 @@ def main() -> None:
         "--gather-chunk", type=int, default=0,
         help="samples per worker task (default: the loader's; larger: fewer pipe messages)",
     )  # fmt: skip
+    ap.add_argument(
+        "--cprofile", action="store_true",
+        help="also profile the prefetch and decode threads' CPU per batch, by function",
+    )  # fmt: skip
     ap.add_argument("--out", default="gpu-path-probe.json")
     a = ap.parse_args()
     if a.decoder in ("tvcpu", "dalicpu"):  # a dry run without CUDA (the tests' stand-ins)
@@ -292,6 +363,10 @@ def main() -> None:
             print(f"-- {name}")
             for site, count in sites[:4]:
                 print(f"  {count:6.1%}  {site}")
+        for name, rows in run["cpu_per_batch"].items():
+            print(f"-- CPU per batch, {name} thread(s): ms, calls")
+            for function, ms, calls in rows:
+                print(f"  {ms:8.3f} {calls:7.1f}  {function}")
     Path(a.out).write_text(json.dumps(result, indent=1))
 
 
