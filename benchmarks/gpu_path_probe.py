@@ -198,7 +198,7 @@ class ThreadProfiles:
                 return real(*args, **kwargs)
             prof = getattr(self._local, name, None)
             if prof is None:
-                prof = cProfile.Profile()
+                prof = cProfile.Profile(time.thread_time)  # CPU, not waits
                 setattr(self._local, name, prof)
                 self.profiles[name].append(prof)
             prof.enable()
