@@ -129,7 +129,7 @@ def gather(rows: Rows, target: np.ndarray) -> None:
 
 
 def cut(data: torch.Tensor, starts: list[int], lengths: list[int]) -> list[torch.Tensor]:
-    """``[data[s : s + m] for s, m in zip(starts, lengths)]`` in one torch call where the
+    """``[data[s : s + m] for s, m in zip(starts, lengths)]`` in two torch calls where the
     spans come in order without overlap (as the workers pack a batch's JPEGs): each torch
     call lets the GIL go, and a batch's 256 slices took 6.4-8.8 ms beside a busy Python
     thread, 0.2 alone (``benchmarks/gil_copies.py``)."""

@@ -183,7 +183,7 @@ class GpuStage:
         ``finish``: the prefetch thread was the limit with a CPU share on an H200
         (gathering them took 15-19% of its time, gpu-h200-probe-shares2.log), while a
         decode thread would wait for the decoder's lock. So are the JPEGs cut out of the
-        slot (``cut``: one torch call where 256 slices took several ms beside a busy Python
+        slot (``cut``: two torch calls where 256 slices took several ms beside a busy Python
         thread)."""
         # Images of two batches ago are let go, once their kernels are surely done: only
         # then may the decoders' allocations take their memory.
