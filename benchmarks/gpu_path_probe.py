@@ -5,7 +5,9 @@
    (as ``gpu_decoders.py``), then the same bytes as slices of one buffer (as the loader's
    ring slot hands them over), then decode followed by our augmentation kernels (GPU
    milliseconds per batch of each, from CUDA events), then called from as many threads
-   as the decoder takes, back to back, as the loader calls it.
+   as the decoder takes, back to back, as the loader calls it; and the CPU time of one
+   augmentation call for 64, 256 and 1024 images (``augment_host_ms``: what is per call
+   and what is per image of the interpreter time it takes).
 2. **Loader**: ``loader.DataLoader(decoder=...)`` alone for several epochs (persistent
    workers), for each ``--cpu-share``, with per-epoch img/s, the GPU's share of the
    decoding, ``dl.stats()`` per image and a sampling profiler: a thread reads every
@@ -38,6 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 import numpy as np
 import torch
 from gil_copies import busy_python_thread
+from gpu_decoders import sync
 
 import loader
 from loader import augment_gpu, gpu_stage, prefetch
@@ -101,7 +104,7 @@ def _ours(filename: str) -> bool:
 
 def bare(store: Store, device: torch.device, decoder: str, count: int) -> dict:
     """Decoder alone, decoder on slot-like slices, and decoder + augmentation."""
-    from gpu_decoders import batches, from_threads, rate, sync
+    from gpu_decoders import batches, from_threads, rate
 
     work = batches(store, 256, count)
     dec = get_decoder(decoder, device=device)
@@ -158,7 +161,29 @@ def bare(store: Store, device: torch.device, decoder: str, count: int) -> dict:
     sync(device)
     rates[f"decode_{threads}_threads"] = round(n / (time.perf_counter() - t0))
     ms = {k: round(float(np.median(v)), 2) for k, v in gpu_ms.items()}
-    return {"img_per_s": rates, "median_ms_per_batch": ms}
+    host = augment_host_ms(augment, decode(*work[0]), work[0][1], store, device, windowed)
+    return {"img_per_s": rates, "median_ms_per_batch": ms, "augment_host_ms": host}
+
+
+def augment_host_ms(augment, images, windows, store, device, windowed, calls: int = 20) -> dict:
+    """CPU ms of one augmentation call (the interpreter time it takes from the training
+    loop) for 64, 256 and 1024 images: what is per call and what is per image."""
+    out_ms = {}
+    for n in (64, 256, 1024):
+        some = [images[k % len(images)] for k in range(n)]
+        crops = _crops(store, len(images), windows)[np.arange(n) % len(images)]
+        if windowed:
+            crops[:, :2] = 0
+        out = torch.empty((n, 3, 224, 224), dtype=torch.float16, device=device)
+        out = out.contiguous(memory_format=torch.channels_last)
+        augment(some, crops, np.arange(n), out)  # warm-up (kernel compile, caches)
+        sync(device)
+        t0 = time.thread_time()
+        for _ in range(calls):
+            augment(some, crops, np.arange(n), out)
+        out_ms[n] = round((time.thread_time() - t0) / calls * 1e3, 3)
+        sync(device)
+    return out_ms
 
 
 def _crops(store: Store, n: int, windows: np.ndarray) -> np.ndarray:
