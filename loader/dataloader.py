@@ -279,7 +279,9 @@ class DataLoader:
         (CUDA events); ``gpu_decoded``/``cpu_decoded`` and ``gpu_share``: samples decoded
         on each side; ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
         ``cpu_share``: the workers' current share of the GPU-decodable samples;
-        ``prefetch_cpu_s``: the GPU path's prefetch thread's own CPU time;
+        ``prefetch_cpu_s``: the GPU path's prefetch thread's own CPU time, and
+        ``decode_threads_cpu_s`` its decode threads' (time these threads may take from the
+        training loop's Python, though part of it runs without the GIL);
         ``stage_wait_s``/``stage_busy_s``: that thread's time waiting for the workers and
         working (what ``cpu_share="auto"`` balances); ``h2d_bytes``: bytes this loader
         copied to the device (batches decoded on the CPU, labels, the GPU kernels' tables;

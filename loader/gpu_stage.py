@@ -185,6 +185,7 @@ class GpuStage:
         decode thread would wait for the decoder's lock. So are the JPEGs cut out of the
         slot (``cut``: two torch calls where 256 slices took several ms beside a busy Python
         thread)."""
+        cpu0 = time.thread_time()
         # Images of two batches ago are let go, once their kernels are surely done: only
         # then may the decoders' allocations take their memory.
         with self._in_flight_lock:
@@ -214,6 +215,8 @@ class GpuStage:
                 at = views["indices"][gpu_rows]
                 expected = np.stack([self._index["height"][at], self._index["width"][at]], 1)
             ready = _event(self.device)
+        # What the decode threads take from the training loop's interpreter, among others.
+        self.stats.add(decode_threads_cpu_s=time.thread_time() - cpu0)
         return crops, decoded, expected, time.perf_counter() - t0, ready, early
 
     def _on_side_stream(self, stream) -> contextlib.AbstractContextManager:

@@ -256,6 +256,7 @@ def test_routing_png_and_progressive_to_the_workers(store, share, on_gpu):
     assert stats["gpu_decoded"] == on_gpu
     assert stats["cpu_decoded"] == NUM_SAMPLES - on_gpu
     assert stats["decoder"] == BACKEND and stats["cpu_share"] == share
+    assert stats["prefetch_cpu_s"] > 0 and stats["decode_threads_cpu_s"] > 0
 
 
 def test_a_cpu_share_decodes_each_sample_on_one_side(store):
