@@ -273,21 +273,26 @@ def loader_epochs(store_path: str, a, cpu_share) -> dict:
     try:
         with profiles, busy:
             for epoch in range(a.epochs):
-                profiles.on = a.cprofile and epoch >= min(1, a.epochs - 1)  # after warm-up
+                profiles.on = a.cprofile and epoch >= first_timed(a)
                 epochs.append(one_epoch(dl, epoch, a, sampler))
     finally:
         sampler.__exit__()
         dl.close()
-    timed = epochs[min(1, len(epochs) - 1) :]
+    timed = epochs[first_timed(a) :]
     batches = sum(e["batches"] for e in timed) if a.cprofile else 0
     return {"epochs": epochs, "stacks": sampler.report(), "cpu_per_batch": profiles.report(batches)}
+
+
+def first_timed(a) -> int:
+    """The first epoch the profilers look at: the first one warms up (unless it is all)."""
+    return min(1, a.epochs - 1)
 
 
 def one_epoch(dl, epoch: int, a, sampler) -> dict:
     """One epoch of ``dl``: img/s, the GPU's share of the decoding, stage times per image."""
     before = dl.stats()
     t0, n = time.perf_counter(), 0
-    if epoch == min(1, a.epochs - 1):  # the first epoch warms up
+    if epoch == first_timed(a):
         sampler.__enter__()
     for k, (images, _) in enumerate(dl, 1):
         n += len(images)

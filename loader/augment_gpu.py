@@ -128,13 +128,13 @@ def gather(rows: Rows, target: np.ndarray) -> None:
         into[k * size : (k + 1) * size] = source[j * size : (j + 1) * size]
 
 
-def cut(data: torch.Tensor, starts: list[int], lengths: list[int]) -> list[torch.Tensor]:
-    """``[data[s : s + m] for s, m in zip(starts, lengths)]`` in two torch calls where the
-    spans come in order without overlap (as the workers pack a batch's JPEGs): each torch
-    call lets the GIL go, and a batch's 256 slices took 6.4-8.8 ms beside a busy Python
-    thread, 0.2 alone (``benchmarks/gil_copies.py``)."""
-    if not starts:
-        return []
+def cut(data: torch.Tensor | np.ndarray, starts: list[int], lengths: list[int]) -> list:
+    """``[data[s : s + m] for s, m in zip(starts, lengths)]``; for a tensor, in two torch
+    calls where the spans come in order without overlap (as the workers pack a batch's
+    JPEGs): each torch call lets the GIL go, and a batch's 256 slices took 6.4-8.8 ms beside
+    a busy Python thread, 0.2 alone (``benchmarks/gil_copies.py``). numpy slices keep it."""
+    if not starts or not isinstance(data, torch.Tensor):
+        return [data[s : s + m] for s, m in zip(starts, lengths, strict=True)]
     sizes, end = [], starts[0]
     for s, m in zip(starts, lengths, strict=True):
         if s < end or m < 0:  # out of order or overlapping: one slice each

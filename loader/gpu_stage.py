@@ -194,10 +194,7 @@ class GpuStage:
             event.synchronize()
         del done
         crops = views["crops"][gpu_rows]
-        if isinstance(data, torch.Tensor):
-            encoded = cut(data, *spans)
-        else:  # numpy slices keep the GIL
-            encoded = [data[s : s + m] for s, m in zip(*spans, strict=True)]
+        encoded = cut(data, *spans)
         with self._on_side_stream(self.decode_stream):
             cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
             early = None
