@@ -19,7 +19,8 @@ import torch.utils.data
 from loader import options as opt
 from loader.augment import Transform, resolve_transform
 from loader.batch import PixelBatches
-from loader.decode import runs_in_workers
+from loader.dali_stage import DaliStage
+from loader.decode import runs_in_workers, runs_whole_stage
 from loader.encoded import EncodedBatches
 from loader.epoch import EpochIterator
 from loader.gpu_stage import GpuStage
@@ -190,7 +191,8 @@ class DataLoader:
             slots = 1 if self.num_workers == 0 else self.num_workers * self.prefetch_factor
         else:  # workers gather encoded bytes (and decode a CPU share); the GPU does the rest
             self._producer = EncodedBatches(self.store, self.transform, self.batch_size)
-            self._gpu_stage = GpuStage(
+            stage = DaliStage if runs_whole_stage(self.decoder) else GpuStage
+            self._gpu_stage = stage(
                 self._producer, self.transform, self._output.dtype, bool(channels_last),
                 self.device, self.decoder, cpu_share, self.num_workers, self._stats,
             )  # fmt: skip

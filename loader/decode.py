@@ -100,6 +100,12 @@ def runs_in_workers(name: str) -> bool:
     return bool(_backend(name).in_workers)
 
 
+def runs_whole_stage(name: str) -> bool:
+    """True for a backend that runs the whole GPU stage (decode, crop, resize, flip,
+    normalise) in a pipeline of its own (DALI: ``loader.dali_stage``)."""
+    return bool(getattr(_backend(name), "whole_stage", False))
+
+
 def get_decoder(name: str, **options) -> Decoder:
     """A new decoder of backend ``name``, constructed with ``options`` (e.g. ``antialias``).
 

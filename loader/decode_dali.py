@@ -75,6 +75,8 @@ class DaliDecoder:
     crop_windows = True  # decode_batch takes each image's window and decodes only that
     takes_numpy = True  # the bytes may come as numpy arrays (what DALI is fed)
     concurrent_calls = PIPELINES
+    whole_stage = True  # the loader's DaliStage runs it all in one pipeline; this serves
+    # the batches that pipeline fails on
 
     def __init__(
         self,

@@ -81,7 +81,7 @@ class GpuStage:
         stats: LoaderStats,
     ) -> None:
         self.producer, self.device, self.dtype, self.stats = producer, device, dtype, stats
-        self.size = spec.size
+        self.spec, self.size = spec, spec.size
         self.format = torch.channels_last if channels_last else torch.contiguous_format
         self.decoder = get_decoder(decoder, device=device, batch_size=producer.batch_size)
         # A decoder that decodes only the crop windows (DALI) gets them with the bytes.

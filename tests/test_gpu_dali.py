@@ -1,12 +1,13 @@
-"""The DALI decoder (``decoder="dali"``): it decodes only each sample's crop window, and the
-loader's kernels do the rest, so the samples, labels, windows and pixels are those of the
-other GPU decoder within the tolerances of ``test_gpu_path``.
+"""The DALI decoder (``decoder="dali"``): one DALI pipeline decodes only each sample's crop
+window, resizes, flips and normalises it (``loader.dali_stage``), so the samples, labels
+and windows are those of the other GPU decoder, and the pixels within a stated tolerance.
 
-On CUDA these run DALI's mixed decoder; without one, DALI's CPU decoder stands in (the
-same pipeline, fed the same way). Without DALI installed (CI) only the error test runs.
-Against the full-decode GPU backend: without CUDA the pixels are equal (libjpeg on both
-sides decodes the window's pixels exactly as the whole image's); on CUDA within a mean of
-2.0 uint8 levels per sample (DALI's hardware engines against torchvision's nvjpeg).
+On CUDA these run DALI's mixed decoder and GPU operators; without one, DALI's CPU
+operators stand in (the same pipeline, fed the same way). Without DALI installed (CI) only
+the error test runs. Against the full-decode GPU backend and the loader's own kernels:
+without CUDA within a mean of 0.5 uint8 levels per sample (the same libjpeg pixels, DALI's
+resampling against the loader's: measured 0.25 at most); on CUDA within 2.0 (DALI's
+hardware engines against torchvision's nvjpeg, and the resampling).
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ import loader
 import loader.decode as decode_registry
 from ingest import format as fmt
 from loader.augment import Transform
+from loader.decode_dali import _LIBRARY_LINES
 from loader.store import Store
 
 TRAIN, EVAL = Transform("train", SIZE), Transform("eval", SIZE)
 DALI = dali_backend()
-TOL = 2.0 if CUDA else 0.0
+TOL = 2.0 if CUDA else 0.5
 
 
 def _has_dali() -> bool:
@@ -88,10 +90,8 @@ def test_same_samples_windows_and_pixels_as_the_full_decode(store, spec):
     assert torch.equal(flat(windowed, 1), flat(full, 1))  # and labels
     stats = dl.stats()
     assert stats["decoder"] == DALI and stats["gpu_decoded"] == NUM_SAMPLES - 2
-    assert stats.get("gpu_rejected", 0) == 0
-    if not CUDA:
-        assert torch.equal(flat(windowed, 0), flat(full, 0))
-        return
+    assert stats.get("gpu_rejected", 0) == 0 and stats.get("dali_batches_redone", 0) == 0
+    assert type(dl._gpu_stage).__name__ == "DaliStage"
     reference = pil_reference(store, spec, windowed, seed=5)
     cpu_side = {k * B + r for k, b in enumerate(windowed) for r in cpu_rows(store, b[2])}
     rows = zip(flat(windowed, 0), flat(full, 0), reference, strict=True)
@@ -120,7 +120,7 @@ def test_float_output_and_a_cpu_share(store):
 
 
 @needs_dali
-def test_a_corrupt_record_is_replaced_and_counted(store, tmp_path):
+def test_a_corrupt_record_is_replaced_and_counted(store, tmp_path, capfd):
     _, damaged = corrupt(store, tmp_path, 3)
     dl = make(damaged, shuffle=False)
     batches = epoch(dl)
@@ -129,6 +129,57 @@ def test_a_corrupt_record_is_replaced_and_counted(store, tmp_path):
     assert list(dl.bad_samples) == [3] and dl.num_replaced == 1
     reference = make(damaged, shuffle=False, decoder=BACKEND)
     assert flat(epoch(reference), 2).tolist() == got  # replaced as the other backend does
+    assert capfd.readouterr().err == ""  # nothing from DALI or libjpeg on the terminal
+
+
+@needs_dali
+def test_a_batch_the_pipeline_fails_on_is_decoded_again_image_by_image(store, capfd):
+    reference = make(store)
+    expected = epoch(reference)
+    dl = make(store)
+    stage = dl._gpu_stage
+    feed = stage._feed
+    # The second batch's first JPEG, cut short on its way into the pipeline: DALI fails on
+    # that batch (and the third, if fed already, is fed again to a new pipeline).
+    chosen = Store(store).image(int(expected[1][2][0]))[0]
+    broken = []
+
+    def break_the_chosen_one(encoded, args):
+        if encoded[0].tobytes() == chosen:
+            encoded = [encoded[0][: len(encoded[0]) // 3], *encoded[1:]]
+            broken.append(len(encoded))
+        return feed(encoded, args)
+
+    stage._feed = break_the_chosen_one
+    got = epoch(dl)
+    stats = dl.stats()
+    assert stats["dali_batches_redone"] == 1 and broken == [B]
+    assert stats["gpu_decoded"] == NUM_SAMPLES - 2 and stats.get("gpu_rejected", 0) == 0
+    assert dl.bad_samples == {} and dl.num_replaced == 0  # the store's bytes are fine
+    assert torch.equal(flat(got, 2), flat(expected, 2))
+    assert torch.equal(flat(got, 1), flat(expected, 1))
+    for a, b in zip(flat(got, 0), flat(expected, 0), strict=True):
+        assert mean_diff(a, b) <= TOL  # the redone batch: DALI decodes, our kernels resize
+    assert torch.equal(got[0][0], expected[0][0]) and torch.equal(got[2][0], expected[2][0])
+    # At most nvImageCodec's line about the stream, printed from DALI's own thread, where
+    # the capture around the calls that fed the stream and took the output may miss it.
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) <= 1 and all(_LIBRARY_LINES.search(line) for line in lines)
+
+
+@needs_dali
+def test_an_epoch_left_early_leaves_nothing_behind_in_the_pipeline(store):
+    reference = make(store)
+    epoch(reference)
+    whole = epoch(reference)  # the second epoch
+    dl = make(store)
+    epoch(dl)
+    for _ in range(2):  # the second epoch left twice, each time leaving batches in DALI
+        next(iter(dl))
+    again = epoch(dl)  # and run whole (an epoch left early starts over)
+    assert torch.equal(flat(again, 2), flat(whole, 2))
+    assert torch.equal(flat(again, 0), flat(whole, 0))
+    assert dl.stats().get("dali_batches_redone", 0) == 0
 
 
 @needs_dali

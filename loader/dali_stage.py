@@ -1,0 +1,298 @@
+"""DaliStage: with ``decoder="dali"``, one DALI pipeline runs the whole GPU stage.
+
+The workers gather each batch's JPEG bytes as for the other GPU decoders (and decode a
+CPU share where asked); the pipeline decodes only each sample's crop window (the
+sampler's windows: the same samples on every backend), resizes it to the output size
+(antialiased, rounded to uint8), flips and normalises it into the output dtype and layout,
+all in DALI's own threads and streams. The prefetch thread only feeds it (``start``) and
+copies its output into the batch (``finish``): a few calls a batch instead of the
+decode threads, the ragged copy-out and the loader's augmentation kernels of the
+decode-only DALI backend, whose Python work inside the loader held it to 10-16k img/s on an
+H200 while DALI's own pipelines ran at 24-32k (``benchmarks/results/gpu-h200-*.md``).
+
+The pipeline is asynchronous and pipelined (DALI's default executor): up to ``depth``
+batches are in it at once, fed ahead, and their outputs come back in the order they were
+fed. Its first run starts ``depth`` iterations at once, so a new pipeline is primed with
+one-sample dummy batches whose outputs are dropped; so are the outputs of batches an
+abandoned epoch left in it.
+
+A batch the pipeline fails on (a stream no decoder takes, a window outside its image) is
+decoded again the way of the decode-only DALI backend (``GpuStage``): image by image where
+the batch fails, an image the GPU cannot decode retried on the CPU and, failing there too,
+replaced and counted. The pipeline is then built afresh; so are the batches it held.
+
+The pixels differ from the loader's own kernels only by DALI's resampling (same filter:
+a triangle as wide as the scale when shrinking, bilinear otherwise; the tests state the
+tolerance).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ingest.cstderr import filtered
+from loader.augment_gpu import Rows, cut, upload
+from loader.decode_dali import _LIBRARY_LINES, HW_DECODER_LOAD
+from loader.decode_nvjpeg import raise_if_not_the_data
+from loader.gpu_stage import GpuStage, Started, _event
+
+MAX_THREADS = 8  # DALI's CPU threads (parsing; Huffman decode of what the engines skip)
+
+
+class DaliStarted(NamedTuple):
+    """A batch fed to the pipeline, between ``DaliStage.start`` and ``finish``."""
+
+    slot: dict
+    views: dict
+    gpu_rows: np.ndarray
+    report: object
+    ticket: object  # what the pipeline will return its output for (``_Ticket``)
+    busy: float  # seconds start took
+
+
+class _Ticket:
+    """A batch fed to a pipeline: what it was fed (to feed it again to a new pipeline,
+    should the one holding it fail on an earlier batch)."""
+
+    def __init__(self, encoded: list, args: dict) -> None:
+        self.encoded, self.args = encoded, args
+
+
+class _Pipeline:
+    """A built DALI pipeline and the tickets of the batches in it, oldest first (None for
+    a dummy batch)."""
+
+    def __init__(self, pipe) -> None:
+        self.pipe = pipe
+        self.queue: list = []
+        self.primed = False
+
+
+class DaliStage(GpuStage):
+    """``GpuStage`` whose decode, crop, resize, flip and normalisation run in one DALI
+    pipeline. Same arguments; ``decoder`` names the DALI decoder, which serves the batches
+    the pipeline fails on."""
+
+    def __init__(self, *args, threads: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.threads = threads or max(1, min(MAX_THREADS, (os.cpu_count() or 1) // 2))
+        # The batches the GPU stage holds: all but the one being finished may be in DALI.
+        self.depth = 1 + self.concurrent_calls
+        self._pipeline: _Pipeline | None = None
+        self._out_dtype = self._dali_dtype()
+
+    def start(self, slot: dict[str, torch.Tensor], report, submit=None):
+        """Feed the slot's JPEGs, their windows and flips to the pipeline and let it run."""
+        t0 = time.perf_counter()
+        n = report.n
+        views = {k: v.numpy() for k, v in slot.items()}
+        lengths, starts = views["lengths"][:n], views["starts"][:n]
+        gpu_rows = np.flatnonzero(lengths >= 0)
+        if not len(gpu_rows):  # every row decoded by the workers: nothing for DALI
+            return super().start(slot, report)
+        encoded = cut(views["data"], starts[gpu_rows].tolist(), lengths[gpu_rows].tolist())
+        args = self._arguments(views["crops"][gpu_rows])
+        try:
+            ticket = self._feed(encoded, args)
+        except RuntimeError as e:
+            raise_if_not_the_data(e)
+            self._pipeline = None
+            return super().start(slot, report)
+        return DaliStarted(slot, views, gpu_rows, report, ticket, time.perf_counter() - t0)
+
+    def finish(self, started, waited: float = 0.0) -> tuple:
+        """Copy the pipeline's output for ``started`` into the batch, with the workers'
+        rows; (images, labels, indices, event)."""
+        if isinstance(started, Started):  # a batch started the GpuStage way
+            return super().finish(started, waited)
+        t0 = time.perf_counter()
+        try:
+            result = self._output_of(started.ticket)
+        except RuntimeError as e:  # feeding it failed
+            raise_if_not_the_data(e)
+            self._pipeline, result = None, None
+        if result is None:  # the pipeline failed on this batch
+            self.stats.add(dali_batches_redone=1)
+            again = super().start(started.slot, started.report)
+            return super().finish(again._replace(busy=again.busy + started.busy), waited)
+        decode_s = time.perf_counter() - t0
+        views, gpu_rows, report = started.views, started.gpu_rows, started.report
+        n = report.n
+        indices = views["indices"][:n].copy()
+        labels = self._labels[indices]
+        cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
+        with self._on_side_stream(self.stream):
+            out = torch.empty(
+                (n, 3, *self.size), dtype=self.dtype, device=self.device,
+                memory_format=self.format,
+            )  # fmt: skip
+            if len(cpu_rows):
+                pixels, rows, where, labels = upload(
+                    self.device, Rows(views["pixels"], cpu_rows), cpu_rows, gpu_rows, labels,
+                    stats=self.stats,
+                )  # fmt: skip
+                out.index_copy_(0, where, self._copy_out(result, len(gpu_rows)).to(self.dtype))
+                self.augment.pixels(pixels, rows, out)
+            else:
+                (labels,) = upload(self.device, labels, stats=self.stats)
+                self._copy_out(result, n, into=out)
+            done = _event(self.device)
+        self._account(report, len(gpu_rows), len(cpu_rows), decode_s)
+        self._steer(waited, time.perf_counter() - t0 + started.busy)
+        return out, labels, indices, done
+
+    # -- the pipeline -------------------------------------------------------------------
+
+    def _feed(self, encoded: list, args: dict) -> _Ticket:
+        """Feed one batch (priming a new pipeline first) and schedule its run."""
+        if self._pipeline is None:
+            with filtered(_LIBRARY_LINES):  # optional codecs it did not find, among others
+                self._pipeline = _Pipeline(self._build())
+        own = self._pipeline
+        while len(own.queue) >= self.depth:  # left by an abandoned epoch: make room
+            self._next_output(own)
+        ticket = _Ticket(encoded, args)
+        with filtered(_LIBRARY_LINES):
+            if not own.primed:  # its first run starts `depth` iterations
+                for _ in range(self.depth - 1):
+                    self._feed_one(own, encoded[:1], {k: v[:1] for k, v in args.items()})
+                    own.queue.append(None)
+            self._feed_one(own, encoded, args)
+            own.queue.append(ticket)
+            own.pipe.schedule_run()
+            own.primed = True
+        return ticket
+
+    @staticmethod
+    def _feed_one(own: _Pipeline, encoded: list, args: dict) -> None:
+        own.pipe.feed_input("jpegs", encoded)
+        for name, value in args.items():
+            own.pipe.feed_input(name, value)
+
+    def _output_of(self, ticket: _Ticket):
+        """The pipeline's output for ``ticket``, or None where the pipeline failed on that
+        batch. Outputs fed before it that nobody waits for (dummies, an abandoned epoch's)
+        are dropped; where the pipeline holding it failed on one of those (or on a batch
+        finished earlier), it is fed again to a new one."""
+        for _ in range(2):
+            own = self._pipeline
+            if own is None or not any(t is ticket for t in own.queue):
+                ticket = self._feed(ticket.encoded, ticket.args)
+                own = self._pipeline
+            while True:
+                head = own.queue[0]
+                try:
+                    out = self._next_output(own)
+                except RuntimeError as e:
+                    raise_if_not_the_data(e)
+                    self._pipeline = None  # in an unknown state: a new one takes over
+                    if head is ticket:
+                        return None
+                    break
+                if head is ticket:
+                    return out
+        return None
+
+    def _next_output(self, own: _Pipeline):
+        own.queue.pop(0)
+        stream = self.stream if self.device.type == "cuda" else None
+        with filtered(_LIBRARY_LINES):  # its complaints about a bad stream: an error here
+            (out,) = own.pipe.outputs(cuda_stream=stream)
+        return out
+
+    def _copy_out(self, out, count: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """DALI's dense output of ``count`` images as an [count, 3, H, W] tensor in the
+        batch's dtype and memory format (``into`` where given), on the side stream."""
+        shape = (count, 3, *self.size)
+        same = self._out_dtype[1] == self.dtype
+        if into is None or not same:
+            target = torch.empty(
+                shape, dtype=self._out_dtype[1], device=self.device, memory_format=self.format
+            )
+        else:
+            target = into
+        pointer = ctypes.c_void_p(target.data_ptr())
+        if self.device.type == "cuda":
+            out.copy_to_external(pointer, self.stream.cuda_stream, non_blocking=True)
+        else:
+            out.copy_to_external(pointer)
+        if into is not None and target is not into:
+            into.copy_(target)
+        return target
+
+    def _dali_dtype(self) -> tuple:
+        """(DALI's output type, the torch dtype it is) for the batch's dtype: bfloat16,
+        which DALI does not produce, comes as float32 and is cast on the side stream."""
+        from nvidia.dali import types
+
+        pairs = {
+            torch.uint8: (types.UINT8, torch.uint8),
+            torch.float16: (types.FLOAT16, torch.float16),
+        }
+        return pairs.get(self.dtype, (types.FLOAT, torch.float32))
+
+    def _arguments(self, crops: np.ndarray) -> dict[str, np.ndarray]:
+        """The pipeline's per-sample inputs for crop rows ``crops`` (``CROP_COLUMNS``):
+        the window to decode (x, y and w, h), the part of it resized to the output (y, x
+        from and to, in the window's pixels: all of it for "train", the centre crop's
+        share of it for "eval") and the flip."""
+        c = crops.astype(np.float32)
+        y, x, h, w, rh, rw, oy, ox = (c[:, k] for k in range(8))
+        out_h, out_w = self.size
+        sy, sx = h / rh, w / rw  # window pixels per resized pixel
+        return {
+            "anchor": np.ascontiguousarray(np.stack([x, y], 1)),
+            "shape": np.ascontiguousarray(np.stack([w, h], 1)),
+            "roi_start": np.ascontiguousarray(np.stack([oy * sy, ox * sx], 1)),
+            "roi_end": np.ascontiguousarray(np.stack([(oy + out_h) * sy, (ox + out_w) * sx], 1)),
+            "flip": np.ascontiguousarray(crops[:, 8].astype(np.int32)),
+        }
+
+    def _build(self):
+        from nvidia.dali import fn, pipeline_def, types
+
+        cuda = self.device.type == "cuda"
+        raw = self.dtype == torch.uint8
+        mean = [0.0] * 3 if raw else [m * 255 for m in self.spec.mean]
+        std = [1.0] * 3 if raw else [s * 255 for s in self.spec.std]
+        out_h, out_w = self.size
+        layout = "HWC" if self.format == torch.channels_last else "CHW"
+        mixed = {"hw_decoder_load": HW_DECODER_LOAD} if cuda else {}
+
+        @pipeline_def(
+            batch_size=self.producer.batch_size,
+            num_threads=self.threads,
+            device_id=(self.device.index or torch.cuda.current_device()) if cuda else None,
+            prefetch_queue_depth=self.depth,
+            exec_async=True,
+            exec_pipelined=True,
+        )
+        def graph():
+            def given(name: str, dtype, ndim: int = 1):
+                return fn.external_source(name=name, dtype=dtype, ndim=ndim)
+
+            jpegs = given("jpegs", types.UINT8)
+            images = fn.decoders.image_slice(
+                jpegs, given("anchor", types.FLOAT), given("shape", types.FLOAT),
+                device="mixed" if cuda else "cpu", output_type=types.RGB, axis_names="WH",
+                normalized_anchor=False, normalized_shape=False, **mixed,
+            )  # fmt: skip
+            images = fn.resize(
+                images, resize_y=out_h, resize_x=out_w, interp_type=types.INTERP_LINEAR,
+                antialias=self.spec.antialias, roi_start=given("roi_start", types.FLOAT),
+                roi_end=given("roi_end", types.FLOAT), roi_relative=False,
+            )  # fmt: skip
+            return fn.crop_mirror_normalize(
+                images, dtype=self._out_dtype[0], output_layout=layout, mean=mean, std=std,
+                mirror=given("flip", types.INT32, ndim=0),
+            )  # fmt: skip
+
+        pipe = graph()
+        pipe.build()
+        return pipe
