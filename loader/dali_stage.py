@@ -43,6 +43,7 @@ from loader.decode_nvjpeg import raise_if_not_the_data
 from loader.gpu_stage import GpuStage, Started, _event
 
 MAX_THREADS = 8  # DALI's CPU threads (parsing; Huffman decode of what the engines skip)
+NO_COPY = False  # DALI reads the JPEGs in the ring slot instead of copying them when fed
 
 
 class DaliStarted(NamedTuple):
@@ -98,12 +99,14 @@ class DaliStage(GpuStage):
             return super().start(slot, report)
         encoded = cut(views["data"], starts[gpu_rows].tolist(), lengths[gpu_rows].tolist())
         args = self._arguments(views["crops"][gpu_rows])
+        t_feed = time.perf_counter()
         try:
             ticket = self._feed(encoded, args)
         except RuntimeError as e:
             raise_if_not_the_data(e)
             self._pipeline = None
             return super().start(slot, report)
+        self.stats.add(dali_feed_s=time.perf_counter() - t_feed)
         return DaliStarted(slot, views, gpu_rows, report, ticket, time.perf_counter() - t0)
 
     def finish(self, started, waited: float = 0.0) -> tuple:
@@ -274,10 +277,10 @@ class DaliStage(GpuStage):
             exec_pipelined=True,
         )
         def graph():
-            def given(name: str, dtype, ndim: int = 1):
-                return fn.external_source(name=name, dtype=dtype, ndim=ndim)
+            def given(name: str, dtype, ndim: int = 1, **kwargs):
+                return fn.external_source(name=name, dtype=dtype, ndim=ndim, **kwargs)
 
-            jpegs = given("jpegs", types.UINT8)
+            jpegs = given("jpegs", types.UINT8, no_copy=NO_COPY)
             images = fn.decoders.image_slice(
                 jpegs, given("anchor", types.FLOAT), given("shape", types.FLOAT),
                 device="mixed" if cuda else "cpu", output_type=types.RGB, axis_names="WH",
