@@ -1,13 +1,13 @@
 #!/bin/bash
 # The H200 runs behind benchmarks/results/gpu-h200-*: run from the repository root on the
 # GPU machine, after the wheels are installed in /tmp/site (../shared/GPU.md), with the
-# photographs in .photos. Usage: benchmarks/gpu_run.sh STAGE... (tests, probe, split,
+# photographs in .photos. Usage: benchmarks/gpu_run.sh STAGE... (tests, probe, daliprobe, split,
 # decoders, bench, diagnose, profile, ingest, ddp); logs and JSON go to $OUT. MAX_SIZE=512
 # makes "bench" compare every pipeline on images capped at 512 px (imfeed-bench --max-size);
 # SHORT_SIDE=800-1000 makes camera-sized images instead of ImageNet-shaped ones
 # (--short-side). PROBE_ARGS go to the probe (e.g. "--busy-thread --gather-chunk 256");
 # TRAIN_STEPS sets the timed steps of the bench's training checks (30; TRAIN=0: none);
-# MODELS, STEPS and DIAG_ARGS go to diagnose_training.py.
+# MODELS, STEPS and DIAG_ARGS go to diagnose_training.py; DALI_SETTINGS to dali_stage_probe.py.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=/tmp/bw N=${IMAGES:-20000}
@@ -22,6 +22,7 @@ for stage in "$@"; do
   case $stage in
     tests) timeout 120 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu_path.py tests/test_gpu_dali.py} > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
     probe) prepare; timeout 240 python3 benchmarks/gpu_path_probe.py "$STORE" --epochs ${EPOCHS:-5} --cpu-share ${SHARES:-0,0.15} --decoder ${DECODER:-nvjpeg} ${PROBE_ARGS:-} --out $OUT/probe.json > $OUT/probe.log 2>&1; grep -v "^  " $OUT/probe.log | cut -c1-150 ;;
+    daliprobe) prepare; timeout 300 python3 benchmarks/dali_stage_probe.py "$STORE" ${DALI_SETTINGS:+--settings $DALI_SETTINGS} --out $OUT/dali-stage-probe.json > $OUT/dali-stage-probe.log 2>&1; grep -v "^\[\|^$" $OUT/dali-stage-probe.log | tail -12 ;;
     split) prepare; timeout 300 python3 benchmarks/gpu_split.py "$STORE" --out $OUT/gpu-split.json 2>&1 | tee $OUT/gpu-split.log | tail -30 ;;
     decoders) prepare; timeout 200 python3 benchmarks/gpu_decoders.py "$STORE" --out $OUT/gpu-decoders.json 2>&1 | tee $OUT/gpu-decoders.log | tail -20 ;;
     bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W ${MAX_SIZE:+--max-size $MAX_SIZE} ${SHORT_SIDE:+--short-side $SHORT_SIDE} \
