@@ -9,7 +9,13 @@ whether DALI copies the JPEGs when fed or reads them in place):
 2. **alone**: the same stage fed batches held in RAM as fast as it returns them (no
    workers, no loader), ``depth`` batches in it at once: img/s, feeding and waiting ms.
 
+With ``--graphs``, DALI pipelines of a few shapes instead, fed the same batches from RAM
+the same way (``--threads``): the stage's own; without its resize ROI; DALI's own
+``image_random_crop`` (as the benchmark's DALI peers: DALI draws the windows and flips),
+which tells whether a slower stage comes from its operators or from its feeding.
+
     python3 benchmarks/dali_stage_probe.py STORE [--settings 8:1.0:copy,16:0.9:copy]
+    python3 benchmarks/dali_stage_probe.py STORE --graphs slice-roi,slice,random-crop
 """
 
 from __future__ import annotations
@@ -116,16 +122,114 @@ def run_alone(stage, work: list, rounds: int = 3) -> dict:
     }
 
 
+def build_graph(kind: str, threads: int, depth: int = 3):
+    """A DALI pipeline of shape ``kind``, its inputs fed by name (see the module doc)."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(
+        batch_size=256, num_threads=threads, device_id=0, prefetch_queue_depth=depth,
+        exec_async=True, exec_pipelined=True, seed=0,
+    )  # fmt: skip
+    def graph():
+        def given(name, dtype, ndim=1, **kwargs):
+            return fn.external_source(name=name, dtype=dtype, ndim=ndim, **kwargs)
+
+        jpegs = given("jpegs", types.UINT8, no_copy=True)
+        if kind == "random-crop":
+            images = fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB)
+            images = fn.resize(images, resize_x=224, resize_y=224)
+            mirror = fn.random.coin_flip()
+        else:
+            images = fn.decoders.image_slice(
+                jpegs, given("anchor", types.FLOAT), given("shape", types.FLOAT),
+                device="mixed", output_type=types.RGB, axis_names="WH",
+                normalized_anchor=False, normalized_shape=False,
+            )  # fmt: skip
+            roi = {}
+            if kind == "slice-roi":
+                roi = {"roi_start": given("roi_start", types.FLOAT),
+                       "roi_end": given("roi_end", types.FLOAT), "roi_relative": False}  # fmt: skip
+            images = fn.resize(images, resize_x=224, resize_y=224, **roi)
+            mirror = given("flip", types.INT32, ndim=0)
+        return fn.crop_mirror_normalize(
+            images, dtype=types.FLOAT16, output_layout="HWC", mean=[124.0, 116.0, 104.0],
+            std=[58.0, 57.0, 57.0], mirror=mirror,
+        )  # fmt: skip
+
+    pipe = graph()
+    pipe.build()
+    return pipe
+
+
+def run_graph(kind: str, threads: int, work: list, stage_arguments, rounds: int = 3) -> dict:
+    """img/s of pipeline ``kind`` fed ``work`` from RAM, 3 batches ahead, as ``run_alone``."""
+    depth = 3
+    pipe = build_graph(kind, threads, depth)
+    names = {"slice-roi": None, "slice": ("anchor", "shape", "flip"), "random-crop": ()}[kind]
+    fed = []
+    for encoded, crops in work:
+        args = stage_arguments(crops)
+        fed.append((encoded, {k: v for k, v in args.items() if names is None or k in names}))
+    stream = torch.cuda.Stream()
+    feed_s = wait_s = 0.0
+    pending = 0
+    first = True
+
+    def take() -> None:
+        nonlocal wait_s, pending
+        t = time.perf_counter()
+        (out,) = pipe.outputs(cuda_stream=stream)
+        wait_s += time.perf_counter() - t
+        pending -= 1
+        del out
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for encoded, args in fed * rounds:
+        if pending == depth:
+            take()
+        t = time.perf_counter()
+        pipe.feed_input("jpegs", encoded)
+        for name, value in args.items():
+            pipe.feed_input(name, value)
+        pending += 1
+        if not first or pending == depth:  # the first run starts `depth` iterations
+            pipe.schedule_run()
+            first = False
+        feed_s += time.perf_counter() - t
+    while pending:
+        take()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    batches = len(fed) * rounds
+    return {
+        "img_s": round(batches * 256 / seconds),
+        "feed_ms": round(1000 * feed_s / batches, 2),
+        "wait_ms": round(1000 * wait_s / batches, 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("store")
     ap.add_argument("--settings", default="8:1.0:copy,16:1.0:copy,8:0.9:copy,8:1.0:nocopy")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--batches", type=int, default=30)
+    ap.add_argument("--graphs", default="")
+    ap.add_argument("--threads", default="16")
     ap.add_argument("--out", default="dali-stage-probe.json")
     a = ap.parse_args()
     work = ram_batches(Store(a.store), 256, a.batches)
     results = []
+    if a.graphs:
+        dl = loader.DataLoader(a.store, batch_size=256, device="cuda", decoder="dali")
+        for threads in a.threads.split(","):
+            for kind in a.graphs.split(","):
+                r = run_graph(kind, int(threads), work, dl._gpu_stage._arguments)
+                results.append({"graph": kind, "threads": int(threads), **r})
+                print(f"{kind:12s} threads {threads:3s} {r}", flush=True)
+        Path(a.out).write_text(json.dumps({"store": a.store, "results": results}, indent=1))
+        return
     for setting in a.settings.split(","):
         threads, load, copy = setting.split(":")
         dali_stage.HW_DECODER_LOAD, dali_stage.NO_COPY = float(load), copy == "nocopy"
