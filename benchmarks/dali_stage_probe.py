@@ -222,7 +222,7 @@ def main() -> None:
     work = ram_batches(Store(a.store), 256, a.batches)
     results = []
     if a.graphs:
-        dl = loader.DataLoader(a.store, batch_size=256, device="cuda", decoder="dali")
+        dl = loader.DataLoader(a.store, 256, transform="train", device="cuda", decoder="dali")
         for threads in a.threads.split(","):
             for kind in a.graphs.split(","):
                 r = run_graph(kind, int(threads), work, dl._gpu_stage._arguments)

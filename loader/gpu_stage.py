@@ -267,6 +267,10 @@ class GpuStage:
         share = self.producer.cpu_share + _GAIN * (_TARGET_IDLE - idle)
         self.producer.cpu_share = min(max(share, 0.0), _MAX_AUTO_SHARE)
 
+    def settle(self) -> None:
+        """Wait for work of a closed epoch that still reads its ring slots (none here:
+        ``finish`` has read every slot it was given)."""
+
     @property
     def cpu_share(self) -> float:
         return self.producer.cpu_share

@@ -202,6 +202,8 @@ class GpuEpochIterator(EpochIterator):
         if self._decoder is not None:
             # A decode still reading a slot's bytes must end before the ring may go.
             failed = not self._decoder.stop(_JOIN_S) or failed
+        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+            self._stage.settle()  # so must what the stage still holds (DALI's batches)
         super()._close(finished, failed)
 
 
