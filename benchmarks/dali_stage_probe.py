@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import json
 import sys
 import time
@@ -122,7 +123,7 @@ def run_alone(stage, work: list, rounds: int = 3) -> dict:
     }
 
 
-def build_graph(kind: str, threads: int, depth: int = 3):
+def build_graph(kind: str, threads: int, depth: int = 3, hw_load: float | None = None):
     """A DALI pipeline of shape ``kind``, its inputs fed by name (see the module doc)."""
     from nvidia.dali import fn, pipeline_def, types
 
@@ -144,6 +145,7 @@ def build_graph(kind: str, threads: int, depth: int = 3):
                 jpegs, given("anchor", types.FLOAT), given("shape", types.FLOAT),
                 device="mixed", output_type=types.RGB, axis_names="WH",
                 normalized_anchor=False, normalized_shape=False,
+                **({} if hw_load is None else {"hw_decoder_load": hw_load}),
             )  # fmt: skip
             roi = {}
             if kind == "slice-roi":
@@ -161,16 +163,21 @@ def build_graph(kind: str, threads: int, depth: int = 3):
     return pipe
 
 
-def run_graph(kind: str, threads: int, work: list, stage_arguments, rounds: int = 3) -> dict:
-    """img/s of pipeline ``kind`` fed ``work`` from RAM, 3 batches ahead, as ``run_alone``."""
+def run_graph(name: str, threads: int, work: list, stage_arguments, rounds: int = 3) -> dict:
+    """img/s of pipeline ``name`` fed ``work`` from RAM, 3 batches ahead, as ``run_alone``.
+    ``name`` is a shape with modifiers: "+hw1" (every JPEG to the hardware engines),
+    "+copy" (each output copied into a torch tensor, as the stage does), "+prio" (the
+    outputs bound to a high-priority stream, as the stage's side stream)."""
+    kind, *mods = name.split("+")
     depth = 3
-    pipe = build_graph(kind, threads, depth)
+    pipe = build_graph(kind, threads, depth, hw_load=1.0 if "hw1" in mods else None)
     names = {"slice-roi": None, "slice": ("anchor", "shape", "flip"), "random-crop": ()}[kind]
     fed = []
     for encoded, crops in work:
         args = stage_arguments(crops)
         fed.append((encoded, {k: v for k, v in args.items() if names is None or k in names}))
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream(priority=-1 if "prio" in mods else 0)
+    target = torch.empty((256, 224, 224, 3), dtype=torch.float16, device="cuda")
     feed_s = wait_s = 0.0
     pending = 0
     first = True
@@ -181,6 +188,9 @@ def run_graph(kind: str, threads: int, work: list, stage_arguments, rounds: int 
         (out,) = pipe.outputs(cuda_stream=stream)
         wait_s += time.perf_counter() - t
         pending -= 1
+        if "copy" in mods:
+            pointer = ctypes.c_void_p(target.data_ptr())
+            out.copy_to_external(pointer, stream.cuda_stream, non_blocking=True)
         del out
 
     torch.cuda.synchronize()
