@@ -226,11 +226,29 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--batches", type=int, default=30)
     ap.add_argument("--graphs", default="")
+    ap.add_argument("--alone", default="")  # e.g. "workers,noworkers,noworkers+nofilter"
     ap.add_argument("--threads", default="16")
     ap.add_argument("--out", default="dali-stage-probe.json")
     a = ap.parse_args()
     work = ram_batches(Store(a.store), 256, a.batches)
     results = []
+    if a.alone:  # the stage alone, its loader with and without workers, stderr captured or not
+        import contextlib
+
+        for variant in a.alone.split(","):
+            workers = 0 if "noworkers" in variant else a.workers
+            dl = loader.DataLoader(
+                a.store, 256, transform="train", device="cuda", decoder="dali",
+                dtype="float16", channels_last=True, num_workers=workers,
+            )  # fmt: skip
+            if "nofilter" in variant:
+                dali_stage.filtered = lambda _noise: contextlib.nullcontext()
+            r = run_alone(dl._gpu_stage, work)
+            results.append({"alone": variant, **r})
+            print(f"{variant:20s} {r}", flush=True)
+            del dl
+        Path(a.out).write_text(json.dumps({"store": a.store, "results": results}, indent=1))
+        return
     if a.graphs:
         dl = loader.DataLoader(a.store, 256, transform="train", device="cuda", decoder="dali")
         for threads in a.threads.split(","):
