@@ -48,6 +48,7 @@ MAX_THREADS = 8  # DALI's CPU threads (parsing; Huffman decode of what the engin
 # slot stays untouched until the batch's output is taken, and ``settle`` waits for what an
 # abandoned epoch left in the pipeline before its slots go back to the workers.
 NO_COPY = True
+DUMMY = 1  # samples in each batch a new pipeline is primed with
 
 
 class DaliStarted(NamedTuple):
@@ -178,7 +179,7 @@ class DaliStage(GpuStage):
         with filtered(_LIBRARY_LINES):
             if not own.primed:  # its first run starts `depth` iterations
                 for _ in range(self.depth - 1):
-                    self._feed_one(own, encoded[:1], {k: v[:1] for k, v in args.items()})
+                    self._feed_one(own, encoded[:DUMMY], {k: v[:DUMMY] for k, v in args.items()})
                     own.queue.append(None)
             self._feed_one(own, encoded, args)
             own.queue.append(ticket)
