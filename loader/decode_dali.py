@@ -4,24 +4,24 @@
 GPU's hardware JPEG engines and nvjpeg's CUDA decoder side by side, and decodes only the
 region it is given (ROI decode): RandomResizedCrop keeps 8-100% of an image, so most of a
 full decode's pixels would be thrown away. The regions are the sampler's crop windows, so
-the samples are the same on every backend; the rest of the augmentation (resize, flip,
-normalise) is the loader's own kernels, as for the other GPU decoders.
+the samples are the same on every backend.
+
+With ``decoder="dali"`` the loader runs its whole GPU stage in one asynchronous DALI
+pipeline (``loader.dali_stage``: decode, resize, flip and normalise in DALI); this decoder
+serves the batches that pipeline fails on, decoding them image by image where a batch
+fails, with the loader's own kernels doing the rest, as for the other GPU decoders.
 
 DALI is an optional extra (``pip install 'imfeed[dali]'``), imported when this decoder is
-made. A pipeline is fed by the loader (``external_source``), runs synchronously in the
-calling thread (one of the loader's decode threads) and its output is copied, on the
-caller's stream, into one tensor of the caller's allocator, so DALI's buffers are free
-again when the copy is done. Each decode thread gets a pipeline of its own (``PIPELINES``),
-so one batch's CPU stage runs while the other's GPU stage does: one synchronous pipeline
-leaves each side idle while the other works.
+made. A pipeline here is fed by the loader (``external_source``), runs synchronously in
+the calling thread and its output is copied, on the caller's stream, into one tensor of
+the caller's allocator, so DALI's buffers are free again when the copy is done. Each
+concurrent caller gets a pipeline of its own (``PIPELINES``), built on first use.
 
-Tried and measured on an H200 (``benchmarks/results/gpu-h200-split.log``,
-``gpu-h200-async*.md``): one asynchronous, pipelined pipeline, fed by a thread of its own,
-decodes 28.9k img/s alone (8 threads, all JPEGs to the hardware engines) where a
-synchronous one decodes 15-18k; but inside the loader it gave 12.8k (2 batches in it) and
-15.7k (3 batches in it), 0.57 and 0.67 of the nvjpeg path in the same runs, against 0.90
-for these two synchronous pipelines. Its one thread then does every batch's Python work
-(feeding 256 arrays, copying out) alone, behind the other threads for the GIL.
+Measured on an H200 as the loader's decoder (decode only, the loader's kernels after it):
+10-16k img/s inside the loader, against 24-32k for DALI's own pipelines
+(``benchmarks/results/gpu-h200-dali*.md``, ``gpu-h200-async*.md``): the Python work of
+each batch (feeding 256 arrays, the ragged copy-out, the kernels' tables) ran on the
+loader's threads behind one another for the GIL. Hence the whole-stage pipeline.
 """
 
 from __future__ import annotations

@@ -120,6 +120,18 @@ def test_float_output_and_a_cpu_share(store):
 
 
 @needs_dali
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dtypes_dali_does_not_make_are_cast_from_its_float32(store, dtype):
+    half = flat(epoch(make(store, dtype=torch.float16)), 0).float()
+    got = make(store, dtype=dtype)
+    images = flat(epoch(got), 0)
+    assert images.dtype == dtype and images.shape == half.shape
+    # Against float16, rounded to 2**-11 of values up to 2.7; bfloat16 adds its own 2**-8.
+    tolerance = 2.7 * (2**-11 + (2**-8 if dtype == torch.bfloat16 else 0))
+    assert float((images.float() - half).abs().max()) <= tolerance
+
+
+@needs_dali
 def test_a_corrupt_record_is_replaced_and_counted(store, tmp_path, capfd):
     _, damaged = corrupt(store, tmp_path, 3)
     dl = make(damaged, shuffle=False)
