@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -33,7 +34,17 @@ from loader_data import corrupt
 if not CUDA:  # before Triton is first imported: run the kernels in its CPU interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from test_gpu_path import SIZE, B, cpu_rows, epoch, flat, mean_diff, pil_reference
+from test_gpu_path import (
+    SIZE,
+    B,
+    cpu_rows,
+    epoch,
+    flat,
+    gpu_only,
+    gpu_threads,
+    mean_diff,
+    pil_reference,
+)
 from test_gpu_path import make as make_loader
 
 import loader
@@ -243,6 +254,56 @@ def test_every_sample_once_per_epoch_and_resume(store):
     del it
     assert sorted(flat(head + rest, 2).tolist()) == list(range(NUM_SAMPLES))
     assert len(head + rest) == 3
+
+
+@needs_dali
+def test_close_mid_epoch_waits_for_the_pipeline_and_stops_everything(store):
+    dl = make(store, num_workers=2, persistent_workers=True, batch_size=2)  # 12 batches
+    it = iter(dl)
+    next(it)  # the thread fills its queue and feeds the next batches to the pipeline
+    stage = dl._gpu_stage
+    deadline = time.monotonic() + 10
+    while not (stage._pipeline and stage._pipeline.queue) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stage._pipeline.queue  # batches in flight, read in the ring's slots
+    it.close()
+    assert not stage._pipeline.queue and not gpu_threads()  # settled: nothing in flight
+    assert sorted(flat(epoch(dl), 2).tolist()) == list(range(NUM_SAMPLES))
+    dl.close()
+    assert dl.worker_pids == []
+
+
+@needs_dali
+@gpu_only
+def test_delivered_batches_are_never_overwritten(store):
+    dl = make(store, dtype=torch.float16)
+    held, copies = [], []
+    for _ in range(3):
+        for images, labels, _ in dl:
+            if len(held) < 4:
+                held.append((images, labels))
+                copies.append((images.clone(), labels.clone()))
+            torch.cuda._sleep(1_000_000)  # keep the device busy: a missing wait would show
+    torch.cuda.synchronize()
+    for (images, labels), (i0, l0) in zip(held, copies, strict=True):
+        assert torch.equal(images, i0) and torch.equal(labels, l0)
+
+
+@needs_dali
+@gpu_only
+def test_gpu_memory_is_flat_across_epochs(store):
+    dl = make(store, dtype=torch.float16)
+    used, reserved = [], []
+    for _ in range(10):
+        for _batch in dl:
+            pass
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used.append(total - free)  # DALI's own pools are outside torch's allocator
+        reserved.append(torch.cuda.memory_reserved())
+    # Both settle within the first epochs; a batch kept per epoch would add up.
+    assert used[-1] - used[4] < 32 << 20, used
+    assert reserved[-1] - reserved[4] < 8 * 3 * SIZE * SIZE * 2 + (2 << 20), reserved
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["one-call", "per-image"])
