@@ -20,7 +20,10 @@ what it left in the pipeline (``settle``).
 A batch the pipeline fails on (a stream no decoder takes, a window outside its image) is
 decoded again the way of the decode-only DALI backend (``GpuStage``): image by image where
 the batch fails, an image the GPU cannot decode retried on the CPU and, failing there too,
-replaced and counted. The pipeline is then built afresh; so are the batches it held.
+replaced and counted. A new pipeline takes over, fed again the batches the failed one held.
+nvImageCodec's line about such a stream is printed from DALI's own thread; the captures
+around feeding and taking outputs miss it when it comes between them (tested: at most
+that one line).
 
 The pixels differ from the loader's own kernels only by DALI's resampling (same filter:
 a triangle as wide as the scale when shrinking, bilinear otherwise; the tests state the
