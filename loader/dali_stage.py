@@ -44,7 +44,7 @@ from ingest.cstderr import filtered
 from loader.augment_gpu import Rows, cut, upload
 from loader.decode_dali import _LIBRARY_LINES, HW_DECODER_LOAD
 from loader.decode_nvjpeg import raise_if_not_the_data
-from loader.gpu_stage import GpuStage, Started, _event
+from loader.gpu_stage import GpuStage, Started, _event, read_slot
 
 MAX_THREADS = 8  # DALI's CPU threads (parsing; Huffman decode of what the engines skip)
 # DALI reads the JPEGs in the ring's slot instead of copying them when fed: 2.6 ms of the
@@ -100,12 +100,10 @@ class DaliStage(GpuStage):
         """Feed the slot's JPEGs, their windows and flips to the pipeline and let it run."""
         t0 = time.perf_counter()
         n = report.n
-        views = {k: v.numpy() for k, v in slot.items()}
-        lengths, starts = views["lengths"][:n], views["starts"][:n]
-        gpu_rows = np.flatnonzero(lengths >= 0)
+        views, gpu_rows, spans = read_slot(slot, n)
         if not len(gpu_rows):  # every row decoded by the workers: nothing for DALI
             return super().start(slot, report)
-        encoded = cut(views["data"], starts[gpu_rows].tolist(), lengths[gpu_rows].tolist())
+        encoded = cut(views["data"], *spans)
         args = self._arguments(views["crops"][gpu_rows])
         t_feed = time.perf_counter()
         try:

@@ -118,13 +118,10 @@ class GpuStage:
         The slot must stay untouched until ``finish`` returns."""
         t0 = time.perf_counter()
         n = report.n
-        views = {k: v.numpy() for k, v in slot.items()}
-        lengths, starts = views["lengths"][:n], views["starts"][:n]
-        gpu_rows = np.flatnonzero(lengths >= 0)
+        views, gpu_rows, spans = read_slot(slot, n)
         # A decoder fed numpy arrays (DALI) gets numpy slices: a torch tensor's .numpy()
         # per image would be 256 torch calls a batch, each letting the GIL go.
         data = views["data"] if getattr(self.decoder, "takes_numpy", False) else slot["data"]
-        spans = (starts[gpu_rows].tolist(), lengths[gpu_rows].tolist())
         decode = functools.partial(self._decode, views, gpu_rows, data, spans, n)
         if submit is None:
             future: Future = Future()
@@ -274,6 +271,15 @@ class GpuStage:
     @property
     def cpu_share(self) -> float:
         return self.producer.cpu_share
+
+
+def read_slot(slot: dict[str, torch.Tensor], n: int) -> tuple[dict, np.ndarray, tuple]:
+    """A gathered slot's arrays as numpy views, the rows of its ``n`` samples whose JPEGs
+    go to the GPU (the others the workers decoded), and their (starts, lengths) in it."""
+    views = {k: v.numpy() for k, v in slot.items()}
+    lengths, starts = views["lengths"][:n], views["starts"][:n]
+    gpu_rows = np.flatnonzero(lengths >= 0)
+    return views, gpu_rows, (starts[gpu_rows].tolist(), lengths[gpu_rows].tolist())
 
 
 class _Done:
