@@ -28,37 +28,38 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import numpy as np
 import torch
+from gpu_decoders import planned
 
 import loader
 import loader.dali_stage as dali_stage
-from ingest import format as fmt
-from loader.augment import Transform, plan_crops
 from loader.augment_gpu import cut
 from loader.store import Store
 
 
 def ram_batches(store: Store, batch: int, count: int, seed: int = 0) -> list:
-    """``count`` batches of baseline JPEGs as (numpy slices of one buffer, crop rows)."""
-    index = store.index
-    jpeg = (index["format"] == fmt.FORMAT_CODES["jpeg"]) & (
-        index["flags"] & fmt.FLAG_PROGRESSIVE == 0
-    )
-    rng = np.random.default_rng(seed)
-    chosen = rng.permutation(np.flatnonzero(jpeg))[: batch * count]
+    """``gpu_decoders.planned``'s batches as (numpy slices of one buffer, crop rows), as
+    the stage gets them from a ring slot."""
     out = []
-    for k in range(0, len(chosen) - batch + 1, batch):
-        idx = chosen[k : k + batch]
-        blobs = [store.image(int(i))[0] for i in idx]
+    for blobs, crops in planned(store, batch, count, seed):
         data = np.frombuffer(b"".join(blobs), dtype=np.uint8)
         lengths = [len(b) for b in blobs]
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
-        crops = plan_crops(Transform("train", 224), index["height"][idx], index["width"][idx], rng)
         out.append((cut(data, starts, lengths), crops))
     return out
+
+
+def rates(batches: int, images: int, seconds: float, feed_s: float, wait_s: float) -> dict:
+    """img/s, and the ms a batch spent feeding the pipeline and waiting for its output."""
+    return {
+        "img_s": round(images / seconds),
+        "feed_ms": round(1000 * feed_s / batches, 2),
+        "wait_ms": round(1000 * wait_s / batches, 2),
+    }
 
 
 def run_loader(store: str, workers: int, threads: int) -> tuple[loader.DataLoader, dict]:
@@ -123,11 +124,7 @@ def run_alone(stage, work: list, rounds: int = 3) -> dict:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     batches = len(work) * rounds
-    return {
-        "img_s": round(batches * size[0] / seconds),
-        "feed_ms": round(1000 * feed_s / batches, 2),
-        "wait_ms": round(1000 * wait_s / batches, 2),
-    }
+    return rates(batches, batches * size[0], seconds, feed_s, wait_s)
 
 
 def build_graph(kind: str, threads: int, depth: int = 3, hw_load: float | None = None):
@@ -219,11 +216,7 @@ def run_graph(name: str, threads: int, work: list, stage_arguments, rounds: int 
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     batches = len(fed) * rounds
-    return {
-        "img_s": round(batches * 256 / seconds),
-        "feed_ms": round(1000 * feed_s / batches, 2),
-        "wait_ms": round(1000 * wait_s / batches, 2),
-    }
+    return rates(batches, batches * 256, seconds, feed_s, wait_s)
 
 
 def main() -> None:

@@ -28,8 +28,9 @@ from loader.decode import get_decoder
 from loader.store import Store
 
 
-def batches(store: Store, batch: int, count: int, seed: int = 0):
-    """``count`` batches of (encoded tensors, windows) of baseline JPEGs, in RAM."""
+def planned(store: Store, batch: int, count: int, seed: int = 0) -> list:
+    """``count`` batches of baseline JPEGs drawn at random: (the JPEGs' bytes, their crop
+    rows for the train transform at 224 px)."""
     index = store.index
     jpeg = (index["format"] == fmt.FORMAT_CODES["jpeg"]) & (
         index["flags"] & fmt.FLAG_PROGRESSIVE == 0
@@ -39,10 +40,17 @@ def batches(store: Store, batch: int, count: int, seed: int = 0):
     out = []
     for k in range(0, len(chosen) - batch + 1, batch):
         idx = chosen[k : k + batch]
-        data = [torch.frombuffer(bytearray(store.image(int(i))[0]), dtype=torch.uint8) for i in idx]
         crops = plan_crops(Transform("train", 224), index["height"][idx], index["width"][idx], rng)
-        out.append((data, crops[:, :4]))
+        out.append(([store.image(int(i))[0] for i in idx], crops))
     return out
+
+
+def batches(store: Store, batch: int, count: int, seed: int = 0) -> list:
+    """``count`` batches of (encoded tensors, windows) of baseline JPEGs, in RAM."""
+    return [
+        ([torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs], crops[:, :4])
+        for blobs, crops in planned(store, batch, count, seed)
+    ]
 
 
 def sync(device: torch.device) -> None:
