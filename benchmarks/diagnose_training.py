@@ -16,10 +16,18 @@ the loop waited in ``next()`` and NVML's GPU utilisation:
   on a normal-priority stream of its own; ``nvimgcodec``: alone;
 - ``fed``: fed by ``loader.DataLoader(decoder="nvjpeg", cpu_share=0)``, with the prefetch
   thread's CPU time per batch from ``dl.stats()``; ``fed-0.3``: the workers decode 30%;
-- ``fed+switch``: ``fed`` with ``sys.setswitchinterval(2e-4)`` (GIL hand-offs 25x sooner).
+- ``fed+switch``: ``fed`` with ``sys.setswitchinterval(2e-4)`` (GIL hand-offs 25x sooner);
+- ``dali:SETTING`` (``--dali`` lists them, comma-separated): fed by
+  ``loader.DataLoader(decoder="dali")`` (the whole GPU stage in one DALI pipeline, float16
+  out), the stage changed by SETTING's ``+``-joined words: ``base`` (as shipped),
+  ``prime1`` (a new pipeline primed with one-sample batches, as its first version),
+  ``roi`` (the resize always given a region of interest, as its first version), ``hwX``
+  (DALI's ``hw_decoder_load`` X), ``tN`` (N DALI threads), ``dN`` (N batches in the GPU
+  stage), ``pfN`` (``prefetch_factor`` N), ``shareX`` (``cpu_share`` X), ``prioN`` (the
+  side stream at priority -N), ``copy`` (JPEGs copied when fed).
 
     python3 benchmarks/diagnose_training.py STORE [--model resnet18] [--steps 40]
-        [--workers 16] [--only synthetic,synthetic+decode,...]
+        [--workers 16] [--only synthetic,synthetic+decode,...] [--dali base,prime1,...]
 """
 
 from __future__ import annotations
@@ -39,11 +47,17 @@ import torch
 import torchvision
 
 import loader
+from loader.proctree import tree_cpu_seconds
 from loader.store import Store
 
 CONDITIONS = ("synthetic", "synthetic+gil", "decode", "synthetic+decode", "nvimgcodec",
               "synthetic+nvimgcodec", "synthetic+nvimgcodec-hi", "fed", "fed-0.3",
               "fed+switch")  # fmt: skip
+
+
+def forever(dl):
+    while True:
+        yield from dl
 
 
 def step_fn(name: str = "resnet50"):
@@ -59,6 +73,76 @@ def step_fn(name: str = "resnet50"):
         opt.step()
 
     return step
+
+
+def dali_fed(store: str, workers: int, setting: str):
+    """A DataLoader with ``decoder="dali"`` whose stage is changed as ``setting`` says (see
+    the module docstring), and the undo of those changes."""
+    import loader.dali_stage as ds
+    import loader.dataloader as dlm
+    import loader.prefetch as pf
+
+    words = setting.split("+")
+    undo: list = []
+
+    def patch(obj, name: str, value) -> None:
+        undo.append((obj, name, vars(obj)[name]))  # a class's staticmethod as it is
+        setattr(obj, name, value)
+
+    kwargs: dict = {}
+    depth = None
+    for w in words:
+        if w.startswith("hw"):
+            patch(ds, "HW_DECODER_LOAD", float(w[2:]))
+        elif w.startswith("t") and w[1:].isdigit():
+            patch(ds, "MAX_THREADS", int(w[1:]))
+        elif w.startswith("d") and w[1:].isdigit():
+            depth = int(w[1:])
+            for module in (pf, dlm):
+                patch(module, "batches_on_gpu", lambda calls, n=depth: n)
+        elif w.startswith("pf"):
+            kwargs["prefetch_factor"] = int(w[2:])
+        elif w.startswith("share"):
+            kwargs["cpu_share"] = float(w[5:])
+        elif w == "roi":
+            patch(ds.DaliStage, "_centre_crop", property(lambda self: True))
+        elif w == "copy":
+            patch(ds, "NO_COPY", False)
+        elif w == "prime1":
+            feed_one = ds.DaliStage.__dict__["_feed_one"].__func__
+
+            def one_sample_dummies(own, encoded, args, feed_one=feed_one):
+                if not own.primed and len(own.queue) < dl._gpu_stage.depth - 1:
+                    encoded, args = encoded[:1], {k: v[:1] for k, v in args.items()}
+                feed_one(own, encoded, args)
+
+            patch(ds.DaliStage, "_feed_one", staticmethod(one_sample_dummies))
+        elif w not in ("base", "") and not w.startswith("prio"):
+            raise SystemExit(f"unknown word {w!r} in DALI setting {setting!r}")
+    dl = loader.DataLoader(store, batch_size=256, shuffle=True, drop_last=True,
+                           num_workers=workers, transform="train", dtype=torch.float16,
+                           channels_last=True, device="cuda", decoder="dali",
+                           persistent_workers=True, **kwargs)  # fmt: skip
+    stage = dl._gpu_stage
+    if depth is not None:
+        stage.depth = depth
+    for w in words:
+        if w.startswith("prio"):
+            stage.stream = torch.cuda.Stream(priority=-int(w[4:]))
+
+    def restore() -> None:
+        for obj, name, value in reversed(undo):
+            setattr(obj, name, value)
+
+    return dl, restore
+
+
+def per_batch(dl) -> dict:
+    """The loader's stage timings, in ms a batch."""
+    stats = dl.stats()
+    keys = ("prefetch_cpu_s", "gpu_decode_s", "augment_s", "wait_s", "stage_wait_s",
+            "stage_busy_s", "dali_feed_s")  # fmt: skip
+    return {k: round(1000 * stats[k] / stats["batches"], 2) for k in keys if k in stats}
 
 
 def run(step, batches, steps: int, warmup: int = 8) -> dict:
@@ -152,8 +236,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--only", default=",".join(CONDITIONS))
+    ap.add_argument("--dali", default="", help="DALI stage settings (module docstring)")
     args = ap.parse_args()
     only = args.only.split(",")
+    dali = [s for s in args.dali.split(",") if s]
     step = step_fn(args.model)
     x = torch.randn(256, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
     x = x.contiguous(memory_format=torch.channels_last)
@@ -214,19 +300,27 @@ def main() -> None:
                                decoder="nvjpeg", cpu_share=share,
                                persistent_workers=True)  # fmt: skip
 
-        def forever(dl=dl):
-            while True:
-                yield from dl
-
-        out[name] = run(step, forever(), args.steps)
-        stats = dl.stats()
-        per_batch = {k: round(1000 * stats[k] / stats["batches"], 2)
-                     for k in ("prefetch_cpu_s", "gpu_decode_s", "augment_s", "wait_s",
-                               "stage_wait_s", "stage_busy_s") if k in stats}  # fmt: skip
-        out[name]["ms_per_batch"] = per_batch
+        out[name] = run(step, forever(dl), args.steps)
+        out[name]["ms_per_batch"] = per_batch(dl)
         say(name)
         dl.close()
         sys.setswitchinterval(old)
+    for setting in dali:
+        name = f"dali:{setting}"
+        dl, restore = dali_fed(args.store, args.workers, setting)
+        try:
+            cpu0 = tree_cpu_seconds()
+            t0 = time.perf_counter()
+            out[name] = run(step, forever(dl), args.steps)
+            busy = (tree_cpu_seconds() - cpu0) / (time.perf_counter() - t0)
+            out[name]["cores_busy"] = round(busy, 2)
+            out[name]["ms_per_batch"] = per_batch(dl)
+        except Exception as e:  # reported; the other settings still run
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            dl.close()
+            restore()
+        say(name)
     print(json.dumps(out, indent=1))
 
 

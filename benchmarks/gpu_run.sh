@@ -7,7 +7,7 @@
 # SHORT_SIDE=800-1000 makes camera-sized images instead of ImageNet-shaped ones
 # (--short-side). PROBE_ARGS go to the probe (e.g. "--busy-thread --gather-chunk 256");
 # TRAIN_STEPS sets the timed steps of the bench's training checks (30; TRAIN=0: none);
-# MODELS, STEPS and DIAG_ARGS go to diagnose_training.py; DALI_SETTINGS to dali_stage_probe.py.
+# MODELS, STEPS and DIAG_ARGS go to diagnose_training.py (e.g. "--only synthetic --dali base,prime1"); DALI_SETTINGS to dali_stage_probe.py.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=/tmp/bw N=${IMAGES:-20000}
