@@ -21,13 +21,16 @@ the loop waited in ``next()`` and NVML's GPU utilisation:
   ``loader.DataLoader(decoder="dali")`` (the whole GPU stage in one DALI pipeline, float16
   out), the stage changed by SETTING's ``+``-joined words: ``base`` (as shipped),
   ``prime1`` (a new pipeline primed with one-sample batches, as its first version),
-  ``roi`` (the resize always given a region of interest, as its first version), ``hwX``
-  (DALI's ``hw_decoder_load`` X), ``tN`` (N DALI threads), ``dN`` (N batches in the GPU
-  stage), ``pfN`` (``prefetch_factor`` N), ``shareX`` (``cpu_share`` X), ``prioN`` (the
-  side stream at priority -N), ``copy`` (JPEGs copied when fed).
+  ``roi`` (the resize always given a region of interest, as its first version),
+  ``engines`` / ``cuda`` (every batch on that pipeline, not steered), ``hwX`` (every batch
+  on the engines' pipeline, built with ``hw_decoder_load`` X), ``tN`` (N DALI threads),
+  ``dN`` (N batches in the GPU stage), ``pfN`` (``prefetch_factor`` N), ``shareX``
+  (``cpu_share`` X), ``prioN`` (the side stream at priority -N), ``copy`` (JPEGs copied
+  when fed). Each reports the share of batches DALI decoded the CUDA way and of hand-offs
+  to an idle training stream.
 
     python3 benchmarks/diagnose_training.py STORE [--model resnet18] [--steps 40]
-        [--workers 16] [--only synthetic,synthetic+decode,...] [--dali base,prime1,...]
+        [--warmup 8] [--workers 16] [--only synthetic,...] [--dali base,prime1,...]
 """
 
 from __future__ import annotations
@@ -90,10 +93,13 @@ def dali_fed(store: str, workers: int, setting: str):
         setattr(obj, name, value)
 
     kwargs: dict = {}
-    depth = None
+    depth, fixed = None, None
     for w in words:
-        if w.startswith("hw"):
-            patch(ds, "HW_DECODER_LOAD", float(w[2:]))
+        if w.startswith("hw"):  # the engines' pipeline at this load, never steered away
+            patch(ds, "_HW_LOAD", {ds.ENGINES: float(w[2:]), ds.CUDA: 0.0})
+            fixed = ds.ENGINES
+        elif w in ("engines", "cuda"):  # one pipeline only, never steered
+            fixed = w
         elif w.startswith("t") and w[1:].isdigit():
             patch(ds, "MAX_THREADS", int(w[1:]))
         elif w.startswith("d") and w[1:].isdigit():
@@ -126,6 +132,9 @@ def dali_fed(store: str, workers: int, setting: str):
     stage = dl._gpu_stage
     if depth is not None:
         stage.depth = depth
+    if fixed is not None:
+        stage.steered, stage.cuda_share = False, 0.0
+        stage._choose = lambda: fixed
     for w in words:
         if w.startswith("prio"):
             stage.stream = torch.cuda.Stream(priority=-int(w[4:]))
@@ -234,6 +243,7 @@ def main() -> None:
     ap.add_argument("store")
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=8, help="untimed steps first")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--only", default=",".join(CONDITIONS))
     ap.add_argument("--dali", default="", help="DALI stage settings (module docstring)")
@@ -311,10 +321,16 @@ def main() -> None:
         try:
             cpu0 = tree_cpu_seconds()
             t0 = time.perf_counter()
-            out[name] = run(step, forever(dl), args.steps)
+            out[name] = run(step, forever(dl), args.steps, args.warmup)
             busy = (tree_cpu_seconds() - cpu0) / (time.perf_counter() - t0)
             out[name]["cores_busy"] = round(busy, 2)
             out[name]["ms_per_batch"] = per_batch(dl)
+            stats = dl.stats()
+            out[name]["cuda_batches"] = round(
+                stats.get("dali_cuda_batches", 0) / stats["batches"], 3
+            )
+            out[name]["starved"] = round(stats.get("starved_handoffs", 0) / stats["batches"], 3)
+            out[name]["cuda_share_now"] = stats.get("dali_cuda_share")
         except Exception as e:  # reported; the other settings still run
             out[name] = {"error": f"{type(e).__name__}: {e}"}
         finally:

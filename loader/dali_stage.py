@@ -17,6 +17,18 @@ copies of its first batch whose outputs are dropped (whole batches: primed with 
 batches, DALI ran at 12k img/s instead of 30.9k on the H200). A closed epoch waits for
 what it left in the pipeline (``settle``).
 
+On CUDA there are two pipelines, built as needed, that differ only in how DALI's mixed
+decoder takes the JPEGs: the hardware JPEG engines ("engines": fastest alone, 34k img/s on
+the H200) or CUDA kernels with the Huffman decode on DALI's CPU threads ("cuda": gentler
+on the model training beside it: ResNet-50 at 97.9% of its ceiling against 93.8% with the
+engines, in one run, ``gpu-h200-diagnose3-resnet50.log``). Each batch goes to one of them,
+a share ``cuda_share`` of them the CUDA way, steered at every hand-off to the training
+loop (``note_handoff``): a hand-off to an idle training stream (the model waited for data)
+moves the share sharply towards the engines, one to a stream still busy moves it slowly
+towards CUDA. A loader on its own, or ahead of a light model only part of the time, thus
+runs on the engines, and one feeding a heavy model, whose stream is always busy, the CUDA
+way.
+
 A batch the pipeline fails on (a stream no decoder takes, a window outside its image) is
 decoded again the way of the decode-only DALI backend (``GpuStage``): image by image where
 the batch fails, an image the GPU cannot decode retried on the CPU and, failing there too,
@@ -47,6 +59,14 @@ from loader.decode_nvjpeg import raise_if_not_the_data
 from loader.gpu_stage import GpuStage, Started, _event, read_slot
 
 MAX_THREADS = 8  # DALI's CPU threads (parsing; Huffman decode of what the engines skip)
+# The pipelines, by the share of the JPEGs DALI's mixed decoder gives the hardware engines
+# (the rest: CUDA kernels after a Huffman decode on DALI's CPU threads).
+ENGINES, CUDA = "engines", "cuda"
+_HW_LOAD = {ENGINES: HW_DECODER_LOAD, CUDA: 0.0}
+# Steps of ``cuda_share`` at a hand-off to a busy training stream (up) and an idle one
+# (down): from all engines to all CUDA in 50 batches of a model that never waits, and
+# settled where at most one hand-off in 26 finds the model waiting.
+_UP, _DOWN = 0.02, 0.5
 # DALI reads the JPEGs in the ring's slot instead of copying them when fed: 2.6 ms of the
 # prefetch thread's time a batch instead of 5.2 on the H200 (dali-stage-probe.json). The
 # slot stays untouched until the batch's output is taken, and ``settle`` waits for what an
@@ -66,11 +86,11 @@ class DaliStarted(NamedTuple):
 
 
 class _Ticket:
-    """A batch fed to a pipeline: what it was fed (to feed it again to a new pipeline,
-    should the one holding it fail on an earlier batch)."""
+    """A batch for the pipeline of ``kind``: what it is fed (to feed it again to a new
+    pipeline, should the one holding it fail on an earlier batch)."""
 
-    def __init__(self, encoded: list, args: dict) -> None:
-        self.encoded, self.args = encoded, args
+    def __init__(self, encoded: list, args: dict, kind: str) -> None:
+        self.encoded, self.args, self.kind = encoded, args, kind
 
 
 class _Pipeline:
@@ -93,8 +113,11 @@ class DaliStage(GpuStage):
         self.threads = threads or max(1, min(MAX_THREADS, (os.cpu_count() or 1) // 2))
         # The batches the GPU stage holds: all but the one being finished may be in DALI.
         self.depth = 1 + self.concurrent_calls
-        self._pipeline: _Pipeline | None = None
+        self._pipelines: dict[str, _Pipeline] = {}  # by kind, built when first needed
         self._out_dtype = self._dali_dtype()
+        self.steered = self.device.type == "cuda"  # one pipeline on the CPU
+        self.cuda_share = 0.0  # of the batches, decoded the CUDA way (``note_handoff``)
+        self._credit = 0.0
 
     def start(self, slot: dict[str, torch.Tensor], report, submit=None):
         """Feed the slot's JPEGs, their windows and flips to the pipeline and let it run."""
@@ -104,15 +127,16 @@ class DaliStage(GpuStage):
         if not len(gpu_rows):  # every row decoded by the workers: nothing for DALI
             return super().start(slot, report)
         encoded = cut(views["data"], *spans)
-        args = self._arguments(views["crops"][gpu_rows])
+        ticket = _Ticket(encoded, self._arguments(views["crops"][gpu_rows]), self._choose())
         t_feed = time.perf_counter()
         try:
-            ticket = self._feed(encoded, args)
+            self._feed(ticket)
         except RuntimeError as e:
             raise_if_not_the_data(e)
-            self._pipeline = None
+            self._pipelines.pop(ticket.kind, None)
             return super().start(slot, report)
-        self.stats.add(dali_feed_s=time.perf_counter() - t_feed)
+        self.stats.add(dali_feed_s=time.perf_counter() - t_feed,
+                       dali_cuda_batches=int(ticket.kind == CUDA))  # fmt: skip
         return DaliStarted(slot, views, gpu_rows, report, ticket, time.perf_counter() - t0)
 
     def finish(self, started, waited: float = 0.0) -> tuple:
@@ -125,7 +149,8 @@ class DaliStage(GpuStage):
             result = self._output_of(started.ticket)
         except RuntimeError as e:  # feeding it failed
             raise_if_not_the_data(e)
-            self._pipeline, result = None, None
+            self._pipelines.pop(started.ticket.kind, None)
+            result = None
         if result is None:  # the pipeline failed on this batch
             self.stats.add(dali_batches_redone=1)
             again = super().start(started.slot, started.report)
@@ -157,26 +182,46 @@ class DaliStage(GpuStage):
         return out, labels, indices, done
 
     def settle(self) -> None:
-        """Wait for the batches still in the pipeline (their outputs dropped): it reads
+        """Wait for the batches still in the pipelines (their outputs dropped): they read
         their JPEGs in the ring's slots, which the workers refill once the epoch is closed."""
-        own = self._pipeline
-        while own is not None and own.queue:
-            try:
-                self._next_output(own)
-            except RuntimeError:  # whatever failed, nothing of this pipeline runs any more
-                self._pipeline = own = None
+        for kind, own in list(self._pipelines.items()):
+            while own.queue:
+                try:
+                    self._next_output(own)
+                except RuntimeError:  # whatever failed, nothing of this pipeline runs any more
+                    del self._pipelines[kind]
+                    break
+
+    def note_handoff(self, starved: bool) -> None:
+        """A batch was handed to the training loop, whose stream had run dry (``starved``)
+        or still had work queued: steer ``cuda_share`` (module docstring)."""
+        if self.steered:
+            share = self.cuda_share + (-_DOWN if starved else _UP)
+            self.cuda_share = min(max(share, 0.0), 1.0)
+
+    def _choose(self) -> str:
+        """The pipeline of the next batch: ``cuda_share`` of the batches, evenly spread,
+        go the CUDA way."""
+        if not self.steered:
+            return ENGINES
+        self._credit += self.cuda_share
+        if self._credit >= 1.0:
+            self._credit -= 1.0
+            return CUDA
+        return ENGINES
 
     # -- the pipeline -------------------------------------------------------------------
 
-    def _feed(self, encoded: list, args: dict) -> _Ticket:
-        """Feed one batch (priming a new pipeline first) and schedule its run."""
-        if self._pipeline is None:
+    def _feed(self, ticket: _Ticket) -> _Pipeline:
+        """Feed one batch to its kind's pipeline (building and priming it first where there
+        is none) and schedule its run."""
+        own = self._pipelines.get(ticket.kind)
+        if own is None:
             with filtered(_LIBRARY_LINES):  # optional codecs it did not find, among others
-                self._pipeline = _Pipeline(self._build())
-        own = self._pipeline
+                own = self._pipelines[ticket.kind] = _Pipeline(self._build(ticket.kind))
         while len(own.queue) >= self.depth:  # left by an abandoned epoch: make room
             self._next_output(own)
-        ticket = _Ticket(encoded, args)
+        encoded, args = ticket.encoded, ticket.args
         with filtered(_LIBRARY_LINES):
             if not own.primed:  # its first run starts `depth` iterations: whole batches,
                 for _ in range(self.depth - 1):  # as one-sample ones left DALI at 12k img/s
@@ -186,7 +231,7 @@ class DaliStage(GpuStage):
             own.queue.append(ticket)
             own.pipe.schedule_run()
             own.primed = True
-        return ticket
+        return own
 
     @staticmethod
     def _feed_one(own: _Pipeline, encoded: list, args: dict) -> None:
@@ -200,17 +245,16 @@ class DaliStage(GpuStage):
         are dropped; where the pipeline holding it failed on one of those (or on a batch
         finished earlier), it is fed again to a new one."""
         for _ in range(2):
-            own = self._pipeline
+            own = self._pipelines.get(ticket.kind)
             if own is None or not any(t is ticket for t in own.queue):
-                ticket = self._feed(ticket.encoded, ticket.args)
-                own = self._pipeline
+                own = self._feed(ticket)
             while True:
                 head = own.queue[0]
                 try:
                     out = self._next_output(own)
                 except RuntimeError as e:
                     raise_if_not_the_data(e)
-                    self._pipeline = None  # in an unknown state: a new one takes over
+                    del self._pipelines[ticket.kind]  # in an unknown state: a new one takes over
                     if head is ticket:
                         return None
                     break
@@ -283,7 +327,7 @@ class DaliStage(GpuStage):
             args.update(roi_start=np.ascontiguousarray(start), roi_end=np.ascontiguousarray(end))
         return args
 
-    def _build(self):
+    def _build(self, kind: str):
         from nvidia.dali import fn, pipeline_def, types
 
         cuda = self.device.type == "cuda"
@@ -292,7 +336,7 @@ class DaliStage(GpuStage):
         std = [1.0] * 3 if raw else [s * 255 for s in self.spec.std]
         out_h, out_w = self.size
         layout = "HWC" if self.format == torch.channels_last else "CHW"
-        mixed = {"hw_decoder_load": HW_DECODER_LOAD} if cuda else {}
+        mixed = {"hw_decoder_load": _HW_LOAD[kind]} if cuda else {}
 
         @pipeline_def(
             batch_size=self.producer.batch_size,
