@@ -64,9 +64,9 @@ MAX_THREADS = 8  # DALI's CPU threads (parsing; Huffman decode of what the engin
 ENGINES, CUDA = "engines", "cuda"
 _HW_LOAD = {ENGINES: HW_DECODER_LOAD, CUDA: 0.0}
 # Steps of ``cuda_share`` at a hand-off to a busy training stream (up) and an idle one
-# (down): from all engines to all CUDA in 50 batches of a model that never waits, and
-# settled where at most one hand-off in 26 finds the model waiting.
-_UP, _DOWN = 0.02, 0.5
+# (down): from all engines to all CUDA in 20 batches of a model that never waits, and
+# settled where at most one hand-off in 11 finds the model waiting.
+_UP, _DOWN = 0.05, 0.5
 # DALI reads the JPEGs in the ring's slot instead of copying them when fed: 2.6 ms of the
 # prefetch thread's time a batch instead of 5.2 on the H200 (dali-stage-probe.json). The
 # slot stays untouched until the batch's output is taken, and ``settle`` waits for what an

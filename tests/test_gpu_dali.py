@@ -200,7 +200,7 @@ def test_the_cuda_share_is_steered_by_the_training_streams_hand_offs(store):
     stage = make(store)._gpu_stage
     assert stage.steered == CUDA and stage.cuda_share == 0.0
     stage.steered = True  # without CUDA there is one pipeline and nothing to steer
-    for _ in range(10):
+    for _ in range(4):
         stage.note_handoff(starved=False)  # the model had work queued: towards CUDA
     assert stage.cuda_share == pytest.approx(0.2)
     stage.note_handoff(starved=True)  # it waited for data: sharply towards the engines
