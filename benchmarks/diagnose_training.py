@@ -22,12 +22,13 @@ the loop waited in ``next()`` and NVML's GPU utilisation:
   out), the stage changed by SETTING's ``+``-joined words: ``base`` (as shipped),
   ``prime1`` (a new pipeline primed with one-sample batches, as its first version),
   ``roi`` (the resize always given a region of interest, as its first version),
-  ``engines`` / ``cuda`` (every batch on that pipeline, not steered), ``hwX`` (every batch
+  ``engines`` / ``cuda`` (every batch on that pipeline: no trials), ``hwX`` (every batch
   on the engines' pipeline, built with ``hw_decoder_load`` X), ``tN`` (N DALI threads),
   ``dN`` (N batches in the GPU stage), ``pfN`` (``prefetch_factor`` N), ``shareX``
   (``cpu_share`` X), ``prioN`` (the side stream at priority -N), ``copy`` (JPEGs copied
-  when fed). Each reports the share of batches DALI decoded the CUDA way and of hand-offs
-  to an idle training stream.
+  when fed), ``prof`` (the prefetch thread's calls profiled, printed by their own time).
+  Each reports the share of batches DALI decoded the CUDA way, of hand-offs to an idle
+  training stream, and the way kept after its trials.
 
     python3 benchmarks/diagnose_training.py STORE [--model resnet18] [--steps 40]
         [--warmup 8] [--workers 16] [--only synthetic,...] [--dali base,prime1,...]
@@ -36,8 +37,11 @@ the loop waited in ``next()`` and NVML's GPU utilisation:
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import itertools
 import json
+import pstats
 import sys
 import threading
 import time
@@ -95,10 +99,10 @@ def dali_fed(store: str, workers: int, setting: str):
     kwargs: dict = {}
     depth, fixed = None, None
     for w in words:
-        if w.startswith("hw"):  # the engines' pipeline at this load, never steered away
+        if w.startswith("hw"):  # the engines' pipeline at this load, no trials
             patch(ds, "_HW_LOAD", {ds.ENGINES: float(w[2:]), ds.CUDA: 0.0})
             fixed = ds.ENGINES
-        elif w in ("engines", "cuda"):  # one pipeline only, never steered
+        elif w in ("engines", "cuda"):  # one pipeline only, no trials
             fixed = w
         elif w.startswith("t") and w[1:].isdigit():
             patch(ds, "MAX_THREADS", int(w[1:]))
@@ -123,6 +127,18 @@ def dali_fed(store: str, workers: int, setting: str):
                 feed_one(own, encoded, args)
 
             patch(ds.DaliStage, "_feed_one", staticmethod(one_sample_dummies))
+        elif w == "prof":  # the prefetch thread's calls, by their own time
+            profiler = cProfile.Profile()
+            produce_one = pf.GpuEpochIterator._produce_one
+
+            def profiled(self, produce_one=produce_one, profiler=profiler):
+                profiler.enable()
+                try:
+                    return produce_one(self)
+                finally:
+                    profiler.disable()
+
+            patch(pf.GpuEpochIterator, "_produce_one", profiled)
         elif w not in ("base", "") and not w.startswith("prio"):
             raise SystemExit(f"unknown word {w!r} in DALI setting {setting!r}")
     dl = loader.DataLoader(store, batch_size=256, shuffle=True, drop_last=True,
@@ -133,7 +149,7 @@ def dali_fed(store: str, workers: int, setting: str):
     if depth is not None:
         stage.depth = depth
     if fixed is not None:
-        stage.steered, stage.cuda_share = False, 0.0
+        stage.picker = None
         stage._choose = lambda: fixed
     for w in words:
         if w.startswith("prio"):
@@ -142,6 +158,10 @@ def dali_fed(store: str, workers: int, setting: str):
     def restore() -> None:
         for obj, name, value in reversed(undo):
             setattr(obj, name, value)
+        if "prof" in words:
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+            print(text.getvalue(), flush=True)
 
     return dl, restore
 
@@ -330,7 +350,7 @@ def main() -> None:
                 stats.get("dali_cuda_batches", 0) / stats["batches"], 3
             )
             out[name]["starved"] = round(stats.get("starved_handoffs", 0) / stats["batches"], 3)
-            out[name]["cuda_share_now"] = stats.get("dali_cuda_share")
+            out[name]["way"] = (stats.get("dali_way"), stats.get("dali_trials"))
         except Exception as e:  # reported; the other settings still run
             out[name] = {"error": f"{type(e).__name__}: {e}"}
         finally:

@@ -17,17 +17,13 @@ copies of its first batch whose outputs are dropped (whole batches: primed with 
 batches, DALI ran at 12k img/s instead of 30.9k on the H200). A closed epoch waits for
 what it left in the pipeline (``settle``).
 
-On CUDA there are two pipelines, built as needed, that differ only in how DALI's mixed
-decoder takes the JPEGs: the hardware JPEG engines ("engines": fastest alone, 34k img/s on
-the H200) or CUDA kernels with the Huffman decode on DALI's CPU threads ("cuda": gentler
-on the model training beside it: ResNet-50 at 97.9% of its ceiling against 93.8% with the
-engines, in one run, ``gpu-h200-diagnose3-resnet50.log``). Each batch goes to one of them,
-a share ``cuda_share`` of them the CUDA way, steered at every hand-off to the training
-loop (``note_handoff``): a hand-off to an idle training stream (the model waited for data)
-moves the share sharply towards the engines, one to a stream still busy moves it slowly
-towards CUDA. A loader on its own, or ahead of a light model only part of the time, thus
-runs on the engines, and one feeding a heavy model, whose stream is always busy, the CUDA
-way.
+On CUDA there are two pipelines that differ only in how DALI's mixed decoder takes the
+JPEGs: the hardware JPEG engines ("engines": fastest alone, 34k img/s on the H200) or CUDA
+kernels after a Huffman decode on DALI's CPU threads ("cuda"). Which one lets the model
+beside it train faster depends on the model (on the H200, ResNet-50 at 98.2% of its
+ceiling the CUDA way against 96.0%, ResNet-18 at 71.9% against 83.6%,
+``gpu-h200-diagnose3-*.log``), so a ``WayPicker`` tries both and keeps the one with which
+the training loop takes batches sooner (``loader.pace``); ``note_handoff`` tells it.
 
 A batch the pipeline fails on (a stream no decoder takes, a window outside its image) is
 decoded again the way of the decode-only DALI backend (``GpuStage``): image by image where
@@ -57,16 +53,13 @@ from loader.augment_gpu import Rows, cut, upload
 from loader.decode_dali import _LIBRARY_LINES, HW_DECODER_LOAD
 from loader.decode_nvjpeg import raise_if_not_the_data
 from loader.gpu_stage import GpuStage, Started, _event, read_slot
+from loader.pace import WayPicker
 
 MAX_THREADS = 8  # DALI's CPU threads (parsing; Huffman decode of what the engines skip)
 # The pipelines, by the share of the JPEGs DALI's mixed decoder gives the hardware engines
 # (the rest: CUDA kernels after a Huffman decode on DALI's CPU threads).
 ENGINES, CUDA = "engines", "cuda"
 _HW_LOAD = {ENGINES: HW_DECODER_LOAD, CUDA: 0.0}
-# Steps of ``cuda_share`` at a hand-off to a busy training stream (up) and an idle one
-# (down): from all engines to all CUDA in 20 batches of a model that never waits, and
-# settled where at most one hand-off in 11 finds the model waiting.
-_UP, _DOWN = 0.05, 0.5
 # DALI reads the JPEGs in the ring's slot instead of copying them when fed: 2.6 ms of the
 # prefetch thread's time a batch instead of 5.2 on the H200 (dali-stage-probe.json). The
 # slot stays untouched until the batch's output is taken, and ``settle`` waits for what an
@@ -115,19 +108,19 @@ class DaliStage(GpuStage):
         self.depth = 1 + self.concurrent_calls
         self._pipelines: dict[str, _Pipeline] = {}  # by kind, built when first needed
         self._out_dtype = self._dali_dtype()
-        self.steered = self.device.type == "cuda"  # one pipeline on the CPU
-        self.cuda_share = 0.0  # of the batches, decoded the CUDA way (``note_handoff``)
-        self._credit = 0.0
+        # On the CPU, DALI's one way: nothing to pick.
+        self.picker = WayPicker((ENGINES, CUDA)) if self.device.type == "cuda" else None
 
     def start(self, slot: dict[str, torch.Tensor], report, submit=None):
         """Feed the slot's JPEGs, their windows and flips to the pipeline and let it run."""
         t0 = time.perf_counter()
+        way = self._choose()  # for every batch started: the picker counts them
         n = report.n
         views, gpu_rows, spans = read_slot(slot, n)
         if not len(gpu_rows):  # every row decoded by the workers: nothing for DALI
             return super().start(slot, report)
         encoded = cut(views["data"], *spans)
-        ticket = _Ticket(encoded, self._arguments(views["crops"][gpu_rows]), self._choose())
+        ticket = _Ticket(encoded, self._arguments(views["crops"][gpu_rows]), way)
         t_feed = time.perf_counter()
         try:
             self._feed(ticket)
@@ -184,6 +177,8 @@ class DaliStage(GpuStage):
     def settle(self) -> None:
         """Wait for the batches still in the pipelines (their outputs dropped): they read
         their JPEGs in the ring's slots, which the workers refill once the epoch is closed."""
+        if self.picker is not None:
+            self.picker.forget()
         for kind, own in list(self._pipelines.items()):
             while own.queue:
                 try:
@@ -192,33 +187,28 @@ class DaliStage(GpuStage):
                     del self._pipelines[kind]
                     break
 
-    def note_handoff(self, starved: bool) -> None:
-        """A batch was handed to the training loop, whose stream had run dry (``starved``)
-        or still had work queued: steer ``cuda_share`` (module docstring)."""
-        if self.steered:
-            share = self.cuda_share + (-_DOWN if starved else _UP)
-            self.cuda_share = min(max(share, 0.0), 1.0)
+    def note_handoff(self) -> None:
+        """A batch was handed to the training loop: the picker's measure."""
+        if self.picker is not None:
+            self.picker.handed(time.perf_counter())
 
     def _choose(self) -> str:
-        """The pipeline of the next batch: ``cuda_share`` of the batches, evenly spread,
-        go the CUDA way."""
-        if not self.steered:
+        """The pipeline of the batch being started; on a trial's first batch, both are
+        built (so that building one does not slow the other's batches being measured)."""
+        if self.picker is None:
             return ENGINES
-        self._credit += self.cuda_share
-        if self._credit >= 1.0:
-            self._credit -= 1.0
-            return CUDA
-        return ENGINES
+        way = self.picker.next()
+        if self.picker.trialing:
+            for kind in self.picker.ways:
+                self._built(kind)
+        return way
 
     # -- the pipeline -------------------------------------------------------------------
 
     def _feed(self, ticket: _Ticket) -> _Pipeline:
         """Feed one batch to its kind's pipeline (building and priming it first where there
         is none) and schedule its run."""
-        own = self._pipelines.get(ticket.kind)
-        if own is None:
-            with filtered(_LIBRARY_LINES):  # optional codecs it did not find, among others
-                own = self._pipelines[ticket.kind] = _Pipeline(self._build(ticket.kind))
+        own = self._built(ticket.kind)
         while len(own.queue) >= self.depth:  # left by an abandoned epoch: make room
             self._next_output(own)
         encoded, args = ticket.encoded, ticket.args
@@ -231,6 +221,14 @@ class DaliStage(GpuStage):
             own.queue.append(ticket)
             own.pipe.schedule_run()
             own.primed = True
+        return own
+
+    def _built(self, kind: str) -> _Pipeline:
+        """The pipeline of ``kind``, built where there is none."""
+        own = self._pipelines.get(kind)
+        if own is None:
+            with filtered(_LIBRARY_LINES):  # optional codecs it did not find, among others
+                own = self._pipelines[kind] = _Pipeline(self._build(kind))
         return own
 
     @staticmethod

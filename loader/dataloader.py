@@ -289,9 +289,10 @@ class DataLoader:
         ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
         ``cpu_share``: the workers' current share of the GPU-decodable samples;
         ``starved_handoffs``: batches handed to a training stream with no work left queued
-        (the model waited for data; on CUDA); ``dali_cuda_share`` (``decoder="dali"``): the
-        current share of batches DALI decodes with CUDA kernels instead of the hardware
-        engines, ``dali_cuda_batches`` those it did;
+        (the model waited for data; on CUDA); with ``decoder="dali"`` on CUDA, ``dali_way``:
+        how DALI decodes between trials ("engines" or "cuda", ``loader.pace``),
+        ``dali_trials`` the trials so far and ``dali_cuda_batches`` the batches it decoded
+        with CUDA kernels instead of the hardware engines;
         ``prefetch_cpu_s``: the GPU path's prefetch thread's own CPU time, and
         ``decode_threads_cpu_s`` its decode threads' (time these threads may take from the
         training loop's Python, though part of it runs without the GIL);
@@ -307,8 +308,9 @@ class DataLoader:
         out["decoder"] = self.decoder
         if self._gpu_stage is not None:
             out["cpu_share"] = self._gpu_stage.cpu_share
-            if hasattr(self._gpu_stage, "cuda_share"):
-                out["dali_cuda_share"] = self._gpu_stage.cuda_share
+            picker = getattr(self._gpu_stage, "picker", None)
+            if picker is not None:
+                out.update(dali_way=picker.way, dali_trials=picker.trials)
         return out
 
     def cache_stats(self) -> dict[str, int] | None:

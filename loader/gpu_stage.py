@@ -268,9 +268,8 @@ class GpuStage:
         """Wait for work of a closed epoch that still reads its ring slots (none here:
         ``finish`` has read every slot it was given)."""
 
-    def note_handoff(self, starved: bool) -> None:
-        """A batch was handed to the training loop, whose stream had run dry (``starved``)
-        or not (nothing to steer here; ``DaliStage`` steers its decode by it)."""
+    def note_handoff(self) -> None:
+        """A batch was handed to the training loop (``DaliStage`` times its ways by it)."""
 
     @property
     def cpu_share(self) -> float:

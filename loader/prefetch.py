@@ -114,7 +114,7 @@ class GpuEpochIterator(EpochIterator):
             stream = torch.cuda.current_stream(images.device)
             starved = stream.query()  # nothing left queued: the model waited for this batch
             self._stats.add(starved_handoffs=int(starved))
-            self._stage.note_handoff(starved)
+            self._stage.note_handoff()
             stream.wait_event(event)  # the training stream waits; the host does not
             images.record_stream(stream)
             labels.record_stream(stream)

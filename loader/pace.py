@@ -1,0 +1,129 @@
+"""WayPicker: of several ways of making batches, the one with which the training loop takes
+them soonest, found by trying each.
+
+Which way is best depends on what trains beside the loader, and nothing the loader sees by
+itself tells. The DALI stage decodes fastest on the hardware JPEG engines (34k img/s alone
+on the H200), yet ResNet-50 trained beside it at 96.0% of its ceiling, against 98.2% when
+DALI decoded with CUDA kernels; ResNet-18 went the other way, 83.6% against 71.9%
+(``benchmarks/results/gpu-h200-diagnose3-*.log``). Both models had work queued on their
+stream at 92-98% of the hand-offs either way, so the stream's state does not tell either.
+
+So the picker measures the training loop's pace itself: the time between hand-offs. A
+trial starts ``window`` batches one way, then ``window`` the next; the first and last
+``skip`` gaps of each window are left out (the model trained on them beside batches of
+another way: a batch is started a few batches before it is handed off), the median of the
+others is each way's pace, and the faster way is kept. A new trial starts when the kept
+way's pace (the median of the last ``track`` gaps) moves by more than ``drift`` (another
+model, evaluation, the loader left alone) and every ``recheck`` batches. Medians, so that
+an epoch's start or a checkpoint between two steps does not decide.
+
+The ways of the batches started and not yet handed off are remembered in order (batches are
+handed off in the order they were started), so each gap is counted for the way of the
+batch handed off, whatever the lag between starting a batch and handing it off.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import threading
+from collections.abc import Sequence
+
+
+class WayPicker:
+    """See the module docstring. ``next`` is called as a batch is started (its way),
+    ``handed`` as one is handed to the training loop, ``forget`` when the batches in flight
+    are dropped (an epoch closed early); any thread."""
+
+    def __init__(
+        self,
+        ways: Sequence[str],
+        window: int = 20,
+        skip: int = 6,
+        track: int = 8,
+        drift: float = 0.5,
+        recheck: int = 4096,
+    ) -> None:
+        if len(ways) < 2 or 2 * skip + 3 > window:
+            raise ValueError("WayPicker needs two ways or more and window >= 2 * skip + 3")
+        self.ways = tuple(ways)
+        self.way = self.ways[0]  # the way kept between trials
+        self.window, self.skip, self.drift, self.recheck = window, skip, drift, recheck
+        self.trials = 0
+        self.pace: float | None = None  # seconds between hand-offs the kept way measured
+        self._lock = threading.Lock()
+        self._plan: list[tuple[str, int]] = []  # the trial's batches still to start:
+        # (way, place in its window); started, not yet handed off: (way, place or None)
+        self._in_flight: collections.deque = collections.deque()
+        self._gaps: dict[str, list[float]] = {}
+        self._recent: collections.deque = collections.deque(maxlen=track)
+        self._last: tuple[str, float] | None = None  # way and time of the last hand-off
+        self._since = 0  # hand-offs since the last trial ended
+        self._trialing = False
+        self._start_trial()
+
+    @property
+    def trialing(self) -> bool:
+        return self._trialing
+
+    def next(self) -> str:
+        """The way of the batch being started."""
+        with self._lock:
+            way, place = self._plan.pop(0) if self._plan else (self.way, None)
+            self._in_flight.append((way, place))
+            return way
+
+    def handed(self, now: float) -> None:
+        """A batch was handed off at ``now`` (seconds, any monotonic clock)."""
+        with self._lock:
+            way, place = self._in_flight.popleft() if self._in_flight else (None, None)
+            last, self._last = self._last, (way, now)
+            if last is not None and way is not None and last[0] == way:
+                gap = now - last[1]
+                if place is None:
+                    if not self._trialing:
+                        self._recent.append(gap)
+                elif self.skip <= place < self.window - self.skip:
+                    self._gaps[way].append(gap)
+            if self._trialing:
+                measured = way == self.ways[-1] and place == self.window - self.skip - 1
+                left = any(p is not None for _, p in self._in_flight)
+                if measured or not (self._plan or left):
+                    self._decide()  # the rest of the trial's plan would measure nothing
+                return
+            self._since += 1
+            if self._since >= self.recheck or self._drifted():
+                self._start_trial()
+
+    def forget(self) -> None:
+        """The batches in flight will not be handed off."""
+        with self._lock:
+            self._in_flight.clear()
+            self._last = None
+            if self._trialing and not self._plan:
+                self._decide()
+
+    def _start_trial(self) -> None:
+        self._plan = [(w, k) for w in self.ways for k in range(self.window)]
+        self._gaps = {w: [] for w in self.ways}
+        self._trialing = True
+        self.trials += 1
+
+    def _decide(self) -> None:
+        self._plan = []
+        paces = {w: statistics.median(g) for w, g in self._gaps.items() if len(g) >= 3}
+        if paces:  # otherwise (too few batches in a row) the way kept stays
+            self.way = min(paces, key=paces.__getitem__)
+        self.pace = paces.get(self.way)
+        self._trialing = False
+        self._since = 0
+        self._recent.clear()
+
+    def _drifted(self) -> bool:
+        if len(self._recent) < self._recent.maxlen:
+            return False
+        now = statistics.median(self._recent)
+        if self.pace is None:  # the trial measured nothing: this is the kept way's pace
+            self.pace = now
+            return False
+        return abs(now - self.pace) > self.drift * self.pace

@@ -1,0 +1,119 @@
+"""WayPicker (``loader.pace``): the way with which the training loop takes batches sooner,
+found by trying each, driven here by a simulated loop on a fake clock.
+
+The simulation: batches are started ``LAG`` batches before they are handed off (as in the
+GPU stage: the batches in the stage and in the hand-off queue), and the gap before each
+hand-off is the pace of the way of the newest batch started, the one decoding while the
+model trains (so the first gaps of a window still belong to the other way)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from loader.pace import WayPicker
+
+LAG = 5
+
+
+class Loop:
+    """A training loop fed by ``picker``: ``run(n, paces)`` hands off ``n`` batches, the
+    gap before each being ``paces[way]`` (times ``noise`` where given) of the way of the
+    newest batch started."""
+
+    def __init__(self, picker: WayPicker, seed: int = 0) -> None:
+        self.picker, self.now = picker, 0.0
+        self.started: collections.deque = collections.deque(picker.next() for _ in range(LAG))
+        self.rng = np.random.default_rng(seed)
+        self.handed: list[str] = []
+
+    def run(self, n: int, paces: dict, noise: float = 0.0, outliers: dict | None = None):
+        for k in range(n):
+            gap = paces[self.started[-1]] * (1 + noise * self.rng.uniform(-1, 1))
+            self.now += (outliers or {}).get(k, gap)
+            self.handed.append(self.started.popleft())
+            self.picker.handed(self.now)
+            self.started.append(self.picker.next())
+
+
+def test_a_trial_keeps_the_way_the_loop_takes_batches_sooner_with():
+    picker = WayPicker(("engines", "cuda"))
+    assert picker.trialing and picker.trials == 1
+    loop = Loop(picker)
+    loop.run(60, {"engines": 0.010, "cuda": 0.008}, noise=0.02)
+    assert not picker.trialing and picker.trials == 1
+    assert picker.way == "cuda" and picker.pace == pytest.approx(0.008, rel=0.03)
+    # 20 batches each way, then only the kept one.
+    assert loop.handed[:40] == ["engines"] * 20 + ["cuda"] * 20
+    assert set(loop.handed[40:]) == {"cuda"}
+
+
+def test_the_gaps_next_to_the_other_ways_batches_are_left_out():
+    # The cuda way is much slower, but its window's first gaps still see the engines'
+    # batches decoding, and the engines' last ones the cuda way's: counted, they would
+    # bring the two medians together; the engines stay the faster by the measured pace.
+    picker = WayPicker(("engines", "cuda"))
+    Loop(picker).run(50, {"engines": 0.010, "cuda": 0.030})
+    assert picker.way == "engines" and picker.pace == pytest.approx(0.010)
+
+
+def test_outlying_gaps_do_not_decide():
+    # Two long pauses (an epoch's start, a checkpoint) in the faster way's window.
+    picker = WayPicker(("engines", "cuda"))
+    Loop(picker).run(60, {"engines": 0.010, "cuda": 0.008}, outliers={28: 2.0, 30: 1.5})
+    assert picker.way == "cuda"
+
+
+def test_a_new_trial_when_the_pace_moves_and_none_while_it_holds():
+    picker = WayPicker(("engines", "cuda"))
+    loop = Loop(picker)
+    loop.run(60, {"engines": 0.007, "cuda": 0.012}, noise=0.1)  # the loader alone
+    assert picker.way == "engines" and picker.trials == 1
+    loop.run(1000, {"engines": 0.007, "cuda": 0.012}, noise=0.1)
+    assert picker.trials == 1  # 10% noise: no trial
+    loop.run(80, {"engines": 0.056, "cuda": 0.055}, noise=0.005)  # a heavy model now
+    assert picker.trials == 2 and not picker.trialing
+    assert picker.way == "cuda" and picker.pace == pytest.approx(0.055, rel=0.01)
+
+
+def test_a_new_trial_every_recheck_batches():
+    picker = WayPicker(("engines", "cuda"), recheck=100)
+    loop = Loop(picker)
+    loop.run(60, {"engines": 0.010, "cuda": 0.020})
+    assert picker.trials == 1
+    loop.run(100, {"engines": 0.010, "cuda": 0.020})
+    assert picker.trials == 2 and picker.trialing
+
+
+def test_batches_dropped_in_flight_are_forgotten():
+    picker = WayPicker(("engines", "cuda"), window=10, skip=2)
+    for _ in range(8):  # an epoch closed early: started, never handed off
+        picker.next()
+    picker.forget()
+    loop = Loop(picker)  # the trial goes on with what is left of its plan
+    loop.run(40, {"engines": 0.010, "cuda": 0.005})
+    assert not picker.trialing and picker.way == "cuda"  # counted for the right way
+    assert loop.handed[:12] == ["engines"] * 2 + ["cuda"] * 10
+
+
+def test_too_few_gaps_keep_the_first_way_and_take_the_pace_from_later_ones():
+    picker = WayPicker(("engines", "cuda"), window=4, skip=0, track=4)
+    picker.next()
+    picker.forget()
+    assert picker.trialing
+    loop = Loop(picker)
+    loop.run(3, {"engines": 0.010, "cuda": 0.010})
+    picker.forget()  # the trial's batches dropped before their gaps: nothing measured
+    assert not picker.trialing and picker.way == "engines" and picker.pace is None
+    loop = Loop(picker)
+    loop.run(10, {"engines": 0.010, "cuda": 0.010})
+    assert picker.pace == pytest.approx(0.010) and picker.trials == 1
+
+
+def test_arguments_checked():
+    with pytest.raises(ValueError, match="two ways or more"):
+        WayPicker(("engines",))
+    with pytest.raises(ValueError, match="window >= 2"):
+        WayPicker(("engines", "cuda"), window=10, skip=4)
