@@ -6,7 +6,8 @@
 # makes "bench" compare every pipeline on images capped at 512 px (imfeed-bench --max-size);
 # SHORT_SIDE=800-1000 makes camera-sized images instead of ImageNet-shaped ones
 # (--short-side). PROBE_ARGS go to the probe (e.g. "--busy-thread --gather-chunk 256");
-# TRAIN_STEPS sets the timed steps of the bench's training checks (30; TRAIN=0: none);
+# TRAIN_STEPS sets the timed steps of the bench's training checks (30; TRAIN=0: none),
+# TRAIN_WARMUP the untimed ones before (at least the bench's own minimum);
 # MODELS, STEPS and DIAG_ARGS go to diagnose_training.py (e.g. "--only synthetic --dali base,prime1"); DALI_SETTINGS to dali_stage_probe.py.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -27,7 +28,7 @@ for stage in "$@"; do
     decoders) prepare; timeout 200 python3 benchmarks/gpu_decoders.py "$STORE" --out $OUT/gpu-decoders.json 2>&1 | tee $OUT/gpu-decoders.log | tail -20 ;;
     bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W ${MAX_SIZE:+--max-size $MAX_SIZE} ${SHORT_SIDE:+--short-side $SHORT_SIDE} \
         --batch-size 256 --workers 16 --dtype float16 --channels-last --passes ${PASSES:-3} $([ "${TRAIN:-1}" = 1 ] && echo --train-check) \
-        --train-steps ${TRAIN_STEPS:-30} --only "${ONLY:-torch-pil,loader-nvjpeg,loader-dali,loader-dali-auto,dali-crop,dali-ram}" \
+        --train-steps ${TRAIN_STEPS:-30} ${TRAIN_WARMUP:+--train-warmup $TRAIN_WARMUP} --only "${ONLY:-torch-pil,loader-nvjpeg,loader-dali,loader-dali-auto,dali-crop,dali-ram}" \
         --name "${NAME:-gpu-h200-dali}" --out $OUT --logs /tmp/blogs > $OUT/bench.log 2>&1; tail -25 $OUT/bench.log ;;
     diagnose) prepare; for m in ${MODELS:-resnet50 resnet18}; do timeout 280 python3 benchmarks/diagnose_training.py "$STORE" --model $m --steps ${STEPS:-40} ${DIAG_ARGS:-} > $OUT/diagnose-$m.log 2>&1; grep -v "^ \|^{\|^}" $OUT/diagnose-$m.log | cut -c1-300; done ;;
     profile) prepare; timeout 300 python3 benchmarks/profile_example.py "$FOLDER" "$STORE" > $OUT/profile.log 2>&1; cat $OUT/profile.log | tail -20 ;;

@@ -25,7 +25,7 @@ def settings(args, data: Data, device: str) -> Settings:
         eval=args.eval,
         device=device,
         train_steps=args.train_steps,
-        train_warmup=train_warmup(args.train_steps, args.workers),
+        train_warmup=max(args.train_warmup or 0, train_warmup(args.train_steps, args.workers)),
     )
 
 
