@@ -5,17 +5,20 @@ Which way is best depends on what trains beside the loader, and nothing the load
 itself tells. The DALI stage decodes fastest on the hardware JPEG engines (34k img/s alone
 on the H200), yet ResNet-50 trained beside it at 96.0% of its ceiling, against 98.2% when
 DALI decoded with CUDA kernels; ResNet-18 went the other way, 83.6% against 71.9%
-(``benchmarks/results/gpu-h200-diagnose3-*.log``). Both models had work queued on their
-stream at 92-98% of the hand-offs either way, so the stream's state does not tell either.
+(``benchmarks/results/gpu-h200-diagnose3-*.log``), and on the next loan of the machine
+79.6% against 89.6% (``diagnose4``). Both models had work queued on their stream at most
+hand-offs either way, so the stream's state does not tell either.
 
 So the picker measures the training loop's pace itself: the time between hand-offs. A
 trial starts ``window`` batches one way, then ``window`` the next; the first and last
 ``skip`` gaps of each window are left out (the model trained on them beside batches of
 another way: a batch is started a few batches before it is handed off), the median of the
-others is each way's pace, and the faster way is kept. A new trial starts when the kept
-way's pace (the median of the last ``track`` gaps) moves by more than ``drift`` (another
-model, evaluation, the loader left alone) and every ``recheck`` batches. Medians, so that
-an epoch's start or a checkpoint between two steps does not decide.
+others is each way's pace, and the faster way is kept. The first trial starts once
+``warmup`` batches have been handed off (the workers and pipelines started); a new one
+when the kept way's pace (the median of the last ``track`` gaps) moves by more than
+``drift`` (another model, evaluation, the loader left alone) and every ``recheck``
+batches. Medians, so that an epoch's start or a checkpoint between two steps does not
+decide.
 
 The ways of the batches started and not yet handed off are remembered in order (batches are
 handed off in the order they were started), so each gap is counted for the way of the
@@ -38,17 +41,19 @@ class WayPicker:
     def __init__(
         self,
         ways: Sequence[str],
-        window: int = 20,
-        skip: int = 6,
+        window: int = 32,
+        skip: int = 10,
         track: int = 8,
         drift: float = 0.5,
         recheck: int = 4096,
+        warmup: int = 16,
     ) -> None:
         if len(ways) < 2 or 2 * skip + 3 > window:
             raise ValueError("WayPicker needs two ways or more and window >= 2 * skip + 3")
         self.ways = tuple(ways)
         self.way = self.ways[0]  # the way kept between trials
         self.window, self.skip, self.drift, self.recheck = window, skip, drift, recheck
+        self.warmup = warmup
         self.trials = 0
         self.pace: float | None = None  # seconds between hand-offs the kept way measured
         self._lock = threading.Lock()
@@ -60,7 +65,8 @@ class WayPicker:
         self._last: tuple[str, float] | None = None  # way and time of the last hand-off
         self._since = 0  # hand-offs since the last trial ended
         self._trialing = False
-        self._start_trial()
+        if warmup == 0:
+            self._start_trial()
 
     @property
     def trialing(self) -> bool:
@@ -92,7 +98,8 @@ class WayPicker:
                     self._decide()  # the rest of the trial's plan would measure nothing
                 return
             self._since += 1
-            if self._since >= self.recheck or self._drifted():
+            first = self.trials == 0 and self._since >= self.warmup
+            if first or self._since >= self.recheck or self._drifted():
                 self._start_trial()
 
     def forget(self) -> None:
@@ -120,7 +127,7 @@ class WayPicker:
         self._recent.clear()
 
     def _drifted(self) -> bool:
-        if len(self._recent) < self._recent.maxlen:
+        if not self.trials or len(self._recent) < self._recent.maxlen:
             return False
         now = statistics.median(self._recent)
         if self.pace is None:  # the trial measured nothing: this is the kept way's pace

@@ -205,7 +205,7 @@ def test_batches_split_between_the_two_pipelines_keep_samples_and_pixels(store):
     dl = make(store, batch_size=4)
     stage = dl._gpu_stage
     # A trial of 3 batches each way (without CUDA, both ways are DALI's CPU pipeline).
-    stage.picker = WayPicker((ENGINES, CUDA_WAY), window=3, skip=0)
+    stage.picker = WayPicker((ENGINES, CUDA_WAY), window=3, skip=0, warmup=0)
     got = epoch(dl)
     stats = dl.stats()
     assert set(stage._pipelines) == {ENGINES, CUDA_WAY} and stats["dali_cuda_batches"] == 3

@@ -39,56 +39,68 @@ class Loop:
 
 
 def test_a_trial_keeps_the_way_the_loop_takes_batches_sooner_with():
-    picker = WayPicker(("engines", "cuda"))
+    picker = WayPicker(("engines", "cuda"), warmup=0)
     assert picker.trialing and picker.trials == 1
     loop = Loop(picker)
-    loop.run(60, {"engines": 0.010, "cuda": 0.008}, noise=0.02)
+    loop.run(100, {"engines": 0.010, "cuda": 0.008}, noise=0.02)
     assert not picker.trialing and picker.trials == 1
     assert picker.way == "cuda" and picker.pace == pytest.approx(0.008, rel=0.03)
-    # 20 batches each way, then only the kept one.
-    assert loop.handed[:40] == ["engines"] * 20 + ["cuda"] * 20
-    assert set(loop.handed[40:]) == {"cuda"}
+    # 32 batches each way, then only the kept one.
+    assert loop.handed[:64] == ["engines"] * 32 + ["cuda"] * 32
+    assert set(loop.handed[64:]) == {"cuda"}
+
+
+def test_the_first_trial_once_the_loader_has_started():
+    picker = WayPicker(("engines", "cuda"), warmup=16)
+    assert not picker.trialing and picker.trials == 0
+    loop = Loop(picker)
+    loop.run(15, {"engines": 0.010, "cuda": 0.008})
+    assert not picker.trialing and set(loop.handed) == {"engines"}
+    loop.run(1, {"engines": 0.010, "cuda": 0.008})
+    assert picker.trialing and picker.trials == 1
+    loop.run(100, {"engines": 0.010, "cuda": 0.008})
+    assert picker.way == "cuda" and picker.trials == 1
 
 
 def test_the_gaps_next_to_the_other_ways_batches_are_left_out():
     # The cuda way is much slower, but its window's first gaps still see the engines'
     # batches decoding, and the engines' last ones the cuda way's: counted, they would
     # bring the two medians together; the engines stay the faster by the measured pace.
-    picker = WayPicker(("engines", "cuda"))
-    Loop(picker).run(50, {"engines": 0.010, "cuda": 0.030})
+    picker = WayPicker(("engines", "cuda"), warmup=0)
+    Loop(picker).run(80, {"engines": 0.010, "cuda": 0.030})
     assert picker.way == "engines" and picker.pace == pytest.approx(0.010)
 
 
 def test_outlying_gaps_do_not_decide():
     # Two long pauses (an epoch's start, a checkpoint) in the faster way's window.
-    picker = WayPicker(("engines", "cuda"))
-    Loop(picker).run(60, {"engines": 0.010, "cuda": 0.008}, outliers={28: 2.0, 30: 1.5})
+    picker = WayPicker(("engines", "cuda"), warmup=0)
+    Loop(picker).run(100, {"engines": 0.010, "cuda": 0.008}, outliers={44: 2.0, 47: 1.5})
     assert picker.way == "cuda"
 
 
 def test_a_new_trial_when_the_pace_moves_and_none_while_it_holds():
-    picker = WayPicker(("engines", "cuda"))
+    picker = WayPicker(("engines", "cuda"), warmup=0)
     loop = Loop(picker)
-    loop.run(60, {"engines": 0.007, "cuda": 0.012}, noise=0.1)  # the loader alone
+    loop.run(100, {"engines": 0.007, "cuda": 0.012}, noise=0.1)  # the loader alone
     assert picker.way == "engines" and picker.trials == 1
     loop.run(1000, {"engines": 0.007, "cuda": 0.012}, noise=0.1)
     assert picker.trials == 1  # 10% noise: no trial
-    loop.run(80, {"engines": 0.056, "cuda": 0.055}, noise=0.005)  # a heavy model now
+    loop.run(120, {"engines": 0.056, "cuda": 0.055}, noise=0.005)  # a heavy model now
     assert picker.trials == 2 and not picker.trialing
     assert picker.way == "cuda" and picker.pace == pytest.approx(0.055, rel=0.01)
 
 
 def test_a_new_trial_every_recheck_batches():
-    picker = WayPicker(("engines", "cuda"), recheck=100)
+    picker = WayPicker(("engines", "cuda"), recheck=100, warmup=0)
     loop = Loop(picker)
-    loop.run(60, {"engines": 0.010, "cuda": 0.020})
+    loop.run(100, {"engines": 0.010, "cuda": 0.020})
     assert picker.trials == 1
     loop.run(100, {"engines": 0.010, "cuda": 0.020})
     assert picker.trials == 2 and picker.trialing
 
 
 def test_batches_dropped_in_flight_are_forgotten():
-    picker = WayPicker(("engines", "cuda"), window=10, skip=2)
+    picker = WayPicker(("engines", "cuda"), window=10, skip=2, warmup=0)
     for _ in range(8):  # an epoch closed early: started, never handed off
         picker.next()
     picker.forget()
@@ -99,7 +111,7 @@ def test_batches_dropped_in_flight_are_forgotten():
 
 
 def test_too_few_gaps_keep_the_first_way_and_take_the_pace_from_later_ones():
-    picker = WayPicker(("engines", "cuda"), window=4, skip=0, track=4)
+    picker = WayPicker(("engines", "cuda"), window=4, skip=0, track=4, warmup=0)
     picker.next()
     picker.forget()
     assert picker.trialing

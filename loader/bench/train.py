@@ -66,15 +66,19 @@ def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> d
             loss.backward()
             optimizer.step()
     st = prof.stats
-    return {
-        "img_per_s": round(st.images_per_s, 1),
-        "wait_share": round(st.wait_share, 4),
-        "steps": st.steps,
-        "images": st.images,
-        "seconds": round(st.seconds, 3),
-        "cores_busy": None if st.cores_busy is None else round(st.cores_busy, 2),
-        "gpu_utilization": st.gpu_utilization,
-    } | per_image(before, loader_times(pipe), (s.train_warmup + st.steps) * s.batch_size)
+    return (
+        {
+            "img_per_s": round(st.images_per_s, 1),
+            "wait_share": round(st.wait_share, 4),
+            "steps": st.steps,
+            "images": st.images,
+            "seconds": round(st.seconds, 3),
+            "cores_busy": None if st.cores_busy is None else round(st.cores_busy, 2),
+            "gpu_utilization": st.gpu_utilization,
+        }
+        | per_image(before, loader_times(pipe), (s.train_warmup + st.steps) * s.batch_size)
+        | (dali_way(pipe))
+    )
 
 
 def loader_times(pipe) -> dict | None:
@@ -83,6 +87,14 @@ def loader_times(pipe) -> dict | None:
     if not hasattr(dl, "stats"):
         return None
     return {k: v for k, v in dl.stats().items() if k.endswith("_s") and isinstance(v, float)}
+
+
+def dali_way(pipe) -> dict:
+    """``{"dali_way": way, "dali_trials": n}``: how our DALI stage decodes after its trials
+    (``loader.pace``); empty for any other pipeline."""
+    dl = getattr(pipe, "dl", None)
+    stats = dl.stats() if hasattr(dl, "stats") else {}
+    return {k: stats[k] for k in ("dali_way", "dali_trials") if k in stats}
 
 
 def decoded_counts(pipe) -> dict | None:
