@@ -20,9 +20,10 @@ what it left in the pipeline (``settle``).
 On CUDA there are two pipelines that differ only in how DALI's mixed decoder takes the
 JPEGs: the hardware JPEG engines ("engines": fastest alone, 34k img/s on the H200) or CUDA
 kernels after a Huffman decode on DALI's CPU threads ("cuda"). Which one lets the model
-beside it train faster depends on the model (on the H200, ResNet-50 at 98.2% of its
-ceiling the CUDA way against 96.0%, ResNet-18 at 71.9% against 83.6%,
-``gpu-h200-diagnose3-*.log``), so a ``WayPicker`` tries both and keeps the one with which
+beside it train faster depends on the model, and even on the loan of the machine (on the
+H200, ResNet-50 at 98.1-98.3% of its ceiling the CUDA way against 95.8-96.0%; ResNet-18 at
+71.9-72.1% against 82.9-84.3%, then 89.7% against 79.6% on the next loan,
+``gpu-h200-diagnose3/4-*.log``), so a ``WayPicker`` tries both and keeps the one with which
 the training loop takes batches sooner (``loader.pace``); ``note_handoff`` tells it.
 
 A batch the pipeline fails on (a stream no decoder takes, a window outside its image) is

@@ -3,11 +3,11 @@ them soonest, found by trying each.
 
 Which way is best depends on what trains beside the loader, and nothing the loader sees by
 itself tells. The DALI stage decodes fastest on the hardware JPEG engines (34k img/s alone
-on the H200), yet ResNet-50 trained beside it at 96.0% of its ceiling, against 98.2% when
-DALI decoded with CUDA kernels; ResNet-18 went the other way, 83.6% against 71.9%
-(``benchmarks/results/gpu-h200-diagnose3-*.log``), and on the next loan of the machine
-79.6% against 89.6% (``diagnose4``). Both models had work queued on their stream at most
-hand-offs either way, so the stream's state does not tell either.
+on the H200), yet ResNet-50 trained beside it at 95.8-96.0% of its ceiling, against
+98.1-98.3% when DALI decoded with CUDA kernels; ResNet-18 went the other way, 82.9-84.3%
+against 71.9-72.1% (``benchmarks/results/gpu-h200-diagnose3-*.log``), and on the next loan
+of the machine 79.6% against 89.7% (``diagnose4``). Both models had work queued on their
+stream at most hand-offs either way, so the stream's state does not tell either.
 
 So the picker measures the training loop's pace itself: the time between hand-offs. A
 trial starts ``window`` batches one way, then ``window`` the next; the first and last

@@ -25,6 +25,7 @@ import gc
 import io
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -57,6 +58,7 @@ from ingest.synth import random_view, sample_photos
 from loader.augment import Transform, plan_crops
 from loader.augment_gpu import GpuAugment
 from loader.encoded import EncodedBatches
+from loader.options import resolve_decoder
 from loader.prefetch import _DecodeThreads, ring_slots
 from loader.sampler import batch_seed
 from loader.store import Store
@@ -420,7 +422,22 @@ def test_argument_errors_and_auto(store):
         make(store, cpu_share=1.5)
     assert make(store, decoder="auto", device="cpu").decoder == "cpu"
     if CUDA:
-        assert make(store, decoder="auto", device="cuda").decoder == "nvjpeg"
+        assert make(store, decoder="auto", device="cuda").decoder in ("dali", "nvjpeg")
+
+
+def test_auto_on_cuda_is_dali_where_installed_else_nvjpeg(monkeypatch):
+    cuda = torch.device("cuda")  # resolving the name touches no device
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        assert resolve_decoder("auto", cuda) == "nvjpeg"
+    else:
+        assert resolve_decoder("auto", cuda) == "dali"
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # as if not installed
+    assert resolve_decoder("auto", cuda) == "nvjpeg"
+    monkeypatch.setitem(sys.modules, "torchvision.io", None)
+    assert resolve_decoder("auto", cuda) == "cpu"
+    assert resolve_decoder("auto", torch.device("cpu")) == "cpu"
 
 
 def test_stats_say_where_the_time_went(store):
