@@ -71,14 +71,17 @@ class DataLoader:
             torch.distributed, so that ``torch.manual_seed`` makes a run repeatable).
         rank, world_size: this process's share (default: from torch.distributed, else 0/1).
         with_indices: batches are ``(images, labels, indices)``; indices stay on the CPU.
-        decoder: "auto" (default: "nvjpeg" on a CUDA device, else "cpu"), or a backend
+        decoder: "auto" (default: on a CUDA device "dali" where DALI is installed, else
+            "nvjpeg"; "cpu" without one), or a backend
             of ``loader.decode.decoders()``: "cpu" decodes in the workers; "nvjpeg" decodes
             batches on the GPU (torchvision's nvjpeg) and augments them there, the workers
             only gathering encoded bytes (and decoding ``cpu_share`` of them); "dali" (with
             ``pip install 'imfeed[dali]'``) runs decode and augmentation in one DALI
-            pipeline, decoding only each crop window: the fastest on an H200 (34.2k img/s,
-            1.10x DALI's own best pipeline and 1.5x "nvjpeg" in the same run), its pixels
-            resampled by DALI rather than by the loader's kernels.
+            pipeline, decoding only each crop window: the fastest on an H200 (32.7k img/s,
+            1.14x DALI's own best pipeline and 1.4x "nvjpeg" in the same run), its pixels
+            resampled by DALI rather than by the loader's kernels; on CUDA its decode runs
+            on the hardware engines or in CUDA kernels, whichever lets the training loop
+            take batches sooner (measured by trials, ``loader.pace``).
         cpu_share: GPU path: fraction of the JPEGs the workers decode on the CPU beside the
             GPU decoder (default 0: all on the GPU, which measured fastest on an H200 with
             nothing else running, and gives bit-for-bit reproducible pixels); "auto" steers
