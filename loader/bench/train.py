@@ -77,7 +77,7 @@ def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> d
             "gpu_utilization": st.gpu_utilization,
         }
         | per_image(before, loader_times(pipe), (s.train_warmup + st.steps) * s.batch_size)
-        | (dali_way(pipe))
+        | dali_way(pipe)
     )
 
 
