@@ -6,7 +6,8 @@ this rank), then fed by the loader (``cache="shm"``: one copy of the store's byt
 all ranks). Rank 0 prints one JSON line with every rank's figures; run it with
 ``--nproc_per_node=1`` and ``2`` in the same session to compare per-GPU figures.
 
-    torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 30] [--cache shm]
+    torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 60] [--warmup 100]
+        [--cache shm]
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("store")
     ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=60)
+    # Past the DALI stage's trial of its two ways (loader.pace): 16 + 64 batches and the lag.
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--cache", default="shm")
     ap.add_argument("--size", type=int, default=224)
     a = ap.parse_args()
