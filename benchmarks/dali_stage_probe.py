@@ -38,6 +38,7 @@ from gpu_decoders import planned
 import loader
 import loader.dali_stage as dali_stage
 from loader.augment_gpu import cut
+from loader.dali_stage import ENGINES, _Ticket
 from loader.store import Store
 
 
@@ -88,14 +89,41 @@ def run_loader(store: str, workers: int, threads: int) -> tuple[loader.DataLoade
     return dl, {"img_s": round(n / seconds), "ms_per_batch": per_batch}
 
 
+def fed_ahead(items, depth: int, feed, take) -> tuple[float, float]:
+    """Feed each of ``items`` (``feed(item)``), ``depth`` batches ahead of taking an output
+    (``take()``), then take the rest; (seconds in all, seconds feeding), the GPU idle at
+    both ends."""
+    torch.cuda.synchronize()
+    t0, feed_s, pending = time.perf_counter(), 0.0, 0
+    for item in items:
+        if pending == depth:
+            take()
+            pending -= 1
+        t = time.perf_counter()
+        feed(item)
+        feed_s += time.perf_counter() - t
+        pending += 1
+    for _ in range(pending):
+        take()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, feed_s
+
+
 def run_alone(stage, work: list, rounds: int = 3) -> dict:
-    """The stage fed ``work`` from RAM ``rounds`` times, ``stage.depth`` batches ahead."""
+    """The stage fed ``work`` from RAM ``rounds`` times, ``stage.depth`` batches ahead, on
+    the hardware engines' pipeline (no trials: nothing is handed to a training loop)."""
     size = (len(work[0][0]), 3, 224, 224)
     target = torch.empty(size, dtype=torch.float16, device="cuda").to(
         memory_format=torch.channels_last
     )
-    feed_s = wait_s = 0.0
+    wait_s = 0.0
     pending: collections.deque = collections.deque()
+
+    def feed(item) -> None:
+        encoded, crops = item
+        ticket = _Ticket(encoded, stage._arguments(crops), ENGINES)
+        stage._feed(ticket)
+        pending.append(ticket)
 
     def take() -> None:
         nonlocal wait_s
@@ -104,25 +132,9 @@ def run_alone(stage, work: list, rounds: int = 3) -> dict:
         wait_s += time.perf_counter() - t
         stage._copy_out(out, size[0], into=target)
 
-    for encoded, crops in work[:6]:  # warm-up: the pipeline is built on its first batch
-        if len(pending) == stage.depth:
-            take()
-        pending.append(stage._feed(encoded, stage._arguments(crops)))
-    while pending:
-        take()
-    feed_s = wait_s = 0.0
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for encoded, crops in work * rounds:
-        if len(pending) == stage.depth:
-            take()
-        t = time.perf_counter()
-        pending.append(stage._feed(encoded, stage._arguments(crops)))
-        feed_s += time.perf_counter() - t
-    while pending:
-        take()
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    fed_ahead(work[:6], stage.depth, feed, take)  # warm-up: the pipeline is built first
+    wait_s = 0.0
+    seconds, feed_s = fed_ahead(work * rounds, stage.depth, feed, take)
     batches = len(work) * rounds
     return rates(batches, batches * size[0], seconds, feed_s, wait_s)
 
@@ -182,39 +194,29 @@ def run_graph(name: str, threads: int, work: list, stage_arguments, rounds: int 
         fed.append((encoded, {k: v for k, v in args.items() if names is None or k in names}))
     stream = torch.cuda.Stream(priority=-1 if "prio" in mods else 0)
     target = torch.empty((256, 224, 224, 3), dtype=torch.float16, device="cuda")
-    feed_s = wait_s = 0.0
-    pending = 0
-    first = True
+    wait_s, count = 0.0, 0
+
+    def feed(item) -> None:
+        nonlocal count
+        encoded, args = item
+        pipe.feed_input("jpegs", encoded)
+        for name, value in args.items():
+            pipe.feed_input(name, value)
+        count += 1
+        if count >= depth:  # the first run starts `depth` iterations
+            pipe.schedule_run()
 
     def take() -> None:
-        nonlocal wait_s, pending
+        nonlocal wait_s
         t = time.perf_counter()
         (out,) = pipe.outputs(cuda_stream=stream)
         wait_s += time.perf_counter() - t
-        pending -= 1
         if "copy" in mods:
             pointer = ctypes.c_void_p(target.data_ptr())
             out.copy_to_external(pointer, stream.cuda_stream, non_blocking=True)
         del out
 
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for encoded, args in fed * rounds:
-        if pending == depth:
-            take()
-        t = time.perf_counter()
-        pipe.feed_input("jpegs", encoded)
-        for name, value in args.items():
-            pipe.feed_input(name, value)
-        pending += 1
-        if not first or pending == depth:  # the first run starts `depth` iterations
-            pipe.schedule_run()
-            first = False
-        feed_s += time.perf_counter() - t
-    while pending:
-        take()
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    seconds, feed_s = fed_ahead(fed * rounds, depth, feed, take)
     batches = len(fed) * rounds
     return rates(batches, batches * 256, seconds, feed_s, wait_s)
 
@@ -260,7 +262,8 @@ def main() -> None:
         return
     for setting in a.settings.split(","):
         threads, load, copy = setting.split(":")
-        dali_stage.HW_DECODER_LOAD, dali_stage.NO_COPY = float(load), copy == "nocopy"
+        dali_stage._HW_LOAD = {**dali_stage._HW_LOAD, dali_stage.ENGINES: float(load)}
+        dali_stage.NO_COPY = copy == "nocopy"
         dl, in_loader = run_loader(a.store, a.workers, int(threads))
         alone = run_alone(dl._gpu_stage, work)
         results.append({"setting": setting, "loader": in_loader, "alone": alone})
