@@ -311,7 +311,7 @@ class DataLoader:
         out["decoder"] = self.decoder
         if self._gpu_stage is not None:
             out["cpu_share"] = self._gpu_stage.cpu_share
-            picker = getattr(self._gpu_stage, "picker", None)
+            picker = self._gpu_stage.picker
             if picker is not None:
                 out.update(dali_way=picker.way, dali_trials=picker.trials)
         return out

@@ -68,6 +68,8 @@ class GpuStage:
         stats: where stage timings go.
     """
 
+    picker = None  # which way a stage decodes, where it has several (``DaliStage``)
+
     def __init__(
         self,
         producer: EncodedBatches,
