@@ -286,6 +286,20 @@ def test_every_sample_once_per_epoch_and_resume(store):
 
 
 @needs_dali
+@pytest.mark.skipif(not CUDA, reason="decoder='auto' is the DALI stage on CUDA only")
+def test_auto_on_cuda_is_the_dali_stage(store):
+    dl = make(store, decoder="auto", drop_last=False)
+    assert dl.decoder == "dali"
+    batches = epoch(dl)
+    assert sorted(flat(batches, 2).tolist()) == list(range(NUM_SAMPLES))
+    stats = dl.stats()
+    assert stats["dali_way"] in (ENGINES, CUDA_WAY)
+    assert type(dl._gpu_stage).__name__ == "DaliStage"
+    assert stats["gpu_decoded"] == NUM_SAMPLES - 2  # the PNG and the progressive JPEG: CPU
+    dl.close()
+
+
+@needs_dali
 def test_close_mid_epoch_waits_for_the_pipeline_and_stops_everything(store):
     dl = make(store, num_workers=2, persistent_workers=True, batch_size=2)  # 12 batches
     it = iter(dl)
