@@ -104,8 +104,13 @@ def dali_fed(store: str, workers: int, setting: str):
             fixed = ds.ENGINES
         elif w in ("engines", "cuda"):  # one pipeline only, no trials
             fixed = w
-        elif w.startswith("t") and w[1:].isdigit():
-            patch(ds, "MAX_THREADS", int(w[1:]))
+        elif w.startswith("t") and w[1:].isdigit():  # DALI's threads (not capped by cores)
+            init = ds.DaliStage.__init__
+
+            def with_threads(self, *args, init=init, n=int(w[1:]), **kw) -> None:
+                init(self, *args, **{**kw, "threads": n})
+
+            patch(ds.DaliStage, "__init__", with_threads)
         elif w.startswith("d") and w[1:].isdigit():
             depth = int(w[1:])
             for module in (pf, dlm):
@@ -351,6 +356,12 @@ def main() -> None:
             )
             out[name]["starved"] = round(stats.get("starved_handoffs", 0) / stats["batches"], 3)
             out[name]["way"] = (stats.get("dali_way"), stats.get("dali_trials"))
+            picker = dl._gpu_stage.picker
+            if picker is not None:  # each trial: hand-offs so far, ms per way, the way kept
+                out[name]["trials"] = [
+                    (n, {w: round(p * 1e3, 2) for w, p in paces.items()}, kept)
+                    for n, paces, kept in picker.history
+                ]
         except Exception as e:  # reported; the other settings still run
             out[name] = {"error": f"{type(e).__name__}: {e}"}
         finally:

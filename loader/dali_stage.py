@@ -32,7 +32,7 @@ the batch fails, an image the GPU cannot decode retried on the CPU and, failing 
 replaced and counted. A new pipeline takes over, fed again the batches the failed one held.
 nvImageCodec's line about such a stream is printed from DALI's own thread; the captures
 around feeding and taking outputs miss it when it comes between them (tested: at most
-that one line).
+that one line, or the colour code before it).
 
 The pixels differ from the loader's own kernels only by DALI's resampling (same filter:
 a triangle as wide as the scale when shrinking, bilinear otherwise; the tests state the

@@ -294,8 +294,10 @@ class DataLoader:
         ``starved_handoffs``: batches handed to a training stream with no work left queued
         (the model waited for data; on CUDA); with ``decoder="dali"`` on CUDA, ``dali_way``:
         how DALI decodes between trials ("engines" or "cuda", ``loader.pace``),
-        ``dali_trials`` the trials so far and ``dali_cuda_batches`` the batches it decoded
-        with CUDA kernels instead of the hardware engines;
+        ``dali_trials`` the trials so far, ``dali_paces_ms`` the milliseconds between
+        hand-offs each way took in the last trial (the faster one is kept) and
+        ``dali_cuda_batches`` the batches it decoded with CUDA kernels instead of the
+        hardware engines;
         ``prefetch_cpu_s``: the GPU path's prefetch thread's own CPU time, and
         ``decode_threads_cpu_s`` its decode threads' (time these threads may take from the
         training loop's Python, though part of it runs without the GIL);
@@ -313,7 +315,11 @@ class DataLoader:
             out["cpu_share"] = self._gpu_stage.cpu_share
             picker = self._gpu_stage.picker
             if picker is not None:
-                out.update(dali_way=picker.way, dali_trials=picker.trials)
+                paces = picker.history[-1][1] if picker.history else {}
+                out.update(
+                    dali_way=picker.way, dali_trials=picker.trials,
+                    dali_paces_ms={w: round(p * 1e3, 2) for w, p in paces.items()},
+                )  # fmt: skip
         return out
 
     def cache_stats(self) -> dict[str, int] | None:

@@ -41,10 +41,12 @@ from loader.decode_nvjpeg import raise_if_not_the_data
 
 # nvImageCodec (inside DALI) prints to stderr, whatever DALI's log level: "[ERROR] ..."
 # (colour codes around the level) for each stream it cannot parse, and when a pipeline is
-# built, which optional codec libraries (nvTIFF, nvJPEG2000) it did not find.
+# built, which optional codec libraries (nvTIFF, nvJPEG2000) it did not find. It writes the
+# colour codes apart from the line, so a capture may begin or end between them: a line of
+# colour codes alone is its too.
 _LIBRARY_LINES = re.compile(
     r"^\s*(\x1b\[[0-9;]*m)?\[(FATAL|ERROR|WARNING|INFO|DEBUG|TRACE)\]"
-    r"|^Failed to load nv|^Note: If using nvImageCodec"
+    r"|^Failed to load nv|^Note: If using nvImageCodec|^(\x1b\[[0-9;]*m)+\s*$"
 )
 
 # The share of the JPEGs DALI gives its hardware engines (the rest go to nvjpeg's CUDA

@@ -56,6 +56,10 @@ class WayPicker:
         self.warmup = warmup
         self.trials = 0
         self.pace: float | None = None  # seconds between hand-offs the kept way measured
+        # The last trials, oldest first: (hand-offs before it ended, each way's pace, the
+        # way kept), to tell afterwards why a way was kept.
+        self.history: collections.deque = collections.deque(maxlen=8)
+        self._handoffs = 0
         self._lock = threading.Lock()
         self._plan: list[tuple[str, int]] = []  # the trial's batches still to start:
         # (way, place in its window); started, not yet handed off: (way, place or None)
@@ -82,6 +86,7 @@ class WayPicker:
     def handed(self, now: float) -> None:
         """A batch was handed off at ``now`` (seconds, any monotonic clock)."""
         with self._lock:
+            self._handoffs += 1
             way, place = self._in_flight.popleft() if self._in_flight else (None, None)
             last, self._last = self._last, (way, now)
             if last is not None and way is not None and last[0] == way:
@@ -122,6 +127,7 @@ class WayPicker:
         if paces:  # otherwise (too few batches in a row) the way kept stays
             self.way = min(paces, key=paces.__getitem__)
         self.pace = paces.get(self.way)
+        self.history.append((self._handoffs, paces, self.way))
         self._trialing = False
         self._since = 0
         self._recent.clear()

@@ -191,7 +191,8 @@ def test_a_batch_the_pipeline_fails_on_is_decoded_again_image_by_image(store, ca
         assert mean_diff(a, b) <= TOL  # the redone batch: DALI decodes, our kernels resize
     assert torch.equal(got[0][0], expected[0][0]) and torch.equal(got[2][0], expected[2][0])
     # At most nvImageCodec's line about the stream, printed from DALI's own thread, where
-    # the capture around the calls that fed the stream and took the output may miss it.
+    # the capture around the calls that fed the stream and took the output may miss it
+    # (or only the colour code it writes before the line: seen once in 4 runs on the H200).
     lines = capfd.readouterr().err.splitlines()
     assert len(lines) <= 1 and all(_LIBRARY_LINES.search(line) for line in lines)
 

@@ -484,8 +484,11 @@ def assert_never_overwritten(dl) -> None:
             # keep the device busy so that a missing wait would show
             torch.cuda._sleep(1_000_000)
     torch.cuda.synchronize()
-    for (images, labels), (i0, l0) in zip(held, copies, strict=True):
-        assert torch.equal(images, i0) and torch.equal(labels, l0)
+    for k, ((images, labels), (i0, l0)) in enumerate(zip(held, copies, strict=True)):
+        changed = (images != i0).flatten(1).any(1).nonzero().flatten().tolist()
+        nans = int(i0.isnan().sum()) if i0.is_floating_point() else 0
+        assert not changed, f"batch {k}: rows {changed} changed ({nans} NaN when delivered)"
+        assert torch.equal(labels, l0), f"batch {k}: labels changed"
 
 
 @gpu_only

@@ -48,6 +48,10 @@ def test_a_trial_keeps_the_way_the_loop_takes_batches_sooner_with():
     # 32 batches each way, then only the kept one.
     assert loop.handed[:64] == ["engines"] * 32 + ["cuda"] * 32
     assert set(loop.handed[64:]) == {"cuda"}
+    # Decided on the cuda window's last counted gap (its 22nd batch), both paces kept.
+    ((handoffs, paces, kept),) = picker.history
+    assert handoffs == 32 + 22 and kept == "cuda"
+    assert paces == pytest.approx({"engines": 0.010, "cuda": 0.008}, rel=0.03)
 
 
 def test_the_first_trial_once_the_loader_has_started():

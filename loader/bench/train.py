@@ -90,11 +90,12 @@ def loader_times(pipe) -> dict | None:
 
 
 def dali_way(pipe) -> dict:
-    """``{"dali_way": way, "dali_trials": n}``: how our DALI stage decodes after its trials
-    (``loader.pace``); empty for any other pipeline."""
+    """``{"dali_way": way, "dali_trials": n, "dali_paces_ms": {way: ms}}``: how our DALI
+    stage decodes after its trials, and each way's pace in the last (``loader.pace``); empty
+    for any other pipeline."""
     dl = getattr(pipe, "dl", None)
     stats = dl.stats() if hasattr(dl, "stats") else {}
-    return {k: stats[k] for k in ("dali_way", "dali_trials") if k in stats}
+    return {k: stats[k] for k in ("dali_way", "dali_trials", "dali_paces_ms") if k in stats}
 
 
 def decoded_counts(pipe) -> dict | None:
