@@ -43,10 +43,13 @@ from loader.decode_nvjpeg import raise_if_not_the_data
 # (colour codes around the level) for each stream it cannot parse, and when a pipeline is
 # built, which optional codec libraries (nvTIFF, nvJPEG2000) it did not find. It writes the
 # colour codes apart from the line, so a capture may begin or end between them: a line of
-# colour codes alone is its too.
+# colour codes alone is its too. Its JPEG parser's complaints come alone on a line
+# ("Invalid marker", seen on the H200 for a stream cut short).
 _LIBRARY_LINES = re.compile(
     r"^\s*(\x1b\[[0-9;]*m)?\[(FATAL|ERROR|WARNING|INFO|DEBUG|TRACE)\]"
     r"|^Failed to load nv|^Note: If using nvImageCodec|^(\x1b\[[0-9;]*m)+\s*$"
+    r"|^(Invalid marker|Unexpected end-of-stream|Unexpected signature"
+    r"|Failed to read EXIF block|Unexpected number of channels)\s*$"
 )
 
 # The share of the JPEGs DALI gives its hardware engines (the rest go to nvjpeg's CUDA

@@ -61,7 +61,7 @@ from loader.store import Store
 TRAIN, EVAL = Transform("train", SIZE), Transform("eval", SIZE)
 DALI = dali_backend()
 TOL = 2.0 if CUDA else 0.5
-EPOCHS_FLAT = 16
+EPOCHS_FLAT = 40
 
 
 def _has_dali() -> bool:
@@ -94,6 +94,24 @@ def test_without_dali_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # as if not installed
     with pytest.raises(ValueError, match=r"decoder='dali' needs NVIDIA DALI: pip install 'imf"):
         decode_registry.get_decoder("dali", device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("line", "library"),
+    [
+        ("\x1b[0;31m[ERROR] \x1b[0m[nvjpeg2k_ext] Failed to load nvJPEG2000 library", True),
+        ("Failed to load nvtiff library! Please install nvTIFF", True),
+        ("\x1b[0;31m", True),  # the colour code alone, written apart from its line
+        ("\x1b[0m", True),
+        ("Invalid marker", True),  # nvImageCodec's JPEG parser, alone on its line
+        ("Invalid marker in the user's own message", False),
+        ("\x1b[0;31mtraining diverged", False),
+        ("Traceback (most recent call last):", False),
+        ("", False),
+    ],
+)
+def test_which_stderr_lines_are_nvimagecodecs(line, library):
+    assert bool(_LIBRARY_LINES.search(line)) is library
 
 
 @needs_dali
@@ -341,7 +359,10 @@ def test_gpu_memory_is_flat_across_epochs(store):
         reserved.append(torch.cuda.memory_reserved())
     dl.close()
     mib = [round(u / (1 << 20), 1) for u in used]
-    # Both settle within the first half; a batch kept per epoch would add up.
+    # Both settle within the first half; a batch kept per epoch would add up. DALI's own
+    # pools grow in steps for a while: on the H200, 819 MiB used, 869 from epoch 6, 997
+    # from epoch 17, then flat to epoch 60 (16 epochs compared from the 8th failed 2 runs
+    # in 4, growing at epochs 7 and 11).
     half = EPOCHS_FLAT // 2
     assert used[-1] - used[half] < 32 << 20, f"device memory by epoch, MiB: {mib}"
     assert reserved[-1] - reserved[half] < 8 * 3 * SIZE * SIZE * 2 + (2 << 20), reserved
