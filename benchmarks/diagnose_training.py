@@ -357,11 +357,13 @@ def main() -> None:
             out[name]["starved"] = round(stats.get("starved_handoffs", 0) / stats["batches"], 3)
             out[name]["way"] = (stats.get("dali_way"), stats.get("dali_trials"))
             picker = dl._gpu_stage.picker
-            if picker is not None:  # each trial: hand-offs so far, ms per way, the way kept
+            if picker is not None:  # each trial: hand-offs so far, the way kept, and by way
+                # the ms between batches handed off and between batches finished
                 out[name]["trials"] = [
-                    (n, {w: round(p * 1e3, 2) for w, p in paces.items()}, kept)
-                    for n, paces, kept in picker.history
-                ]
+                    (t.handoffs, t.kept, *({w: round(p * 1e3, 2) for w, p in d.items()}
+                                           for d in (t.handed, t.made)))
+                    for t in picker.history
+                ]  # fmt: skip
         except Exception as e:  # reported; the other settings still run
             out[name] = {"error": f"{type(e).__name__}: {e}"}
         finally:

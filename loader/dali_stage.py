@@ -24,7 +24,8 @@ beside it train faster depends on the model, and even on the loan of the machine
 H200, ResNet-50 at 98.1-98.3% of its ceiling the CUDA way against 95.8-96.0%; ResNet-18 at
 71.9-72.1% against 82.9-84.3%, then 89.7% against 79.6% on the next loan,
 ``gpu-h200-diagnose3/4-*.log``), so a ``WayPicker`` tries both and keeps the one with which
-the training loop takes batches sooner (``loader.pace``); ``note_handoff`` tells it.
+the training loop takes batches sooner (``loader.pace``); ``note_finished`` and
+``note_handoff`` tell it.
 
 A batch the pipeline fails on (a stream no decoder takes, a window outside its image) is
 decoded again the way of the decode-only DALI backend (``GpuStage``): image by image where
@@ -188,8 +189,13 @@ class DaliStage(GpuStage):
                     del self._pipelines[kind]
                     break
 
+    def note_finished(self) -> None:
+        """A batch was finished: the picker's measure of the loader's own pace."""
+        if self.picker is not None:
+            self.picker.finished(time.perf_counter())
+
     def note_handoff(self) -> None:
-        """A batch was handed to the training loop: the picker's measure."""
+        """A batch was handed to the training loop: the picker's measure of the loop's."""
         if self.picker is not None:
             self.picker.handed(time.perf_counter())
 

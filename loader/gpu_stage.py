@@ -270,6 +270,10 @@ class GpuStage:
         """Wait for work of a closed epoch that still reads its ring slots (none here:
         ``finish`` has read every slot it was given)."""
 
+    def note_finished(self) -> None:
+        """A batch was finished, ready to be handed off (``DaliStage`` times its ways by
+        it)."""
+
     def note_handoff(self) -> None:
         """A batch was handed to the training loop (``DaliStage`` times its ways by it)."""
 

@@ -20,9 +20,20 @@ when the kept way's pace (the median of the last ``track`` gaps) moves by more t
 batches. Medians, so that an epoch's start or a checkpoint between two steps does not
 decide.
 
-The ways of the batches started and not yet handed off are remembered in order (batches are
-handed off in the order they were started), so each gap is counted for the way of the
-batch handed off, whatever the lag between starting a batch and handing it off.
+The batches made ahead hide a way slower than the model for a while: beside ResNet-50 on
+the H200 (12 DALI threads), the engines' window handed batches off as fast as the CUDA
+way's (55.7 ms against 56.0), yet kept, the engines fed the model at 94.3% of its ceiling;
+the run that kept the CUDA way (8 threads) reached 97.6%
+(``gpu-h200-diagnose5-resnet50.log``): the batches ready in the queue lasted past the
+window. So the gaps between batches finished (``finished``: the loader's own
+pace, the model's work beside it included) are measured the same way, and a way's pace is
+the slower of the two medians: what the loop settles to once the queue has run dry or
+filled up.
+
+The ways of the batches started and not yet finished, and not yet handed off, are
+remembered in order (batches are finished and handed off in the order they were started),
+so each gap is counted for the way of its batch, whatever the lag between starting a
+batch and finishing or handing it off.
 """
 
 from __future__ import annotations
@@ -31,12 +42,29 @@ import collections
 import statistics
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class Trial(NamedTuple):
+    """A trial's outcome: hand-offs before it ended, each way's median gap (seconds)
+    between batches handed off and between batches finished, and the way kept."""
+
+    handoffs: int
+    handed: dict
+    made: dict
+    kept: str
+
+    @property
+    def paces(self) -> dict:
+        """Each way's pace: the slower of its two medians."""
+        return {w: max(p, self.made.get(w, p)) for w, p in self.handed.items()}
 
 
 class WayPicker:
     """See the module docstring. ``next`` is called as a batch is started (its way),
-    ``handed`` as one is handed to the training loop, ``forget`` when the batches in flight
-    are dropped (an epoch closed early); any thread."""
+    ``finished`` as one is ready to be handed off, ``handed`` as one is handed to the
+    training loop, ``forget`` when the batches in flight are dropped (an epoch closed
+    early); any thread."""
 
     def __init__(
         self,
@@ -56,15 +84,17 @@ class WayPicker:
         self.warmup = warmup
         self.trials = 0
         self.pace: float | None = None  # seconds between hand-offs the kept way measured
-        # The last trials, oldest first: (hand-offs before it ended, each way's pace, the
-        # way kept), to tell afterwards why a way was kept.
+        # The last trials (``Trial``), oldest first: to tell afterwards why a way was kept.
         self.history: collections.deque = collections.deque(maxlen=8)
         self._handoffs = 0
         self._lock = threading.Lock()
         self._plan: list[tuple[str, int]] = []  # the trial's batches still to start:
         # (way, place in its window); started, not yet handed off: (way, place or None)
         self._in_flight: collections.deque = collections.deque()
-        self._gaps: dict[str, list[float]] = {}
+        self._unfinished: collections.deque = collections.deque()  # the same, to finish
+        self._gaps: dict[str, list[float]] = {}  # by way, between hand-offs
+        self._made: dict[str, list[float]] = {}  # by way, between batches finished
+        self._last_made: tuple[str, float] | None = None
         self._recent: collections.deque = collections.deque(maxlen=track)
         self._last: tuple[str, float] | None = None  # way and time of the last hand-off
         self._since = 0  # hand-offs since the last trial ended
@@ -81,7 +111,17 @@ class WayPicker:
         with self._lock:
             way, place = self._plan.pop(0) if self._plan else (self.way, None)
             self._in_flight.append((way, place))
+            self._unfinished.append((way, place))
             return way
+
+    def finished(self, now: float) -> None:
+        """A batch was finished (ready to be handed off) at ``now``."""
+        with self._lock:
+            way, place = self._unfinished.popleft() if self._unfinished else (None, None)
+            last, self._last_made = self._last_made, (way, now)
+            counted = place is not None and self.skip <= place < self.window - self.skip
+            if counted and last is not None and last[0] == way and way in self._made:
+                self._made[way].append(now - last[1])
 
     def handed(self, now: float) -> None:
         """A batch was handed off at ``now`` (seconds, any monotonic clock)."""
@@ -111,23 +151,28 @@ class WayPicker:
         """The batches in flight will not be handed off."""
         with self._lock:
             self._in_flight.clear()
-            self._last = None
+            self._unfinished.clear()
+            self._last = self._last_made = None
             if self._trialing and not self._plan:
                 self._decide()
 
     def _start_trial(self) -> None:
         self._plan = [(w, k) for w in self.ways for k in range(self.window)]
         self._gaps = {w: [] for w in self.ways}
+        self._made = {w: [] for w in self.ways}
         self._trialing = True
         self.trials += 1
 
     def _decide(self) -> None:
         self._plan = []
-        paces = {w: statistics.median(g) for w, g in self._gaps.items() if len(g) >= 3}
+        handed = {w: statistics.median(g) for w, g in self._gaps.items() if len(g) >= 3}
+        made = {w: statistics.median(g) for w, g in self._made.items() if len(g) >= 3}
+        trial = Trial(self._handoffs, handed, made, self.way)
+        paces = trial.paces
         if paces:  # otherwise (too few batches in a row) the way kept stays
             self.way = min(paces, key=paces.__getitem__)
         self.pace = paces.get(self.way)
-        self.history.append((self._handoffs, paces, self.way))
+        self.history.append(trial._replace(kept=self.way))
         self._trialing = False
         self._since = 0
         self._recent.clear()

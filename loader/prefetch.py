@@ -162,6 +162,7 @@ class GpuEpochIterator(EpochIterator):
                 images, labels, indices, event = self._stage.finish(started, waited)
             finally:
                 self._free.append(slot)
+            self._stage.note_finished()
         except torch.cuda.OutOfMemoryError:
             raise  # torch's own message says what to do
         except RuntimeError as e:

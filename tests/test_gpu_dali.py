@@ -224,11 +224,14 @@ def test_batches_split_between_the_two_pipelines_keep_samples_and_pixels(store):
     dl = make(store, batch_size=4)
     stage = dl._gpu_stage
     # A trial of 3 batches each way (without CUDA, both ways are DALI's CPU pipeline).
-    stage.picker = WayPicker((ENGINES, CUDA_WAY), window=3, skip=0, warmup=0)
+    stage.picker = picker = WayPicker((ENGINES, CUDA_WAY), window=3, skip=0, warmup=0)
+    finished = []  # the picker is told of each batch finished, to time the loader's pace
+    picker.finished = lambda now, told=picker.finished: (finished.append(now), told(now))
     got = epoch(dl)
     stats = dl.stats()
     assert set(stage._pipelines) == {ENGINES, CUDA_WAY} and stats["dali_cuda_batches"] == 3
     assert stats["dali_trials"] == 1 and stats.get("dali_batches_redone", 0) == 0
+    assert len(finished) == 6 and finished == sorted(finished)
     assert torch.equal(flat(got, 2), flat(expected, 2))
     assert torch.equal(flat(got, 1), flat(expected, 1))
     for k, (a, b) in enumerate(zip(flat(got, 0), flat(expected, 0), strict=True)):
