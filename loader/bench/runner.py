@@ -20,6 +20,7 @@ from pathlib import Path
 
 from loader.bench.pipelines import Settings, build
 from loader.bench.train import (
+    dali_way,
     decoded_between,
     decoded_counts,
     forever,
@@ -67,7 +68,8 @@ def _gpu_memory_mib() -> float | None:
 
 
 def timed_pass(pipe, s: Settings) -> dict:
-    """One epoch of ``pipe``: images, wall and CPU seconds of the process tree, memory."""
+    """One epoch of ``pipe``: images, wall and CPU seconds of the process tree, memory (and
+    where the loader's time went, what decoded, the way our DALI stage kept)."""
     memory = PeakMemory().start()
     before, counted = loader_times(pipe), decoded_counts(pipe)
     cpu0, t0, n = tree_cpu_seconds(), time.perf_counter(), 0
@@ -91,6 +93,7 @@ def timed_pass(pipe, s: Settings) -> dict:
         }
         | per_image(before, loader_times(pipe), n)
         | decoded_between(counted, decoded_counts(pipe))
+        | dali_way(pipe)  # how our DALI stage decoded by the pass's end, and why
     )
 
 
