@@ -83,7 +83,7 @@ class WayPicker:
         self.window, self.skip, self.drift, self.recheck = window, skip, drift, recheck
         self.warmup = warmup
         self.trials = 0
-        self.pace: float | None = None  # seconds between hand-offs the kept way measured
+        self.pace: float | None = None  # seconds a batch, the kept way's in its trial
         # The last trials (``Trial``), oldest first: to tell afterwards why a way was kept.
         self.history: collections.deque = collections.deque(maxlen=8)
         self._handoffs = 0
