@@ -45,6 +45,7 @@ import pstats
 import sys
 import threading
 import time
+from itertools import chain, repeat
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -60,11 +61,6 @@ from loader.store import Store
 CONDITIONS = ("synthetic", "synthetic+gil", "decode", "synthetic+decode", "nvimgcodec",
               "synthetic+nvimgcodec", "synthetic+nvimgcodec-hi", "fed", "fed-0.3",
               "fed+switch")  # fmt: skip
-
-
-def forever(dl):
-    while True:
-        yield from dl
 
 
 def step_fn(name: str = "resnet50"):
@@ -335,7 +331,7 @@ def main() -> None:
                                decoder="nvjpeg", cpu_share=share,
                                persistent_workers=True)  # fmt: skip
 
-        out[name] = run(step, forever(dl), args.steps)
+        out[name] = run(step, chain.from_iterable(repeat(dl)), args.steps)
         out[name]["ms_per_batch"] = per_batch(dl)
         say(name)
         dl.close()
@@ -346,7 +342,7 @@ def main() -> None:
         try:
             cpu0 = tree_cpu_seconds()
             t0 = time.perf_counter()
-            out[name] = run(step, forever(dl), args.steps, args.warmup)
+            out[name] = run(step, chain.from_iterable(repeat(dl)), args.steps, args.warmup)
             busy = (tree_cpu_seconds() - cpu0) / (time.perf_counter() - t0)
             out[name]["cores_busy"] = round(busy, 2)
             out[name]["ms_per_batch"] = per_batch(dl)

@@ -119,8 +119,7 @@ class WayPicker:
         with self._lock:
             way, place = self._unfinished.popleft() if self._unfinished else (None, None)
             last, self._last_made = self._last_made, (way, now)
-            counted = place is not None and self.skip <= place < self.window - self.skip
-            if counted and last is not None and last[0] == way and way in self._made:
+            if self._counted(place) and last is not None and last[0] == way:
                 self._made[way].append(now - last[1])
 
     def handed(self, now: float) -> None:
@@ -134,7 +133,7 @@ class WayPicker:
                 if place is None:
                     if not self._trialing:
                         self._recent.append(gap)
-                elif self.skip <= place < self.window - self.skip:
+                elif self._counted(place):
                     self._gaps[way].append(gap)
             if self._trialing:
                 measured = way == self.ways[-1] and place == self.window - self.skip - 1
@@ -155,6 +154,11 @@ class WayPicker:
             self._last = self._last_made = None
             if self._trialing and not self._plan:
                 self._decide()
+
+    def _counted(self, place: int | None) -> bool:
+        """Whether a gap at ``place`` in its trial window is measured (not one of the
+        ``skip`` at either end, beside another way's batches)."""
+        return place is not None and self.skip <= place < self.window - self.skip
 
     def _start_trial(self) -> None:
         self._plan = [(w, k) for w in self.ways for k in range(self.window)]
