@@ -21,7 +21,7 @@ prepare() {  # the images and store imfeed-bench makes for IMAGES and SHORT_SIDE
 for stage in "$@"; do
   echo "== $stage $(date -u +%T)"
   case $stage in
-    tests) timeout 120 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu_path.py tests/test_gpu_dali.py} > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
+    tests) timeout ${TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu_path.py tests/test_gpu_dali.py} > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
     probe) prepare; timeout 240 python3 benchmarks/gpu_path_probe.py "$STORE" --epochs ${EPOCHS:-5} --cpu-share ${SHARES:-0,0.15} --decoder ${DECODER:-nvjpeg} ${PROBE_ARGS:-} --out $OUT/probe.json > $OUT/probe.log 2>&1; grep -v "^  " $OUT/probe.log | cut -c1-150 ;;
     daliprobe) prepare; timeout 300 python3 benchmarks/dali_stage_probe.py "$STORE" ${DALI_SETTINGS:+--settings $DALI_SETTINGS} ${DALI_ARGS:-} --out $OUT/dali-stage-probe.json > $OUT/dali-stage-probe.log 2>&1; grep -v "^\[\|^$" $OUT/dali-stage-probe.log | tail -12 ;;
     split) prepare; timeout 300 python3 benchmarks/gpu_split.py "$STORE" --out $OUT/gpu-split.json 2>&1 | tee $OUT/gpu-split.log | tail -30 ;;
