@@ -167,6 +167,23 @@ def dali_fed(store: str, workers: int, setting: str):
     return dl, restore
 
 
+def record_trials(picker) -> list:
+    """The gaps each trial of ``picker`` (None: none) counted, by way, as it decides:
+    a list of (handed off, finished) dicts of lists, filled as trials end."""
+    trials: list = []
+    if picker is None:
+        return trials
+    decide = picker._decide
+
+    def recorded() -> None:
+        trials.append(({w: list(g) for w, g in picker._gaps.items()},
+                       {w: list(g) for w, g in picker._made.items()}))  # fmt: skip
+        decide()
+
+    picker._decide = recorded
+    return trials
+
+
 def per_batch(dl) -> dict:
     """The loader's stage timings, in ms a batch."""
     stats = dl.stats()
@@ -182,8 +199,10 @@ def run(step, batches, steps: int, warmup: int = 8) -> dict:
         step(*next(it))
     torch.cuda.synchronize()
     t0, waited, n = time.perf_counter(), 0.0, 0
+    starts = []
     for k in range(steps):
         w = time.perf_counter()
+        starts.append(w)
         x, y = next(it)
         waited += time.perf_counter() - w
         step(x, y)
@@ -193,7 +212,22 @@ def run(step, batches, steps: int, warmup: int = 8) -> dict:
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     return {"img_per_s": round(n / wall, 1), "wait_share": round(waited / wall, 3),
-            "gpu_util": round(float(np.mean(util)), 1) if util else None}  # fmt: skip
+            "gpu_util": round(float(np.mean(util)), 1) if util else None,
+            "step_ms": spread(np.diff(starts))}  # fmt: skip
+
+
+def spread(gaps) -> dict:
+    """Median, mean, 90th percentile and largest of ``gaps`` (seconds), in ms: a median
+    under the mean tells of stalls among otherwise even steps."""
+    if len(gaps) == 0:
+        return {}
+    ms = 1e3 * np.asarray(gaps, dtype=float)
+    return {
+        "p50": round(float(np.median(ms)), 2),
+        "mean": round(float(ms.mean()), 2),
+        "p90": round(float(np.percentile(ms, 90)), 2),
+        "max": round(float(ms.max()), 2),
+    }
 
 
 class Side:
@@ -339,6 +373,7 @@ def main() -> None:
     for setting in dali:
         name = f"dali:{setting}"
         dl, restore = dali_fed(args.store, args.workers, setting)
+        gaps = record_trials(dl._gpu_stage.picker)
         try:
             cpu0 = tree_cpu_seconds()
             t0 = time.perf_counter()
@@ -360,6 +395,11 @@ def main() -> None:
                                            for d in (t.handed, t.made)))
                     for t in picker.history
                 ]  # fmt: skip
+                # each trial's counted gaps by way: handed off, then finished
+                out[name]["trial_gaps"] = [
+                    {w: (spread(handed[w]), spread(made.get(w, []))) for w in handed}
+                    for handed, made in gaps
+                ]
         except Exception as e:  # reported; the other settings still run
             out[name] = {"error": f"{type(e).__name__}: {e}"}
         finally:
