@@ -26,7 +26,9 @@ the loop waited in ``next()`` and NVML's GPU utilisation:
   on the engines' pipeline, built with ``hw_decoder_load`` X), ``tN`` (N DALI threads),
   ``dN`` (N batches in the GPU stage), ``pfN`` (``prefetch_factor`` N), ``shareX``
   (``cpu_share`` X), ``prioN`` (the side stream at priority -N), ``copy`` (JPEGs copied
-  when fed), ``prof`` (the prefetch thread's calls profiled, printed by their own time).
+  when fed), ``prealloc`` (the engines' buffers sized for the store's largest image),
+  ``mean`` (the picker's trials decided by mean gaps), ``wN`` (trial windows of N),
+  ``prof`` (the prefetch thread's calls profiled, printed by their own time).
   Each reports the share of batches DALI decoded the CUDA way, of hand-offs to an idle
   training stream, and the way kept after its trials.
 
@@ -42,6 +44,7 @@ import io
 import itertools
 import json
 import pstats
+import statistics
 import sys
 import threading
 import time
@@ -55,6 +58,7 @@ import torch
 import torchvision
 
 import loader
+from loader.pace import WayPicker
 from loader.proctree import tree_cpu_seconds
 from loader.store import Store
 
@@ -119,6 +123,10 @@ def dali_fed(store: str, workers: int, setting: str):
             patch(ds.DaliStage, "_centre_crop", property(lambda self: True))
         elif w == "copy":
             patch(ds, "NO_COPY", False)
+        elif w == "prealloc":
+            patch(ds, "PREALLOCATE", True)
+        elif w == "mean" or (w.startswith("w") and w[1:].isdigit()):
+            pass  # the picker's, set once the loader is made
         elif w == "prime1":
             feed_one = ds.DaliStage.__dict__["_feed_one"].__func__
 
@@ -155,6 +163,11 @@ def dali_fed(store: str, workers: int, setting: str):
     for w in words:
         if w.startswith("prio"):
             stage.stream = torch.cuda.Stream(priority=-int(w[4:]))
+    windows = [int(w[1:]) for w in words if w.startswith("w") and w[1:].isdigit()]
+    if stage.picker is not None and ("mean" in words or windows):
+        window = windows[0] if windows else 32
+        stat = statistics.fmean if "mean" in words else statistics.median
+        stage.picker = WayPicker(stage.picker.ways, window=window, statistic=stat)
 
     def restore() -> None:
         for obj, name, value in reversed(undo):

@@ -67,6 +67,9 @@ _HW_LOAD = {ENGINES: HW_DECODER_LOAD, CUDA: 0.0}
 # slot stays untouched until the batch's output is taken, and ``settle`` waits for what an
 # abandoned epoch left in the pipeline before its slots go back to the workers.
 NO_COPY = True
+# Whether the engines' decoder is told the store's largest image (``preallocate_*_hint``)
+# so that it allocates its buffers once (benchmarks/diagnose_training.py ``prealloc``).
+PREALLOCATE = False
 
 
 class DaliStarted(NamedTuple):
@@ -342,6 +345,9 @@ class DaliStage(GpuStage):
         out_h, out_w = self.size
         layout = "HWC" if self.format == torch.channels_last else "CHW"
         mixed = {"hw_decoder_load": _HW_LOAD[kind]} if cuda else {}
+        if cuda and PREALLOCATE and _HW_LOAD[kind] > 0:
+            mixed["preallocate_height_hint"] = int(self._index["height"].max())
+            mixed["preallocate_width_hint"] = int(self._index["width"].max())
 
         @pipeline_def(
             batch_size=self.producer.batch_size,

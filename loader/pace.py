@@ -75,13 +75,14 @@ class WayPicker:
         drift: float = 0.5,
         recheck: int = 4096,
         warmup: int = 16,
+        statistic=statistics.median,
     ) -> None:
         if len(ways) < 2 or 2 * skip + 3 > window:
             raise ValueError("WayPicker needs two ways or more and window >= 2 * skip + 3")
         self.ways = tuple(ways)
         self.way = self.ways[0]  # the way kept between trials
         self.window, self.skip, self.drift, self.recheck = window, skip, drift, recheck
-        self.warmup = warmup
+        self.warmup, self.statistic = warmup, statistic
         self.trials = 0
         self.pace: float | None = None  # seconds a batch, the kept way's in its trial
         # The last trials (``Trial``), oldest first: to tell afterwards why a way was kept.
@@ -169,8 +170,8 @@ class WayPicker:
 
     def _decide(self) -> None:
         self._plan = []
-        handed = {w: statistics.median(g) for w, g in self._gaps.items() if len(g) >= 3}
-        made = {w: statistics.median(g) for w, g in self._made.items() if len(g) >= 3}
+        handed = {w: self.statistic(g) for w, g in self._gaps.items() if len(g) >= 3}
+        made = {w: self.statistic(g) for w, g in self._made.items() if len(g) >= 3}
         trial = Trial(self._handoffs, handed, made, self.way)
         paces = trial.paces
         if paces:  # otherwise (too few batches in a row) the way kept stays
