@@ -27,7 +27,8 @@ the loop waited in ``next()`` and NVML's GPU utilisation:
   ``dN`` (N batches in the GPU stage), ``pfN`` (``prefetch_factor`` N), ``shareX``
   (``cpu_share`` X), ``prioN`` (the side stream at priority -N), ``copy`` (JPEGs copied
   when fed), ``prealloc`` (the engines' buffers sized for the store's largest image),
-  ``mean`` (the picker's trials decided by mean gaps), ``wN`` (trial windows of N),
+  ``mean`` / ``median`` (the picker's trials decided by the plain mean or the median of
+  their gaps, where it uses ``loader.pace.steady_mean``), ``wN`` (trial windows of N),
   ``prof`` (the prefetch thread's calls profiled, printed by their own time).
   Each reports the share of batches DALI decoded the CUDA way, of hand-offs to an idle
   training stream, and the way kept after its trials.
@@ -125,7 +126,7 @@ def dali_fed(store: str, workers: int, setting: str):
             patch(ds, "NO_COPY", False)
         elif w == "prealloc":
             patch(ds, "PREALLOCATE", True)
-        elif w == "mean" or (w.startswith("w") and w[1:].isdigit()):
+        elif w in ("mean", "median") or (w.startswith("w") and w[1:].isdigit()):
             pass  # the picker's, set once the loader is made
         elif w == "prime1":
             feed_one = ds.DaliStage.__dict__["_feed_one"].__func__
@@ -164,10 +165,14 @@ def dali_fed(store: str, workers: int, setting: str):
         if w.startswith("prio"):
             stage.stream = torch.cuda.Stream(priority=-int(w[4:]))
     windows = [int(w[1:]) for w in words if w.startswith("w") and w[1:].isdigit()]
-    if stage.picker is not None and ("mean" in words or windows):
-        window = windows[0] if windows else 32
-        stat = statistics.fmean if "mean" in words else statistics.median
-        stage.picker = WayPicker(stage.picker.ways, window=window, statistic=stat)
+    stats = {"mean": statistics.fmean, "median": statistics.median}
+    chosen = [stats[w] for w in words if w in stats]
+    if stage.picker is not None and (chosen or windows):
+        stage.picker = WayPicker(
+            stage.picker.ways,
+            window=windows[0] if windows else stage.picker.window,
+            statistic=chosen[0] if chosen else stage.picker.statistic,
+        )
 
     def restore() -> None:
         for obj, name, value in reversed(undo):

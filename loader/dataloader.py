@@ -294,8 +294,9 @@ class DataLoader:
         ``starved_handoffs``: batches handed to a training stream with no work left queued
         (the model waited for data; on CUDA); with ``decoder="dali"`` on CUDA, ``dali_way``:
         how DALI decodes between trials ("engines" or "cuda", ``loader.pace``),
-        ``dali_trials`` the trials so far, ``dali_paces_ms`` each way's pace in the last
-        trial (milliseconds a batch, the faster is kept: ``loader.pace``) and
+        ``dali_trials`` the trials so far, ``dali_trialing`` whether one is under way,
+        ``dali_paces_ms`` each way's pace in the last trial (milliseconds a batch, the
+        faster is kept: ``loader.pace``) and
         ``dali_cuda_batches`` the batches it decoded with CUDA kernels instead of the
         hardware engines;
         ``prefetch_cpu_s``: the GPU path's prefetch thread's own CPU time, and
@@ -318,6 +319,7 @@ class DataLoader:
                 paces = picker.history[-1].paces if picker.history else {}
                 out.update(
                     dali_way=picker.way, dali_trials=picker.trials,
+                    dali_trialing=picker.trialing,
                     dali_paces_ms={w: round(p * 1e3, 2) for w, p in paces.items()},
                 )  # fmt: skip
         return out

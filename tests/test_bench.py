@@ -421,3 +421,69 @@ def test_short_side_makes_larger_images_that_max_size_caps(tmp_path, capsys):
         main(["--short-side", "800", "--prepare-only", "--workdir", str(tmp_path)])
     assert bad.value.code == 2
     assert "'800': give two sizes in px as LO-HI" in capsys.readouterr().err
+
+
+class Settling:
+    """A pipeline of ours whose DALI stage is trying its ways (``dl.stats()``'s
+    ``dali_trialing``) until it has served ``until`` batches; epochs of ``per_epoch``."""
+
+    def __init__(self, until: int, per_epoch: int = 3) -> None:
+        self.until, self.per_epoch, self.served = until, per_epoch, 0
+        self.dl = self
+        self.batch = torch.zeros(2, 3, 64, 64), torch.tensor([0, 1])
+
+    def stats(self) -> dict:
+        return {"dali_trials": 1, "dali_trialing": self.served < self.until}
+
+    def epoch(self):
+        for _ in range(self.per_epoch):
+            self.served += 1
+            yield self.batch
+
+    def close(self) -> None:
+        pass
+
+
+def on_the_cpu() -> Settings:
+    """Bench settings for ``Settling``: on the CPU, 2 untimed training steps, 3 timed."""
+    return Settings(folder=None, store=None, batch_size=2, workers=0, dtype="float32",
+                    channels_last=True, eval=True, device="cpu", train_steps=3,
+                    train_warmup=2)  # fmt: skip
+
+
+class Conn:
+    """The runner's end of a pipe: hands ``requests`` over in turn, keeps what is sent."""
+
+    def __init__(self, *requests) -> None:
+        self.requests, self.sent = list(requests), []
+
+    def recv(self):
+        return self.requests.pop(0)
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+
+@pytest.mark.parametrize(("until", "served"), [(0, 3), (7, 9), (100, 3 * runner.WARMUP_EPOCHS)])
+def test_the_warm_up_lasts_until_our_ways_are_tried(monkeypatch, until, served):
+    """Round 0 goes on, epoch by epoch, while our DALI stage's trial is under way (on the
+    H200 its first one ran into a timed pass: 11.8k img/s against 30.0k in the next)."""
+    pipe = Settling(until)
+    monkeypatch.setattr(runner, "build", lambda name, s: pipe)
+    monkeypatch.setattr(runner, "_to_log", lambda path: None)
+    conn = Conn(("warm-up",), ("pass",), ("stop",))
+    runner.serve("loader-dali", on_the_cpu(), conn, "unused.log")
+    assert conn.sent[0] == {"ready": True} and pipe.served == served + 3
+    assert [m["images"] for m in conn.sent[1:]] == [6, 6]  # the last warm-up epoch, the pass
+
+
+@pytest.mark.parametrize(("until", "untimed"), [(0, 2), (5, 5), (1000, 2 + 4)])
+def test_a_training_check_times_no_trial_of_our_ways(monkeypatch, until, untimed):
+    """Untimed steps past the warm-up while the stage tries its ways, at most SETTLE_STEPS."""
+    from loader.bench import train
+
+    monkeypatch.setattr(train, "SETTLE_STEPS", 4)
+    pipe = Settling(until)
+    t = train.train_check(train.forever(pipe), "resnet18", on_the_cpu(), pipe)
+    assert (t["untimed_steps"], t["steps"], t["images"]) == (untimed, 3, 6)
+    assert pipe.served == untimed + 3

@@ -13,7 +13,7 @@ import collections
 import numpy as np
 import pytest
 
-from loader.pace import WayPicker
+from loader.pace import WayPicker, steady_mean
 
 LAG = 5
 
@@ -29,9 +29,16 @@ class Loop:
         self.rng = np.random.default_rng(seed)
         self.handed: list[str] = []
 
-    def run(self, n: int, paces: dict, noise: float = 0.0, outliers: dict | None = None):
+    def run(self, n, paces, noise=0.0, outliers: dict | None = None, stalls: dict | None = None):
+        """``outliers``: {k: gap} for the k-th hand-off of this run; ``stalls``: {way:
+        (every, gap)}, every ``every``-th gap of that way's batches is ``gap``."""
+        seen: collections.Counter = collections.Counter()
         for k in range(n):
-            gap = paces[self.started[-1]] * (1 + noise * self.rng.uniform(-1, 1))
+            way = self.started[-1]
+            gap = paces[way] * (1 + noise * self.rng.uniform(-1, 1))
+            seen[way] += 1
+            if stalls and way in stalls and seen[way] % stalls[way][0] == 0:
+                gap = stalls[way][1]
             self.now += (outliers or {}).get(k, gap)
             self.handed.append(self.started.popleft())
             self.picker.handed(self.now)
@@ -78,8 +85,10 @@ def test_a_way_slower_than_the_model_is_seen_before_the_queue_runs_dry():
     loop.run(16, {"engines": 0.0105, "cuda": 0.008}, {"engines": 0.020, "cuda": 0.020})
     loop.run(200, {"engines": 0.0105, "cuda": 0.008}, {"engines": 0.010, "cuda": 0.0104})
     ((_, handed, made, kept),) = picker.history
-    assert handed["engines"] < handed["cuda"]  # by the loop's gaps alone: the engines
-    assert made == pytest.approx({"engines": 0.0105, "cuda": 0.0104}, rel=1e-6)
+    assert handed == pytest.approx({"engines": 0.010, "cuda": 0.0104}, rel=1e-6)
+    # By the loop's gaps alone, the engines; by the batches finished, the engines make one
+    # in 10.5 ms, and CUDA, refilling the queue the engines had drained, in less than 10.4.
+    assert made["engines"] == pytest.approx(0.0105, rel=1e-6) and made["cuda"] < 0.0104
     assert kept == "cuda" and picker.way == "cuda"
     assert picker.pace == pytest.approx(0.0104, rel=1e-6)
     gaps = np.diff(loop.handed_at[-50:])  # and the loop settles at that pace, no new trial
@@ -90,15 +99,15 @@ def test_a_trial_keeps_the_way_the_loop_takes_batches_sooner_with():
     picker = WayPicker(("engines", "cuda"), warmup=0)
     assert picker.trialing and picker.trials == 1
     loop = Loop(picker)
-    loop.run(100, {"engines": 0.010, "cuda": 0.008}, noise=0.02)
+    loop.run(200, {"engines": 0.010, "cuda": 0.008}, noise=0.02)
     assert not picker.trialing and picker.trials == 1
     assert picker.way == "cuda" and picker.pace == pytest.approx(0.008, rel=0.03)
-    # 32 batches each way, then only the kept one.
-    assert loop.handed[:64] == ["engines"] * 32 + ["cuda"] * 32
-    assert set(loop.handed[64:]) == {"cuda"}
-    # Decided on the cuda window's last counted gap (its 22nd batch), both paces kept.
+    # 64 batches each way, then only the kept one.
+    assert loop.handed[:128] == ["engines"] * 64 + ["cuda"] * 64
+    assert set(loop.handed[128:]) == {"cuda"}
+    # Decided on the cuda window's last counted gap (its 54th batch), both paces kept.
     ((handoffs, handed, made, kept),) = picker.history
-    assert handoffs == 32 + 22 and kept == "cuda" and made == {}  # never told: not counted
+    assert handoffs == 64 + 54 and kept == "cuda" and made == {}  # never told: not counted
     assert handed == pytest.approx({"engines": 0.010, "cuda": 0.008}, rel=0.03)
 
 
@@ -110,34 +119,57 @@ def test_the_first_trial_once_the_loader_has_started():
     assert not picker.trialing and set(loop.handed) == {"engines"}
     loop.run(1, {"engines": 0.010, "cuda": 0.008})
     assert picker.trialing and picker.trials == 1
-    loop.run(100, {"engines": 0.010, "cuda": 0.008})
+    loop.run(200, {"engines": 0.010, "cuda": 0.008})
     assert picker.way == "cuda" and picker.trials == 1
 
 
 def test_the_gaps_next_to_the_other_ways_batches_are_left_out():
     # The cuda way is much slower, but its window's first gaps still see the engines'
     # batches decoding, and the engines' last ones the cuda way's: counted, they would
-    # bring the two medians together; the engines stay the faster by the measured pace.
+    # bring the two paces together; the engines stay the faster by the measured pace.
     picker = WayPicker(("engines", "cuda"), warmup=0)
-    Loop(picker).run(80, {"engines": 0.010, "cuda": 0.030})
+    Loop(picker).run(150, {"engines": 0.010, "cuda": 0.030})
     assert picker.way == "engines" and picker.pace == pytest.approx(0.010)
 
 
 def test_outlying_gaps_do_not_decide():
     # Two long pauses (an epoch's start, a checkpoint) in the faster way's window.
     picker = WayPicker(("engines", "cuda"), warmup=0)
-    Loop(picker).run(100, {"engines": 0.010, "cuda": 0.008}, outliers={44: 2.0, 47: 1.5})
-    assert picker.way == "cuda"
+    Loop(picker).run(200, {"engines": 0.010, "cuda": 0.008}, outliers={84: 2.0, 107: 1.5})
+    assert picker.way == "cuda" and picker.pace == pytest.approx(0.008)
+
+
+def test_stalls_a_median_would_hide_decide():
+    # The engines hand most batches off sooner (10 ms against 12), but every fifth after
+    # 30 ms (the loop waiting for data): 14 ms a batch on average, and CUDA is kept.
+    picker = WayPicker(("engines", "cuda"), warmup=0)
+    Loop(picker).run(200, {"engines": 0.010, "cuda": 0.012}, stalls={"engines": (5, 0.030)})
+    ((_, handed, _, kept),) = picker.history
+    assert kept == "cuda" and picker.pace == pytest.approx(0.012)
+    # 8 of the engines' 44 counted gaps are stalls; a median would have said 10 ms
+    assert handed["engines"] == pytest.approx((36 * 0.010 + 8 * 0.030) / 44)
+
+
+@pytest.mark.parametrize(
+    ("gaps", "expected"),
+    [
+        ([0.010, 0.010, 0.030, 0.010], 0.015),  # a stall counts
+        ([0.010, 0.010, 0.101, 0.010], 0.010),  # a pause over 10 medians does not
+        ([0.010, 0.010, 0.100, 0.010], 0.0325),  # 10 medians: still a stall
+    ],
+)
+def test_the_steady_mean(gaps, expected):
+    assert steady_mean(gaps) == pytest.approx(expected)
 
 
 def test_a_new_trial_when_the_pace_moves_and_none_while_it_holds():
     picker = WayPicker(("engines", "cuda"), warmup=0)
     loop = Loop(picker)
-    loop.run(100, {"engines": 0.007, "cuda": 0.012}, noise=0.1)  # the loader alone
+    loop.run(200, {"engines": 0.007, "cuda": 0.012}, noise=0.1)  # the loader alone
     assert picker.way == "engines" and picker.trials == 1
     loop.run(1000, {"engines": 0.007, "cuda": 0.012}, noise=0.1)
     assert picker.trials == 1  # 10% noise: no trial
-    loop.run(120, {"engines": 0.056, "cuda": 0.055}, noise=0.005)  # a heavy model now
+    loop.run(200, {"engines": 0.056, "cuda": 0.055}, noise=0.005)  # a heavy model now
     assert picker.trials == 2 and not picker.trialing
     assert picker.way == "cuda" and picker.pace == pytest.approx(0.055, rel=0.01)
 
@@ -145,7 +177,7 @@ def test_a_new_trial_when_the_pace_moves_and_none_while_it_holds():
 def test_a_new_trial_every_recheck_batches():
     picker = WayPicker(("engines", "cuda"), recheck=100, warmup=0)
     loop = Loop(picker)
-    loop.run(100, {"engines": 0.010, "cuda": 0.020})
+    loop.run(130, {"engines": 0.010, "cuda": 0.020})
     assert picker.trials == 1
     loop.run(100, {"engines": 0.010, "cuda": 0.020})
     assert picker.trials == 2 and picker.trialing

@@ -2,7 +2,8 @@
 
 Passes run in rounds: in each round every pipeline reads one epoch, alone, in an order that
 rotates from round to round, so that a change of machine speed during the run touches all
-of them alike; round 0 is the warm-up (workers start, caches fill). Processes are forks of
+of them alike; round 0 is the warm-up (workers start, caches fill; our DALI stage's first
+trial of its ways, over up to ``WARMUP_EPOCHS`` epochs). Processes are forks of
 a fork server, so that none inherits CUDA state. Whatever a pipeline's libraries print goes to
 its log file, never to the terminal; a pipeline that fails or dies is reported with the
 reason and the others go on.
@@ -26,12 +27,14 @@ from loader.bench.train import (
     forever,
     loader_times,
     per_image,
+    settling,
     train_check,
 )
 from loader.proctree import PeakMemory, tree_cpu_seconds
 
 READY_TIMEOUT = 600.0  # seconds for a pipeline to start (imports, DALI's first batches)
 PASS_TIMEOUT = 1800.0  # seconds for one pass or training check before it counts as hung
+WARMUP_EPOCHS = 4  # at most, while our DALI stage tries its ways (``settling``)
 
 
 def _reason(e: BaseException) -> str:
@@ -110,7 +113,13 @@ def serve(name: str, s: Settings, conn, log: str) -> None:
     stream = None
     while (request := conn.recv())[0] != "stop":
         try:
-            if request[0] == "pass":
+            if request[0] == "warm-up":  # epochs until a trial of our ways is not under way
+                answer = timed_pass(pipe, s)
+                for _ in range(WARMUP_EPOCHS - 1):
+                    if not settling(pipe):
+                        break
+                    answer = timed_pass(pipe, s)
+            elif request[0] == "pass":
                 answer = timed_pass(pipe, s)
             else:  # ("train", model)
                 stream = stream or forever(pipe)
@@ -212,7 +221,7 @@ def rounds(servers: dict, passes: int, say) -> tuple[dict, dict]:
         names = [n for n in servers if n not in failed]
         k = r % len(names) if names else 0
         for name in names[k:] + names[:k]:
-            answer = servers[name].ask(("pass",), PASS_TIMEOUT)
+            answer = servers[name].ask(("pass",) if r else ("warm-up",), PASS_TIMEOUT)
             if "error" in answer:
                 failed[name] = f"failed in pass {r}: {answer['error']}"
                 say(f"  {name}: {failed[name]}")

@@ -39,10 +39,14 @@ def forever(pipe) -> Iterator:
         yield from pipe.epoch()
 
 
+SETTLE_STEPS = 400  # untimed steps past the warm-up, at most, while our loader settles
+
+
 def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> dict:
-    """Train ``model_name`` on ``batches`` for ``s.train_warmup + s.train_steps`` steps; the
-    figures of the last ``s.train_steps`` (img/s, share of step time waiting for data; with
-    ``pipe`` one of ours, where its time went meanwhile, warm-up steps included)."""
+    """Train ``model_name`` on ``batches`` for ``s.train_warmup`` untimed steps (more while
+    ``pipe`` is ``settling``: a trial of its ways is not timed), then ``s.train_steps``
+    timed; the figures of those (img/s, share of step time waiting for data; with ``pipe``
+    one of ours, where its time went meanwhile, warm-up steps included)."""
     import torch
     import torchvision
 
@@ -51,34 +55,55 @@ def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> d
     model = model.to(s.device, memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
-    steps = itertools.islice(batches, s.train_warmup + s.train_steps)
     kind = "cpu" if s.device == "cpu" else "cuda"  # the CLI trains on CUDA; tests on the CPU
+
+    def step(images, labels) -> None:
+        images = images.to(s.device, non_blocking=True)
+        if not images.is_floating_point():
+            images = images.float()
+        images = images.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(kind, dtype=torch.bfloat16):
+            loss = loss_fn(model(images), labels.to(s.device, non_blocking=True) % 1000)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
     before = loader_times(pipe)
-    with profile(steps, warmup=s.train_warmup) as prof:
+    untimed = 0
+    for batch in itertools.islice(batches, s.train_warmup):
+        step(*batch)
+        untimed += 1
+    while untimed < s.train_warmup + SETTLE_STEPS and settling(pipe):
+        step(*next(batches))
+        untimed += 1
+    if kind == "cuda":
+        torch.cuda.synchronize()  # the warm-up's queued work is not timed
+    with profile(itertools.islice(batches, s.train_steps)) as prof:
         for images, labels in prof:
-            images = images.to(s.device, non_blocking=True)
-            if not images.is_floating_point():
-                images = images.float()
-            images = images.contiguous(memory_format=torch.channels_last)
-            with torch.autocast(kind, dtype=torch.bfloat16):
-                loss = loss_fn(model(images), labels.to(s.device, non_blocking=True) % 1000)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            step(images, labels)
     st = prof.stats
     return (
         {
             "img_per_s": round(st.images_per_s, 1),
             "wait_share": round(st.wait_share, 4),
             "steps": st.steps,
+            "untimed_steps": untimed,
             "images": st.images,
             "seconds": round(st.seconds, 3),
             "cores_busy": None if st.cores_busy is None else round(st.cores_busy, 2),
             "gpu_utilization": st.gpu_utilization,
         }
-        | per_image(before, loader_times(pipe), (s.train_warmup + st.steps) * s.batch_size)
+        | per_image(before, loader_times(pipe), (untimed + st.steps) * s.batch_size)
         | dali_way(pipe)
     )
+
+
+def settling(pipe) -> bool:
+    """Whether ``pipe`` (our loader with ``decoder="dali"`` on CUDA) has yet to finish a
+    trial of its ways, its first or one under way (``loader.pace``); False for any other."""
+    dl = getattr(pipe, "dl", None)
+    stats = dl.stats() if hasattr(dl, "stats") else {}
+    return stats.get("dali_trials") == 0 or bool(stats.get("dali_trialing"))
 
 
 def loader_times(pipe) -> dict | None:
