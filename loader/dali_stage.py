@@ -68,7 +68,9 @@ _HW_LOAD = {ENGINES: HW_DECODER_LOAD, CUDA: 0.0}
 # abandoned epoch left in the pipeline before its slots go back to the workers.
 NO_COPY = True
 # Whether the engines' decoder is told the store's largest image (``preallocate_*_hint``)
-# so that it allocates its buffers once (benchmarks/diagnose_training.py ``prealloc``).
+# so that it allocates its buffers once. Off: beside ResNet-50 on the H200 it left the
+# engines' stalls as they were, 95.0% of the model's ceiling against 94.9%
+# (diagnose_training.py ``prealloc``, gpu-h200-diagnose7-resnet50.log).
 PREALLOCATE = False
 
 
