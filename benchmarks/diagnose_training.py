@@ -27,6 +27,7 @@ the loop waited in ``next()`` and NVML's GPU utilisation:
   ``dN`` (N batches in the GPU stage), ``pfN`` (``prefetch_factor`` N), ``shareX``
   (``cpu_share`` X), ``prioN`` (the side stream at priority -N), ``copy`` (JPEGs copied
   when fed), ``prealloc`` (the engines' buffers sized for the store's largest image),
+  ``pad`` (64 MB of device and 32 MB of host padding passed to the engines' decoder),
   ``mean`` / ``median`` (the picker's trials decided by the plain mean or the median of
   their gaps, where it uses ``loader.pace.steady_mean``), ``wN`` (trial windows of N),
   ``prof`` (the prefetch thread's calls profiled, printed by their own time).
@@ -124,8 +125,14 @@ def dali_fed(store: str, workers: int, setting: str):
             patch(ds.DaliStage, "_centre_crop", property(lambda self: True))
         elif w == "copy":
             patch(ds, "NO_COPY", False)
-        elif w == "prealloc":
-            patch(ds, "PREALLOCATE", True)
+        elif w == "prealloc":  # the engines' buffers sized for the store's largest image
+            index = Store(store).index
+            largest = {"preallocate_height_hint": int(index["height"].max()),
+                       "preallocate_width_hint": int(index["width"].max())}  # fmt: skip
+            patch(ds, "ENGINE_ARGS", {**ds.ENGINE_ARGS, **largest})
+        elif w == "pad":  # nvjpeg's buffer padding passed on to the engines' decoder
+            padding = {"device_memory_padding": 64 << 20, "host_memory_padding": 32 << 20}
+            patch(ds, "ENGINE_ARGS", {**ds.ENGINE_ARGS, **padding})
         elif w in ("mean", "median") or (w.startswith("w") and w[1:].isdigit()):
             pass  # the picker's, set once the loader is made
         elif w == "prime1":

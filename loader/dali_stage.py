@@ -67,11 +67,11 @@ _HW_LOAD = {ENGINES: HW_DECODER_LOAD, CUDA: 0.0}
 # slot stays untouched until the batch's output is taken, and ``settle`` waits for what an
 # abandoned epoch left in the pipeline before its slots go back to the workers.
 NO_COPY = True
-# Whether the engines' decoder is told the store's largest image (``preallocate_*_hint``)
-# so that it allocates its buffers once. Off: beside ResNet-50 on the H200 it left the
-# engines' stalls as they were, 95.0% of the model's ceiling against 94.9%
-# (diagnose_training.py ``prealloc``, gpu-h200-diagnose7-resnet50.log).
-PREALLOCATE = False
+# More arguments of the engines' decoder (benchmarks/diagnose_training.py tries some).
+# Telling it the store's largest image (``preallocate_*_hint``) left its stalls beside
+# ResNet-50 on the H200 as they were: 95.0% of the model's ceiling against 94.9%
+# (``prealloc``, gpu-h200-diagnose7-resnet50.log).
+ENGINE_ARGS: dict = {}
 
 
 class DaliStarted(NamedTuple):
@@ -347,9 +347,8 @@ class DaliStage(GpuStage):
         out_h, out_w = self.size
         layout = "HWC" if self.format == torch.channels_last else "CHW"
         mixed = {"hw_decoder_load": _HW_LOAD[kind]} if cuda else {}
-        if cuda and PREALLOCATE and _HW_LOAD[kind] > 0:
-            mixed["preallocate_height_hint"] = int(self._index["height"].max())
-            mixed["preallocate_width_hint"] = int(self._index["width"].max())
+        if cuda and _HW_LOAD[kind] > 0:
+            mixed.update(ENGINE_ARGS)
 
         @pipeline_def(
             batch_size=self.producer.batch_size,
