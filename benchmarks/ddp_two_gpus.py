@@ -26,12 +26,18 @@ import torch.distributed as dist
 import torchvision
 
 import loader
+from loader.bench.train import SETTLE_STEPS, settling
 
 
-def timed_steps(step, batches, steps: int, warmup: int, device) -> float:
-    """img/s of ``steps`` steps after ``warmup``, all ranks in step (DDP syncs them)."""
+def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> float:
+    """img/s of ``steps`` steps after ``warmup`` (and more while ``dl`` on any rank tries
+    its ways, ``loader.pace``: at most ``SETTLE_STEPS``), all ranks in step."""
     it = iter(batches)
     for _ in range(warmup):
+        step(*next(it))
+    for _ in range(SETTLE_STEPS):
+        if not anyone(settling(dl), device):
+            break
         step(*next(it))
     sync(device)
     t0, n = time.perf_counter(), 0
@@ -41,6 +47,13 @@ def timed_steps(step, batches, steps: int, warmup: int, device) -> float:
         n += len(x)
     sync(device)
     return n / (time.perf_counter() - t0)
+
+
+def anyone(flag: bool, device) -> bool:
+    """Whether ``flag`` holds on any rank (every rank asks at once)."""
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def sync(device) -> None:
@@ -77,7 +90,7 @@ def main() -> None:
     ap.add_argument("store")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--steps", type=int, default=60)
-    # Past the DALI stage's trial of its two ways (loader.pace): 16 + 64 batches and the lag.
+    # Untimed steps (more while the DALI stage tries its two ways: loader.pace).
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--cache", default="shm")
     ap.add_argument("--size", type=int, default=224)
@@ -107,7 +120,7 @@ def main() -> None:
         n += len(images)
     sync(device)
     loader_rate = n / (time.perf_counter() - t0)
-    fed = timed_steps(step, forever(dl), a.steps, a.warmup, device)
+    fed = timed_steps(step, forever(dl), a.steps, a.warmup, device, dl)
     mine = {
         "rank": rank, "workers": workers, "ceiling_img_s": round(ceiling, 1),
         "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed, 1),

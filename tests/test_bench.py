@@ -487,3 +487,26 @@ def test_a_training_check_times_no_trial_of_our_ways(monkeypatch, until, untimed
     t = train.train_check(train.forever(pipe), "resnet18", on_the_cpu(), pipe)
     assert (t["untimed_steps"], t["steps"], t["images"]) == (untimed, 3, 6)
     assert pipe.served == untimed + 3
+
+
+def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
+    """``benchmarks/ddp_two_gpus.py`` under ``torchrun --nproc_per_node=2`` (gloo here, NCCL
+    on the GPUs): each rank reads its half of the store, and its loader serves exactly the
+    batches asked (two epochs, then the warm-up and timed steps)."""
+    from gpu_path_data import NUM_SAMPLES, make_small_store
+
+    store = make_small_store(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         str(REPO / "benchmarks" / "ddp_two_gpus.py"), str(store), "--steps", "2",
+         "--warmup", "1", "--batch-size", "4", "--size", "64"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    per_epoch = NUM_SAMPLES // 2 // 4  # batches of 4 a rank, the last short one dropped
+    assert out["world_size"] == 2 and [r["rank"] for r in out["ranks"]] == [0, 1]
+    for r in out["ranks"]:
+        assert r["epoch_images"] == 4 * per_epoch
+        assert r["stats"]["batches"] == 2 * per_epoch + 1 + 2
+        assert r["fed_img_s"] > 0 and r["ceiling_img_s"] > 0

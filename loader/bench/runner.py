@@ -116,7 +116,7 @@ def serve(name: str, s: Settings, conn, log: str) -> None:
             if request[0] == "warm-up":  # epochs until a trial of our ways is not under way
                 answer = timed_pass(pipe, s)
                 for _ in range(WARMUP_EPOCHS - 1):
-                    if not settling(pipe):
+                    if not settling(getattr(pipe, "dl", None)):
                         break
                     answer = timed_pass(pipe, s)
             elif request[0] == "pass":

@@ -44,7 +44,7 @@ SETTLE_STEPS = 400  # untimed steps past the warm-up, at most, while our loader 
 
 def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> dict:
     """Train ``model_name`` on ``batches`` for ``s.train_warmup`` untimed steps (more while
-    ``pipe`` is ``settling``: a trial of its ways is not timed), then ``s.train_steps``
+    ``pipe``'s loader is ``settling``: a trial of its ways is not timed), then ``s.train_steps``
     timed; the figures of those (img/s, share of step time waiting for data; with ``pipe``
     one of ours, where its time went meanwhile, warm-up steps included)."""
     import torch
@@ -73,7 +73,7 @@ def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> d
     for batch in itertools.islice(batches, s.train_warmup):
         step(*batch)
         untimed += 1
-    while untimed < s.train_warmup + SETTLE_STEPS and settling(pipe):
+    while untimed < s.train_warmup + SETTLE_STEPS and settling(getattr(pipe, "dl", None)):
         step(*next(batches))
         untimed += 1
     if kind == "cuda":
@@ -98,10 +98,10 @@ def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> d
     )
 
 
-def settling(pipe) -> bool:
-    """Whether ``pipe`` (our loader with ``decoder="dali"`` on CUDA) has yet to finish a
-    trial of its ways, its first or one under way (``loader.pace``); False for any other."""
-    dl = getattr(pipe, "dl", None)
+def settling(dl) -> bool:
+    """Whether ``dl`` (our loader with ``decoder="dali"`` on CUDA) has yet to finish a
+    trial of its ways, its first or one under way (``loader.pace``); False for any other
+    (None: a peer's pipeline)."""
     stats = dl.stats() if hasattr(dl, "stats") else {}
     return stats.get("dali_trials") == 0 or bool(stats.get("dali_trialing"))
 
