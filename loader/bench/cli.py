@@ -62,7 +62,8 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--train-steps", type=int, help="timed training steps per check (default 100; --quick 10)")
     a("--train-warmup", type=int, help="untimed training steps first (default: a fifth of "
-      "the timed ones, at least what a pipeline holds ready: 2 per worker + 2)")  # fmt: skip
+      "the timed ones, at least what a pipeline holds ready: 2 per worker + 2; ours with "
+      "decoder='dali' trains untimed longer while it tries its two ways)")  # fmt: skip
     a("--only", help="comma-separated pipeline names to run (default: all available)")
     a(
         "--max-size",
