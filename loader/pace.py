@@ -26,7 +26,7 @@ a batch now and then), and the model trained at 94.9% of its ceiling against 97.
 What a stall costs is in the mean; a pause of the loop's own (an epoch's start, a
 checkpoint, an evaluation) is not the loader's doing, so gaps over ``PAUSE`` times the
 median are left out. The stalls are rare (one step in ten), so the windows are long: 44
-gaps counted each way. With 12, most windows hold no stall and the stalling way looks the
+gaps counted each way. With 12, many windows hold no stall, and the stalling way looks the
 faster: trials by mean kept CUDA in 4 of 5 runs with windows of 64, 1 of 2 with windows of
 32 (``diagnose7``, ``diagnose8``); in a simulation of those stalls, 83 seeded runs of 100
 against 42, and medians none (``tests/test_pace.py``).
