@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from itertools import chain, repeat
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
@@ -80,11 +81,6 @@ def make_step(device, rank: int):
     return step
 
 
-def forever(dl):
-    while True:
-        yield from dl
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("store")
@@ -120,7 +116,7 @@ def main() -> None:
         n += len(images)
     sync(device)
     loader_rate = n / (time.perf_counter() - t0)
-    fed = timed_steps(step, forever(dl), a.steps, a.warmup, device, dl)
+    fed = timed_steps(step, chain.from_iterable(repeat(dl)), a.steps, a.warmup, device, dl)
     mine = {
         "rank": rank, "workers": workers, "ceiling_img_s": round(ceiling, 1),
         "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed, 1),

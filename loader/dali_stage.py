@@ -194,16 +194,6 @@ class DaliStage(GpuStage):
                     del self._pipelines[kind]
                     break
 
-    def note_finished(self) -> None:
-        """A batch was finished: the picker's measure of the loader's own pace."""
-        if self.picker is not None:
-            self.picker.finished(time.perf_counter())
-
-    def note_handoff(self) -> None:
-        """A batch was handed to the training loop: the picker's measure of the loop's."""
-        if self.picker is not None:
-            self.picker.handed(time.perf_counter())
-
     def _choose(self) -> str:
         """The pipeline of the batch being started; on a trial's first batch, both are
         built (so that building one does not slow the other's batches being measured)."""

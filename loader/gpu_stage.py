@@ -271,11 +271,15 @@ class GpuStage:
         ``finish`` has read every slot it was given)."""
 
     def note_finished(self) -> None:
-        """A batch was finished, ready to be handed off (``DaliStage`` times its ways by
-        it)."""
+        """A batch was finished, ready to be handed off: the picker's measure of the
+        loader's own pace, where there is one."""
+        if self.picker is not None:
+            self.picker.finished(time.perf_counter())
 
     def note_handoff(self) -> None:
-        """A batch was handed to the training loop (``DaliStage`` times its ways by it)."""
+        """A batch was handed to the training loop: the picker's measure of the loop's."""
+        if self.picker is not None:
+            self.picker.handed(time.perf_counter())
 
     @property
     def cpu_share(self) -> float:

@@ -102,8 +102,13 @@ def settling(dl) -> bool:
     """Whether ``dl`` (our loader with ``decoder="dali"`` on CUDA) has yet to finish a
     trial of its ways, its first or one under way (``loader.pace``); False for any other
     (None: a peer's pipeline)."""
-    stats = dl.stats() if hasattr(dl, "stats") else {}
+    stats = _stats(dl)
     return stats.get("dali_trials") == 0 or bool(stats.get("dali_trialing"))
+
+
+def _stats(dl) -> dict:
+    """``dl.stats()`` for our loader; empty for anything else (None: a peer's pipeline)."""
+    return dl.stats() if hasattr(dl, "stats") else {}
 
 
 def loader_times(pipe) -> dict | None:
@@ -118,8 +123,7 @@ def dali_way(pipe) -> dict:
     """``{"dali_way": way, "dali_trials": n, "dali_paces_ms": {way: ms}}``: how our DALI
     stage decodes after its trials, and each way's pace in the last (``loader.pace``); empty
     for any other pipeline."""
-    dl = getattr(pipe, "dl", None)
-    stats = dl.stats() if hasattr(dl, "stats") else {}
+    stats = _stats(getattr(pipe, "dl", None))
     return {k: stats[k] for k in ("dali_way", "dali_trials", "dali_paces_ms") if k in stats}
 
 
