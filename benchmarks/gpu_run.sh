@@ -2,7 +2,7 @@
 # The H200 runs behind benchmarks/results/gpu-h200-*: run from the repository root on the
 # GPU machine, after the wheels are installed in /tmp/site (../shared/GPU.md), with the
 # photographs in .photos. Usage: benchmarks/gpu_run.sh STAGE... (tests, probe, daliprobe, split,
-# decoders, bench, diagnose, profile, ingest, ddp); logs and JSON go to $OUT. MAX_SIZE=512
+# decoders, bench, diagnose, profile, memory, ingest, ddp); logs and JSON go to $OUT. MAX_SIZE=512
 # makes "bench" compare every pipeline on images capped at 512 px (imfeed-bench --max-size);
 # SHORT_SIDE=800-1000 makes camera-sized images instead of ImageNet-shaped ones
 # (--short-side). PROBE_ARGS go to the probe (e.g. "--busy-thread --gather-chunk 256");
@@ -32,6 +32,7 @@ for stage in "$@"; do
         --name "${NAME:-gpu-h200-dali}" --out $OUT --logs /tmp/blogs > $OUT/bench.log 2>&1; tail -25 $OUT/bench.log ;;
     diagnose) prepare; for m in ${MODELS:-resnet50 resnet18}; do timeout 280 python3 benchmarks/diagnose_training.py "$STORE" --model $m --steps ${STEPS:-40} ${DIAG_ARGS:-} > $OUT/diagnose-$m.log 2>&1; grep -v "^ \|^{\|^}" $OUT/diagnose-$m.log | cut -c1-300; done ;;
     profile) prepare; timeout 300 python3 benchmarks/profile_example.py "$FOLDER" "$STORE" > $OUT/profile.log 2>&1; cat $OUT/profile.log | tail -20 ;;
+    memory) for r in "" --release; do timeout 200 python3 benchmarks/dali_memory_probe.py --epochs ${EPOCHS:-150} $r > $OUT/memory$r.log 2>&1; cut -c1-400 $OUT/memory$r.log | tail -40; done ;;
     ingest) timeout ${INGEST_S:-300} python3 benchmarks/bench_ingest.py --images 20000 --workdir /tmp/bi --out $OUT > $OUT/ingest.log 2>&1; tail -25 $OUT/ingest.log ;;
     ddp) prepare; for n in 1 2; do timeout 200 python3 -m torch.distributed.run --nproc_per_node=$n benchmarks/ddp_two_gpus.py "$STORE" > $OUT/ddp-$n.json 2> $OUT/ddp-$n.log; tail -c 400 $OUT/ddp-$n.json; tail -3 $OUT/ddp-$n.log; done ;;
   esac
