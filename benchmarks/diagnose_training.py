@@ -60,6 +60,8 @@ import torch
 import torchvision
 
 import loader
+from ingest.cstderr import filtered
+from loader.decode_dali import _LIBRARY_LINES
 from loader.pace import WayPicker
 from loader.proctree import tree_cpu_seconds
 from loader.store import Store
@@ -300,10 +302,11 @@ def nvimgcodec_work(blobs: list[np.ndarray], priority: int):
         return None
     kinds = (nvimgcodec.BackendKind.HW_GPU_ONLY, nvimgcodec.BackendKind.HYBRID_CPU_GPU)
     try:  # the hardware engines, then nvjpeg's CUDA decoder (GPU_ONLY failed here once)
-        decoder = nvimgcodec.Decoder(
-            device_id=torch.cuda.current_device(),
-            backends=[nvimgcodec.Backend(kind) for kind in kinds],
-        )
+        with filtered(_LIBRARY_LINES):  # the optional codecs it did not find
+            decoder = nvimgcodec.Decoder(
+                device_id=torch.cuda.current_device(),
+                backends=[nvimgcodec.Backend(kind) for kind in kinds],
+            )
     except Exception as e:  # reported, and the other conditions still run
         print(f"nvimgcodec: no decoder ({type(e).__name__}: {e})", flush=True)
         return None
@@ -355,10 +358,11 @@ def main() -> None:
     blobs = [torch.from_numpy(b.copy()) for b in raw]
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    sides = {
+    wanted = {name.removeprefix("synthetic+") for name in only}  # nvImageCodec's decoders
+    sides = {  # made only where asked for: they load its extensions, which print
         "decode": lambda: decode_jpeg(blobs, mode=ImageReadMode.RGB, device="cuda"),
-        "nvimgcodec": nvimgcodec_work(raw, priority=0),
-        "nvimgcodec-hi": nvimgcodec_work(raw, priority=-1),
+        "nvimgcodec": nvimgcodec_work(raw, priority=0) if "nvimgcodec" in wanted else None,
+        "nvimgcodec-hi": nvimgcodec_work(raw, priority=-1) if "nvimgcodec-hi" in wanted else None,
     }
     for name in ("decode", "nvimgcodec"):
         if name in only and sides[name] is not None:
