@@ -221,7 +221,9 @@ class DaliStage(GpuStage):
                     own.queue.append(None)
             self._feed_one(own, encoded, args)
             own.queue.append(ticket)
-            own.pipe.schedule_run()
+            t0 = time.perf_counter()
+            own.pipe.schedule_run()  # waits where DALI's queue of outputs is full
+            self.stats.add(dali_schedule_s=time.perf_counter() - t0)
             own.primed = True
         return own
 

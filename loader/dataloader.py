@@ -285,9 +285,10 @@ class DataLoader:
         loop's wait for the next batch; ``worker_read_s``: worker time reading records;
         ``cpu_decode_s``: worker time decoding on the CPU; ``gpu_decode_s``: the GPU
         decoder's wall time (with "dali": the prefetch thread's wait for the pipeline's
-        output), ``dali_feed_s``: its time feeding the pipeline, ``dali_batches_redone``:
-        batches the pipeline failed on, decoded again image by image; ``augment_s``: GPU
-        time of cropping, resizing and normalising (CUDA events);
+        output), ``dali_feed_s``: its time feeding the pipeline (``dali_schedule_s`` of it
+        in DALI's ``schedule_run``, which waits while DALI's queue of outputs is full),
+        ``dali_batches_redone``: batches the pipeline failed on, decoded again image by
+        image; ``augment_s``: GPU time of cropping, resizing and normalising (CUDA events);
         ``gpu_decoded``/``cpu_decoded`` and ``gpu_share``: samples decoded on each side;
         ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
         ``cpu_share``: the workers' current share of the GPU-decodable samples;

@@ -125,6 +125,7 @@ def test_same_samples_windows_and_pixels_as_the_full_decode(store, spec):
     stats = dl.stats()
     assert stats["decoder"] == DALI and stats["gpu_decoded"] == NUM_SAMPLES - 2
     assert stats.get("gpu_rejected", 0) == 0 and stats.get("dali_batches_redone", 0) == 0
+    assert 0 < stats["dali_schedule_s"] < stats["dali_feed_s"]  # part of feeding
     assert type(dl._gpu_stage).__name__ == "DaliStage"
     reference = pil_reference(store, spec, windowed, seed=5)
     cpu_side = {k * B + r for k, b in enumerate(windowed) for r in cpu_rows(store, b[2])}
