@@ -1,12 +1,14 @@
 #!/bin/bash
 # The H200 runs behind benchmarks/results/gpu-h200-*: run from the repository root on the
 # GPU machine, after the wheels are installed in /tmp/site (../shared/GPU.md), with the
-# photographs in .photos. Usage: benchmarks/gpu_run.sh STAGE... (tests, probe, daliprobe, split,
-# decoders, bench, diagnose, profile, memory, ingest, ddp); logs and JSON go to $OUT. MAX_SIZE=512
+# photographs in .photos. Usage: benchmarks/gpu_run.sh STAGE... (prepare, tests, probe, daliprobe,
+# split, decoders, bench, diagnose, profile, memory, ingest, ddp); logs and JSON go to $OUT. MAX_SIZE=512
 # makes "bench" compare every pipeline on images capped at 512 px (imfeed-bench --max-size);
 # SHORT_SIDE=800-1000 makes camera-sized images instead of ImageNet-shaped ones
 # (--short-side). PROBE_ARGS go to the probe (e.g. "--busy-thread --gather-chunk 256");
-# TRAIN_STEPS sets the timed steps of the bench's training checks (30; TRAIN=0: none),
+# MIN_PASS the least seconds of a timed pass (imfeed-bench's default 2; 0: one epoch, as in
+# every run up to picker8); TRAIN_STEPS sets the timed steps of the bench's training
+# checks (30; TRAIN=0: none),
 # TRAIN_WARMUP the untimed ones before (at least the bench's own minimum);
 # MODELS, STEPS and DIAG_ARGS go to diagnose_training.py (e.g. "--only synthetic --dali base,prime1"); DALI_SETTINGS to dali_stage_probe.py.
 set -u
@@ -21,13 +23,14 @@ prepare() {  # the images and store imfeed-bench makes for IMAGES and SHORT_SIDE
 for stage in "$@"; do
   echo "== $stage $(date -u +%T)"
   case $stage in
+    prepare) prepare; tail -1 $OUT/prepare.log 2>/dev/null || echo "reusing $STORE" ;;
     tests) timeout ${TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu_path.py tests/test_gpu_dali.py} > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
     probe) prepare; timeout 240 python3 benchmarks/gpu_path_probe.py "$STORE" --epochs ${EPOCHS:-5} --cpu-share ${SHARES:-0,0.15} --decoder ${DECODER:-nvjpeg} ${PROBE_ARGS:-} --out $OUT/probe.json > $OUT/probe.log 2>&1; grep -v "^  " $OUT/probe.log | cut -c1-150 ;;
     daliprobe) prepare; timeout 300 python3 benchmarks/dali_stage_probe.py "$STORE" ${DALI_SETTINGS:+--settings $DALI_SETTINGS} ${DALI_ARGS:-} --out $OUT/dali-stage-probe.json > $OUT/dali-stage-probe.log 2>&1; grep -v "^\[\|^$" $OUT/dali-stage-probe.log | tail -12 ;;
     split) prepare; timeout 300 python3 benchmarks/gpu_split.py "$STORE" --out $OUT/gpu-split.json 2>&1 | tee $OUT/gpu-split.log | tail -30 ;;
     decoders) prepare; timeout 200 python3 benchmarks/gpu_decoders.py "$STORE" --out $OUT/gpu-decoders.json 2>&1 | tee $OUT/gpu-decoders.log | tail -20 ;;
     bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W ${MAX_SIZE:+--max-size $MAX_SIZE} ${SHORT_SIDE:+--short-side $SHORT_SIDE} \
-        --batch-size 256 --workers 16 --dtype float16 --channels-last --passes ${PASSES:-3} $([ "${TRAIN:-1}" = 1 ] && echo --train-check) \
+        --batch-size 256 --workers 16 --dtype float16 --channels-last --passes ${PASSES:-3} ${MIN_PASS:+--min-pass-seconds $MIN_PASS} $([ "${TRAIN:-1}" = 1 ] && echo --train-check) \
         --train-steps ${TRAIN_STEPS:-30} ${TRAIN_WARMUP:+--train-warmup $TRAIN_WARMUP} --only "${ONLY:-torch-pil,loader-nvjpeg,loader-dali,loader-dali-auto,dali-crop,dali-ram}" \
         --name "${NAME:-gpu-h200-dali}" --out $OUT --logs /tmp/blogs > $OUT/bench.log 2>&1; tail -25 $OUT/bench.log ;;
     diagnose) prepare; for m in ${MODELS:-resnet50 resnet18}; do timeout 280 python3 benchmarks/diagnose_training.py "$STORE" --model $m --steps ${STEPS:-40} ${DIAG_ARGS:-} > $OUT/diagnose-$m.log 2>&1; grep -v "^ \|^{\|^}" $OUT/diagnose-$m.log | cut -c1-300; done ;;

@@ -5,6 +5,7 @@ consistent figures (never speeds), the others as skipped with the reason; a char
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -226,6 +227,8 @@ def test_bad_arguments_say_what_to_do(tmp_path):
     for flag in ("--batch-size", "--passes", "--images"):
         with pytest.raises(SystemExit, match=rf"{flag} must be at least 1"):
             main([flag, "0", *where])
+    with pytest.raises(SystemExit, match=r"--min-pass-seconds must be between 0 and 3600"):
+        main(["--min-pass-seconds", "-1", *where])
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match=r"--train-check needs a CUDA device"):
             main(["--train-check", *where])
@@ -475,6 +478,33 @@ def test_the_warm_up_lasts_until_our_ways_are_tried(monkeypatch, until, served):
     runner.serve("loader-dali", on_the_cpu(), conn, "unused.log")
     assert conn.sent[0] == {"ready": True} and pipe.served == served + 3
     assert [m["images"] for m in conn.sent[1:]] == [6, 6]  # the last warm-up epoch, the pass
+
+
+class Ticking(Settling):
+    """``Settling`` (not trying) on a clock of its own that each epoch moves on by
+    ``seconds``: the runner's ``time`` in a test."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(0)
+        self.now, self.seconds = 0.0, seconds
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def epoch(self):
+        yield from super().epoch()
+        self.now += self.seconds
+
+
+@pytest.mark.parametrize(("least", "epochs"), [(0.0, 1), (1.0, 3), (1.2, 3), (1.21, 4)])
+def test_a_pass_reads_whole_epochs_until_its_least_seconds(monkeypatch, least, epochs):
+    """A fast pipeline is timed over more than a fraction of a second: whole epochs, each
+    counted, until ``min_pass_seconds`` have passed (epochs of 0.4 s here)."""
+    pipe = Ticking(0.4)
+    monkeypatch.setattr(runner, "time", pipe)
+    p = runner.timed_pass(pipe, dataclasses.replace(on_the_cpu(), min_pass_seconds=least))
+    assert (p["epochs"], p["images"]) == (epochs, 6 * epochs)
+    assert p["seconds"] == round(0.4 * epochs, 4) and pipe.served == 3 * epochs
 
 
 @pytest.mark.parametrize(("until", "untimed"), [(0, 2), (5, 5), (1000, 2 + 4)])

@@ -49,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
     a("--channels-last", action="store_true", help="deliver images in channels_last layout")
     a("--eval", action="store_true", help="resize + centre crop instead of train augmentation")
     a("--passes", type=int, help="timed passes after a warm-up pass (default 3; --quick 2)")
+    a("--min-pass-seconds", type=float, help="a pass reads whole epochs until at least this "
+      "long has passed (default 2; --quick 0: one epoch), so that a fast pipeline's passes "
+      "are not a fraction of a second")  # fmt: skip
     a(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -103,7 +106,7 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on --quick and the machine; check the numbers."""
     q = args.quick
     defaults = {"images": (200, 2560), "batch_size": (32, 128), "passes": (2, 3),
-                "train_steps": (10, 100)}  # fmt: skip
+                "train_steps": (10, 100), "min_pass_seconds": (0.0, 2.0)}  # fmt: skip
     for name, (quick, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
@@ -113,6 +116,8 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
             raise SystemExit(f"imfeed-bench: --{name.replace('_', '-')} must be at least 1")
     if args.workers < 0:
         raise SystemExit("imfeed-bench: --workers must be at least 0")
+    if not 0 <= args.min_pass_seconds <= 3600:
+        raise SystemExit("imfeed-bench: --min-pass-seconds must be between 0 and 3600")
     return args
 
 

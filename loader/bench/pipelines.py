@@ -31,6 +31,7 @@ class Settings:
     device: str
     train_steps: int = 0
     train_warmup: int = 0
+    min_pass_seconds: float = 0.0  # a pass reads whole epochs until this long has passed
 
 
 @dataclass(frozen=True)

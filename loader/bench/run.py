@@ -26,6 +26,7 @@ def settings(args, data: Data, device: str) -> Settings:
         device=device,
         train_steps=args.train_steps,
         train_warmup=max(args.train_warmup or 0, train_warmup(args.train_steps, args.workers)),
+        min_pass_seconds=args.min_pass_seconds,
     )
 
 

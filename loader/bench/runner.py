@@ -71,13 +71,19 @@ def _gpu_memory_mib() -> float | None:
 
 
 def timed_pass(pipe, s: Settings) -> dict:
-    """One epoch of ``pipe``: images, wall and CPU seconds of the process tree, memory (and
-    where the loader's time went, what decoded, the way our DALI stage kept)."""
+    """Whole epochs of ``pipe``, one or more until ``s.min_pass_seconds`` have passed (in
+    a pass of a fraction of a second, an epoch's start or a hiccup weighs the most):
+    images, epochs, wall and CPU seconds of the process tree, memory (and where the
+    loader's time went, what decoded, the way our DALI stage kept)."""
     memory = PeakMemory().start()
     before, counted = loader_times(pipe), decoded_counts(pipe)
-    cpu0, t0, n = tree_cpu_seconds(), time.perf_counter(), 0
-    for _images, labels in pipe.epoch():
-        n += int(labels.shape[0])
+    cpu0, t0, n, epochs = tree_cpu_seconds(), time.perf_counter(), 0, 0
+    while not epochs or time.perf_counter() - t0 < s.min_pass_seconds:
+        for _images, labels in pipe.epoch():
+            n += int(labels.shape[0])
+        epochs += 1
+        if n == 0:
+            break
     if s.device != "cpu":
         import torch
 
@@ -89,6 +95,7 @@ def timed_pass(pipe, s: Settings) -> dict:
     return (
         {
             "images": n,
+            "epochs": epochs,
             "seconds": round(seconds, 4),
             "cpu_seconds": round(cpu, 3),
             "memory_mib": memory.stop(),
