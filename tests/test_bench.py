@@ -467,7 +467,7 @@ class Conn:
         self.sent.append(message)
 
 
-@pytest.mark.parametrize(("until", "served"), [(0, 3), (7, 9), (100, 3 * runner.WARMUP_EPOCHS)])
+@pytest.mark.parametrize(("until", "served"), [(0, 3), (7, 9), (100, 3 * runner.WARMUP_PASSES)])
 def test_the_warm_up_lasts_until_our_ways_are_tried(monkeypatch, until, served):
     """Round 0 goes on, epoch by epoch, while our DALI stage's trial is under way (on the
     H200 its first one ran into a timed pass: 11.8k img/s against 30.0k in the next)."""

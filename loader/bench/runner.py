@@ -1,9 +1,10 @@
 """Each pipeline in a process of its own, serving timed passes on request.
 
-Passes run in rounds: in each round every pipeline reads one epoch, alone, in an order that
+Passes run in rounds: in each round every pipeline reads whole epochs (one, or more until
+``min_pass_seconds`` have passed), alone, in an order that
 rotates from round to round, so that a change of machine speed during the run touches all
 of them alike; round 0 is the warm-up (workers start, caches fill; our DALI stage's first
-trial of its ways, over up to ``WARMUP_EPOCHS`` epochs). Processes are forks of
+trial of its ways, over up to ``WARMUP_PASSES`` passes). Processes are forks of
 a fork server, so that none inherits CUDA state. Whatever a pipeline's libraries print goes to
 its log file, never to the terminal; a pipeline that fails or dies is reported with the
 reason and the others go on.
@@ -34,7 +35,7 @@ from loader.proctree import PeakMemory, tree_cpu_seconds
 
 READY_TIMEOUT = 600.0  # seconds for a pipeline to start (imports, DALI's first batches)
 PASS_TIMEOUT = 1800.0  # seconds for one pass or training check before it counts as hung
-WARMUP_EPOCHS = 4  # at most, while our DALI stage tries its ways (``settling``)
+WARMUP_PASSES = 4  # at most, while our DALI stage tries its ways (``settling``)
 
 
 def _reason(e: BaseException) -> str:
@@ -120,9 +121,9 @@ def serve(name: str, s: Settings, conn, log: str) -> None:
     stream = None
     while (request := conn.recv())[0] != "stop":
         try:
-            if request[0] == "warm-up":  # epochs until a trial of our ways is not under way
+            if request[0] == "warm-up":  # passes until a trial of our ways is not under way
                 answer = timed_pass(pipe, s)
-                for _ in range(WARMUP_EPOCHS - 1):
+                for _ in range(WARMUP_PASSES - 1):
                     if not settling(getattr(pipe, "dl", None)):
                         break
                     answer = timed_pass(pipe, s)
