@@ -1,13 +1,12 @@
 """Each pipeline in a process of its own, serving timed passes on request.
 
 Passes run in rounds: in each round every pipeline reads whole epochs (one, or more until
-``min_pass_seconds`` have passed), alone, in an order that
-rotates from round to round, so that a change of machine speed during the run touches all
-of them alike; round 0 is the warm-up (workers start, caches fill; our DALI stage's first
-trial of its ways, over up to ``WARMUP_PASSES`` passes). Processes are forks of
-a fork server, so that none inherits CUDA state. Whatever a pipeline's libraries print goes to
-its log file, never to the terminal; a pipeline that fails or dies is reported with the
-reason and the others go on.
+``min_pass_seconds`` have passed), alone, in an order that rotates from round to round, so
+that a change of machine speed during the run touches all of them alike; round 0 is the
+warm-up (workers start, caches fill; our DALI stage's first trial of its ways, over up to
+``WARMUP_PASSES`` passes). Processes are forks of a fork server, so that none inherits
+CUDA state. Whatever a pipeline's libraries print goes to its log file, never to the
+terminal; a pipeline that fails or dies is reported with the reason and the others go on.
 """
 
 from __future__ import annotations
