@@ -469,8 +469,9 @@ class Conn:
 
 @pytest.mark.parametrize(("until", "served"), [(0, 3), (7, 9), (100, 3 * runner.WARMUP_PASSES)])
 def test_the_warm_up_lasts_until_our_ways_are_tried(monkeypatch, until, served):
-    """Round 0 goes on, epoch by epoch, while our DALI stage's trial is under way (on the
-    H200 its first one ran into a timed pass: 11.8k img/s against 30.0k in the next)."""
+    """Round 0 goes on, pass by pass (an epoch each here), while our DALI stage's trial is
+    under way (on the H200 its first one ran into a timed pass: 11.8k img/s against 30.0k
+    in the next)."""
     pipe = Settling(until)
     monkeypatch.setattr(runner, "build", lambda name, s: pipe)
     monkeypatch.setattr(runner, "_to_log", lambda path: None)
