@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 # Formats the converter accepts as images, by magic bytes (never by file extension).
@@ -74,6 +75,36 @@ class JpegHeaderError(ValueError):
 
 
 _SOF_MARKERS = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_STANDALONE = {0x01, *range(0xD0, 0xD8)}  # markers without a length or payload
+
+
+def _segments(data: bytes) -> Iterator[tuple[int, int, bytes]]:
+    """The JPEG's marker segments after SOI, as (offset, marker, payload), up to and with
+    the first start of scan (its payload: its own header only); never reads pixels.
+
+    Raises:
+        JpegHeaderError: a byte that is not a marker where one should be, or a segment
+            that runs past the end.
+    """
+    pos, n = 2, len(data)
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            raise JpegHeaderError(f"bad marker at byte {pos}")
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in _STANDALONE:
+            pos += 2
+            continue
+        (length,) = struct.unpack_from(">H", data, pos + 2)
+        seg = data[pos + 4 : pos + 2 + length]
+        if len(seg) != length - 2:
+            raise JpegHeaderError("header truncated")
+        yield pos, marker, seg
+        if marker == 0xDA:  # start of scan: the header is over
+            return
+        pos += 2 + length
 
 
 def parse_jpeg(data: bytes) -> JpegInfo:
@@ -82,35 +113,41 @@ def parse_jpeg(data: bytes) -> JpegInfo:
     Raises:
         JpegHeaderError: the header is truncated or malformed.
     """
-    pos, n = 2, len(data)
     orientation, adobe, frame, scan = 1, -1, None, -1
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
-            raise JpegHeaderError(f"bad marker at byte {pos}")
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker in (0x01, *range(0xD0, 0xD8)):  # standalone markers
-            pos += 2
-            continue
-        (length,) = struct.unpack_from(">H", data, pos + 2)
-        seg = data[pos + 4 : pos + 2 + length]
-        if len(seg) != length - 2:
-            raise JpegHeaderError("header truncated")
+    for pos, marker, seg in _segments(data):
         if marker == 0xE1 and seg.startswith(b"Exif\x00\x00"):
             orientation = _exif_orientation(seg[6:])
         elif marker == 0xEE and seg.startswith(b"Adobe") and len(seg) >= 12:
             adobe = seg[11]
         elif marker in _SOF_MARKERS and frame is None:
             frame = (marker, seg)
-        elif marker == 0xDA:  # start of scan: the header is over
+        elif marker == 0xDA:
             scan = pos
-            break
-        pos += 2 + length
     if frame is None:
         raise JpegHeaderError("no frame header (SOF) before the image data")
     return _frame_info(*frame, orientation, adobe, scan)
+
+
+def image_size(data: bytes, kind: str) -> tuple[int, int] | None:
+    """(height, width) as the header of a JPEG or PNG says (the formats a store holds),
+    read without decoding; None where the header says none (malformed, or another kind).
+    A store's reader compares it with the index before anything decodes: a record that
+    says one size and holds another (a decompression bomb behind a small index entry)
+    never reaches a decoder."""
+    if kind == "png":
+        if len(data) >= 24 and data[12:16] == b"IHDR":
+            width, height = struct.unpack_from(">II", data, 16)
+            return height, width
+        return None
+    if kind == "jpeg" and data.startswith(b"\xff\xd8"):
+        try:
+            for _pos, marker, seg in _segments(data):
+                if marker in _SOF_MARKERS and len(seg) >= 5:
+                    height, width = struct.unpack_from(">HH", seg, 1)
+                    return height, width
+        except JpegHeaderError:
+            return None
+    return None
 
 
 def _frame_info(sof: int, seg: bytes, orientation: int, adobe: int, scan: int) -> JpegInfo:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ingest import format as fmt
 from ingest.codec import image_bytes, unpack_record
+from ingest.probe import image_size
 from ingest.safeio import FileRefused, read_regular
 
 
@@ -174,17 +175,32 @@ class Store:
         return f"{self.root}/{fmt.shard_name(self.shard_of(i))}: key {i}"
 
     def image(self, i: int) -> tuple[bytes, str]:
-        """The encoded image of sample ``i`` (decompressed) and its format ("jpeg", "png").
+        """The encoded image of sample ``i`` (decompressed) and its format ("jpeg", "png"),
+        its header checked against the index: every decoder sizes its work from the
+        index (the pixel limit, crop windows, buffers), so an image of another size, a
+        decompression bomb behind a small index entry among them, never reaches one.
 
         Raises:
             ingest.format.RecordError: see ``record``; also a payload that does not
-                decompress.
+                decompress, or whose header gives another size than the index.
         """
         rec = self.record(i)
         try:
-            return image_bytes(rec), rec["format"]
+            data = image_bytes(rec)
         except Exception as e:  # zstandard raises its own error type
             raise fmt.RecordError(f"{self._where(i)}: payload does not decompress: {e}") from None
+        i = int(i) % len(self)
+        row = self.index[i]
+        stated = int(row["height"]), int(row["width"])
+        size = image_size(data, rec["format"])
+        if size != stated:
+            says = "no readable size" if size is None else f"{size[1]}x{size[0]} pixels"
+            raise fmt.RecordError(
+                f"{self._where(i)}: the {rec['format'].upper()} header gives {says}, the "
+                f"index {stated[1]}x{stated[0]}; check the store with `ingest verify "
+                f"{self.root}` and rebuild it"
+            )
+        return data, rec["format"]
 
     def close(self) -> None:
         """Let go of this store's shard environments; LMDB closes each one as soon as no

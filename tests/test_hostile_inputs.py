@@ -35,7 +35,7 @@ import loader
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
 from ingest.codec import pack_record, unpack_record
-from ingest.probe import parse_jpeg
+from ingest.probe import image_size, parse_jpeg
 from ingest.resume import OutputError
 from ingest.synth import make_image_folder
 from ingest.verify import verify_store
@@ -571,29 +571,93 @@ def test_flipped_bytes_fail_the_crc_and_are_replaced_counted(copy: Path, num_wor
     assert "CRC-32 mismatch" in dl.bad_samples[9]
 
 
+def _rewrite_record(store: Path, i: int, change) -> None:
+    """Rewrite record ``i`` as ``change(record)`` says, consistently: its index CRC-32 and
+    size and its shard's size in the manifest follow, as a deliberate forger's would."""
+    shard = Store(store).shard_of(i)
+    env = lmdb.open(str(store / fmt.shard_name(shard)), subdir=True, lock=False)
+    with env, env.begin(write=True) as txn:
+        record = unpack_record(txn.get(fmt.encode_key(i)))
+        change(record)
+        value = pack_record(record)
+        txn.put(fmt.encode_key(i), value)
+    _rewrite_index(
+        store, lambda ix: ix[["crc32", "nbytes"]].__setitem__(i, (zlib.crc32(value), len(value)))
+    )
+    manifest = json.loads((store / fmt.MANIFEST).read_text())
+    manifest["shards"][shard]["file_bytes"] = (
+        (store / fmt.shard_name(shard) / "data.mdb").stat().st_size
+    )
+    (store / fmt.MANIFEST).write_text(json.dumps(manifest))
+
+
 def test_a_malformed_record_is_a_bad_sample(copy: Path):
     """A record rewritten consistently (index CRC and shard size updated) but whose image
     is not bytes: only the schema check catches it."""
-    shard = Store(copy).shard_of(2)
-    env = lmdb.open(str(copy / fmt.shard_name(shard)), subdir=True, lock=False)
-    with env, env.begin(write=True) as txn:
-        record = unpack_record(txn.get(fmt.encode_key(2)))
-        record["image"] = 12345
-        value = pack_record(record)
-        txn.put(fmt.encode_key(2), value)
-    _rewrite_index(
-        copy, lambda ix: ix[["crc32", "nbytes"]].__setitem__(2, (zlib.crc32(value), len(value)))
-    )
-    manifest = json.loads((copy / fmt.MANIFEST).read_text())
-    manifest["shards"][shard]["file_bytes"] = (
-        (copy / fmt.shard_name(shard) / "data.mdb").stat().st_size
-    )
-    (copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    _rewrite_record(copy, 2, lambda record: record.__setitem__("image", 12345))
     with pytest.raises(fmt.RecordError, match=r"malformed record: field 'image' is int, not bytes"):
         LMDBDataset(copy)[2]
     dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu", seed=0)
     assert sum(len(labels) for _, labels in dl) == 12
     assert list(dl.bad_samples) == [2] and dl.num_replaced == 1
+
+
+def test_image_size_reads_jpeg_and_png_headers_only():
+    pixels = np.zeros((37, 53, 3), np.uint8)
+    jpeg, png = (cv2.imencode(ext, pixels)[1].tobytes() for ext in (".jpg", ".png"))
+    assert image_size(jpeg, "jpeg") == image_size(png, "png") == (37, 53)
+    assert image_size(jpeg[:300], "jpeg") == (37, 53)  # the header is all it reads
+    assert image_size(png[:24], "png") == (37, 53)
+    for data, kind in ((jpeg, "png"), (png, "jpeg"), (jpeg[:12], "jpeg"), (b"", "jpeg")):
+        assert image_size(data, kind) is None
+
+
+def _header_says(size: tuple[int, int] | None):
+    """A change for ``_rewrite_record``: the JPEG's frame header gives ``size`` (height,
+    width) instead of its own, or (None) its frame header is gone."""
+
+    def change(record: dict) -> None:
+        data = bytearray(record["image"])
+        at = parse_jpeg(bytes(data)).scan  # the frame header lies before the first scan
+        sof = max(data.rfind(bytes([0xFF, m]), 0, at) for m in (0xC0, 0xC1, 0xC2))
+        if size is None:
+            data[sof + 1] = 0xE5  # an application segment of the same length instead
+        else:
+            struct.pack_into(">HH", data, sof + 5, *size)
+        record["image"] = bytes(data)
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("size", "says"),
+    [
+        ((40_000, 40_000), "40000x40000 pixels"),
+        ((100, 50), "50x100 pixels"),
+        (None, "no readable size"),
+    ],
+    ids=["bomb", "smaller", "no-frame-header"],
+)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_image_whose_header_disagrees_with_the_index_is_never_decoded(
+    copy: Path, size, says, num_workers
+):
+    """A record rewritten consistently whose JPEG says another size than the index: a
+    decompression bomb behind a small index entry (40000x40000 would take 4.8 GB to
+    decode), a smaller image, no size at all. Every decoder sizes its work from the
+    index, so the header is checked against it first; a bad sample, replaced."""
+    stated = Store(copy).index[5]
+    _rewrite_record(copy, 5, _header_says(size))
+    index_says = f"the index {stated['width']}x{stated['height']}"
+    with pytest.raises(
+        fmt.RecordError, match=rf"key 5: the JPEG header gives {says}, {index_says}"
+    ):
+        LMDBDataset(copy)[5]
+    dl = loader.DataLoader(copy, batch_size=4, transform="train", device="cpu", seed=0,
+                           num_workers=num_workers)  # fmt: skip
+    assert sum(len(labels) for _, labels in dl) == 12
+    assert list(dl.bad_samples) == [5] and dl.num_replaced == 1
+    assert f"the JPEG header gives {says}" in dl.bad_samples[5]
 
 
 def test_a_store_rebuilt_while_open_is_an_error_not_a_mix(tmp_path: Path):
