@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -340,6 +341,19 @@ def kill_9_after_a_shard(args: list, out: Path, within: float) -> list[str]:
 
 def count_files(root: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(root))
+
+
+def held_resources() -> tuple[int, int, int]:
+    """This process's open file descriptors, threads and child processes (Linux /proc)."""
+    me = str(os.getpid())
+    children = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                children += f.read().rsplit(")", 1)[1].split()[1] == me  # the parent's pid
+        except OSError:  # gone meanwhile
+            pass
+    return len(os.listdir("/proc/self/fd")), threading.active_count(), children
 
 
 class ParentOnly:

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.utils.data
 import torchvision.transforms as T
-from fixtures import ParentOnly
+from fixtures import ParentOnly, held_resources
 from loader_data import NUM_SAMPLES, corrupt, make_store
 
 import loader
@@ -194,19 +193,6 @@ def test_stopping_early_then_iterating_again_restarts_the_epoch(store):
         assert dl.worker_pids == []
 
 
-def _held() -> tuple[int, int, int]:
-    """This process's open file descriptors, threads and child processes."""
-    me = str(os.getpid())
-    children = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                children += f.read().rsplit(")", 1)[1].split()[1] == me  # the parent's pid
-        except OSError:  # gone meanwhile
-            pass
-    return len(os.listdir("/proc/self/fd")), threading.active_count(), children
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
 @pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("abandon", [False, True], ids=["whole", "abandoned"])
@@ -215,20 +201,20 @@ def test_nothing_is_held_longer_epoch_after_epoch(store, persistent, abandon):
     descriptors): 20 epochs, whole or left after 2 batches as a bounded loop leaves
     them, hold exactly what the second held; a loader closed and dropped gives back all
     of it (closed, it keeps its ring's shared memory and its index for the next epoch)."""
-    before = _held()
+    before = held_resources()
     dl = make(store, num_workers=2, persistent_workers=persistent)
     held = []
     for _ in range(20):
         for k, _batch in enumerate(dl):
             if abandon and k == 1:
                 break
-        held.append(_held())
+        held.append(held_resources())
     assert held[-1] == held[1], held
     dl.close()
-    assert _held()[1:] == before[1:]  # no thread, no worker
+    assert held_resources()[1:] == before[1:]  # no thread, no worker
     del dl
     gc.collect()
-    assert _held() == before
+    assert held_resources() == before
 
 
 def test_a_loop_bounded_by_len_moves_on_to_the_next_epoch(store):

@@ -37,6 +37,7 @@ if not CUDA:  # before Triton is first imported: run the kernels in its CPU inte
 from test_gpu_path import (
     SIZE,
     B,
+    assert_holds_nothing_more,
     assert_never_overwritten,
     cpu_rows,
     epoch,
@@ -342,6 +343,12 @@ def test_close_mid_epoch_waits_for_the_pipeline_and_stops_everything(store):
     assert sorted(flat(epoch(dl), 2).tolist()) == list(range(NUM_SAMPLES))
     dl.close()
     assert dl.worker_pids == []
+
+
+@needs_dali
+@pytest.mark.parametrize("abandon", [False, True], ids=["whole", "abandoned"])
+def test_nothing_is_held_longer_epoch_after_epoch(store, abandon):
+    assert_holds_nothing_more(make(store, persistent_workers=True), abandon)
 
 
 @needs_dali

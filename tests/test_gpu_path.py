@@ -33,6 +33,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from fixtures import held_resources
 from gpu_path_data import (
     BACKEND,
     CUDA,
@@ -343,9 +344,7 @@ def test_an_abandoned_iterator_stops_its_thread(store):
     next(it)
     del it
     gc.collect()
-    deadline = time.monotonic() + 10
-    while gpu_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_no_gpu_threads()
     assert not gpu_threads()  # the prefetch thread and the decode thread
     assert len(epoch(dl)) == 3  # and the loader still reads whole epochs
 
@@ -470,6 +469,34 @@ def test_stats_count_the_bytes_copied_to_the_device(store):
 @gpu_only
 def test_delivered_batches_are_never_overwritten(store):
     assert_never_overwritten(make(store, dtype=torch.float16, num_workers=2))
+
+
+def assert_holds_nothing_more(dl, abandon: bool, epochs: int = 8) -> None:
+    """``epochs`` epochs of ``dl``, whole or each left after 2 batches (as a bounded loop
+    leaves them: its threads stop once it is dropped), hold exactly the descriptors,
+    threads and workers the second held; closed, it keeps no thread and no worker."""
+    held = []
+    for _ in range(epochs):
+        for k, _batch in enumerate(dl):
+            if abandon and k == 1:
+                break
+        wait_for_no_gpu_threads()
+        held.append(held_resources())
+    assert held[-1] == held[1], held
+    dl.close()
+    wait_for_no_gpu_threads()
+    assert not gpu_threads() and dl.worker_pids == []
+
+
+def wait_for_no_gpu_threads(seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while gpu_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("abandon", [False, True], ids=["whole", "abandoned"])
+def test_nothing_is_held_longer_epoch_after_epoch(store, abandon):
+    assert_holds_nothing_more(make(store, persistent_workers=True), abandon)
 
 
 def assert_never_overwritten(dl) -> None:
