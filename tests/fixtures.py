@@ -9,6 +9,7 @@ enough for many small shards. Helpers read stores back without the loader.
 from __future__ import annotations
 
 import contextlib
+import gc
 import gzip
 import io
 import json
@@ -344,7 +345,9 @@ def count_files(root: Path) -> int:
 
 
 def held_resources() -> tuple[int, int, int]:
-    """This process's open file descriptors, threads and child processes (Linux /proc)."""
+    """This process's open file descriptors, threads and child processes (Linux /proc),
+    once what earlier tests left for the garbage collector is gone."""
+    gc.collect()
     me = str(os.getpid())
     children = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
