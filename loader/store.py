@@ -149,6 +149,10 @@ class Store:
                 pixel count is checked.
             IndexError, KeyError: as ``raw``.
         """
+        return self._checked(i)[2]
+
+    def _checked(self, i: int) -> tuple[int, np.void, dict]:
+        """``record``'s work: (``i`` within the store, its index row, its record)."""
         value = self.raw(i)
         i = int(i) % len(self)
         row = self.index[i]
@@ -169,7 +173,7 @@ class Store:
         problem = fmt.check_record(rec)
         if problem:
             raise fmt.RecordError(f"{self._where(i)}: malformed record: {problem}")
-        return rec
+        return i, row, rec
 
     def _where(self, i: int) -> str:
         return f"{self.root}/{fmt.shard_name(self.shard_of(i))}: key {i}"
@@ -184,13 +188,11 @@ class Store:
             ingest.format.RecordError: see ``record``; also a payload that does not
                 decompress, or whose header gives another size than the index.
         """
-        rec = self.record(i)
+        i, row, rec = self._checked(i)
         try:
             data = image_bytes(rec)
         except Exception as e:  # zstandard raises its own error type
             raise fmt.RecordError(f"{self._where(i)}: payload does not decompress: {e}") from None
-        i = int(i) % len(self)
-        row = self.index[i]
         stated = int(row["height"]), int(row["width"])
         size = image_size(data, rec["format"])
         if size != stated:

@@ -359,6 +359,19 @@ def held_resources() -> tuple[int, int, int]:
     return len(os.listdir("/proc/self/fd")), threading.active_count(), children
 
 
+def held_over_epochs(dl, epochs: int, abandon: bool, settle=lambda: None) -> list:
+    """``held_resources`` after each of ``epochs`` epochs of ``dl``, read whole or left
+    after 2 batches (as a bounded loop leaves them); ``settle`` runs before each count."""
+    held = []
+    for _ in range(epochs):
+        for k, _batch in enumerate(dl):
+            if abandon and k == 1:
+                break
+        settle()
+        held.append(held_resources())
+    return held
+
+
 class ParentOnly:
     """Held in a reference cycle, so only the garbage collector frees it; freed in another
     process it aborts that process, as a CUDA tensor or a DALI pipeline inherited by a

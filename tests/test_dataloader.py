@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.utils.data
 import torchvision.transforms as T
-from fixtures import ParentOnly, held_resources
+from fixtures import ParentOnly, held_over_epochs, held_resources
 from loader_data import NUM_SAMPLES, corrupt, make_store
 
 import loader
@@ -203,12 +203,7 @@ def test_nothing_is_held_longer_epoch_after_epoch(store, persistent, abandon):
     of it (closed, it keeps its ring's shared memory and its index for the next epoch)."""
     before = held_resources()
     dl = make(store, num_workers=2, persistent_workers=persistent)
-    held = []
-    for _ in range(20):
-        for k, _batch in enumerate(dl):
-            if abandon and k == 1:
-                break
-        held.append(held_resources())
+    held = held_over_epochs(dl, 20, abandon)
     assert held[-1] == held[1], held
     dl.close()
     assert held_resources()[1:] == before[1:]  # no thread, no worker

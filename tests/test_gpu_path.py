@@ -33,7 +33,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from fixtures import held_resources
+from fixtures import held_over_epochs
 from gpu_path_data import (
     BACKEND,
     CUDA,
@@ -475,13 +475,7 @@ def assert_holds_nothing_more(dl, abandon: bool, epochs: int = 8) -> None:
     """``epochs`` epochs of ``dl``, whole or each left after 2 batches (as a bounded loop
     leaves them: its threads stop once it is dropped), hold exactly the descriptors,
     threads and workers the second held; closed, it keeps no thread and no worker."""
-    held = []
-    for _ in range(epochs):
-        for k, _batch in enumerate(dl):
-            if abandon and k == 1:
-                break
-        wait_for_no_gpu_threads()
-        held.append(held_resources())
+    held = held_over_epochs(dl, epochs, abandon, settle=wait_for_no_gpu_threads)
     assert held[-1] == held[1], held
     dl.close()
     wait_for_no_gpu_threads()
