@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 from itertools import chain, repeat
@@ -63,6 +64,17 @@ def sync(device) -> None:
     dist.barrier()
 
 
+def my_share_of_cores(world: int) -> int:
+    """This rank's cores (its affinity: all of them, or those ``torchrun --numa-binding``
+    gave it) divided among the ranks of this host that may run on them too."""
+    mine = os.sched_getaffinity(0)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (socket.gethostname(), sorted(mine)))
+    here = socket.gethostname()
+    sharing = sum(1 for host, cores in everyone if host == here and mine & set(cores))
+    return max(1, len(mine) // sharing)
+
+
 def make_step(device, rank: int):
     model = torchvision.models.resnet50().to(device, memory_format=torch.channels_last)
     ddp = torch.nn.parallel.DistributedDataParallel(
@@ -90,6 +102,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--cache", default="shm")
     ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--workers", type=int, default=0, help="per rank (default: its cores)")
+    ap.add_argument("--loader-epochs", type=int, default=3, help="timed, of the loader alone")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -97,7 +111,7 @@ def main() -> None:
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    workers = max(1, (os.cpu_count() or 2) // world)
+    workers = a.workers or my_share_of_cores(world)
     step = make_step(device, rank)
     b, size = a.batch_size, a.size
     x = torch.randn(b, 3, size, size, device=device).to(memory_format=torch.channels_last)
@@ -112,15 +126,17 @@ def main() -> None:
         pass
     sync(device)
     t0, n = time.perf_counter(), 0
-    for images, _ in dl:  # then one epoch of the loader alone (this rank's share)
-        n += len(images)
+    for _ in range(a.loader_epochs):  # then the loader alone (this rank's share)
+        for images, _ in dl:
+            n += len(images)
     sync(device)
     loader_rate = n / (time.perf_counter() - t0)
     fed = timed_steps(step, chain.from_iterable(repeat(dl)), a.steps, a.warmup, device, dl)
     mine = {
         "rank": rank, "workers": workers, "ceiling_img_s": round(ceiling, 1),
         "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed, 1),
-        "share": round(fed / ceiling, 3), "epoch_images": n, "stats": dl.stats(),
+        "share": round(fed / ceiling, 3), "epoch_images": n // a.loader_epochs,
+        "cores": sorted(os.sched_getaffinity(0)), "stats": dl.stats(),
     }  # fmt: skip
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)

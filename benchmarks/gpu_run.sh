@@ -37,6 +37,17 @@ for stage in "$@"; do
     profile) prepare; timeout 300 python3 benchmarks/profile_example.py "$FOLDER" "$STORE" > $OUT/profile.log 2>&1; cat $OUT/profile.log | tail -20 ;;
     memory) for r in "" --release; do timeout 200 python3 benchmarks/dali_memory_probe.py --epochs ${EPOCHS:-150} $r > $OUT/memory$r.log 2>&1; cut -c1-400 $OUT/memory$r.log | tail -40; done ;;
     ingest) timeout ${INGEST_S:-300} python3 benchmarks/bench_ingest.py --images 20000 --workdir /tmp/bi --out $OUT > $OUT/ingest.log 2>&1; tail -25 $OUT/ingest.log ;;
-    ddp) prepare; for n in 1 2; do timeout 200 python3 -m torch.distributed.run --nproc_per_node=$n benchmarks/ddp_two_gpus.py "$STORE" > $OUT/ddp-$n.json 2> $OUT/ddp-$n.log; tail -c 400 $OUT/ddp-$n.json; tail -3 $OUT/ddp-$n.log; done ;;
+    ddp) prepare; (nproc; lscpu | grep -i "numa\|thread\|socket"; nvidia-smi topo -m) > $OUT/ddp-topology.log 2>&1; tail -6 $OUT/ddp-topology.log
+      # 1: one rank on the first half of the cores (the single-GPU figure); 2: two ranks,
+      # each on half the cores; 2numa: two ranks, torchrun binding each to cores near its GPU.
+      for run in ${DDP_RUNS:-1 2 2numa}; do
+        case $run in
+          1) pre="taskset -c 0-$(( $(nproc) / 2 - 1 ))" args=--nproc_per_node=1 ;;
+          2) pre="" args=--nproc_per_node=2 ;;
+          2numa) pre="" args="--nproc_per_node=2 --numa-binding exclusive" ;;
+        esac
+        timeout 200 $pre python3 -m torch.distributed.run $args benchmarks/ddp_two_gpus.py "$STORE" ${DDP_ARGS:-} > $OUT/ddp-$run.json 2> $OUT/ddp-$run.log
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(sys.argv[2], {k: v for k, v in r.items() if k not in ('stats', 'cores')}, len(r['cores']), 'cores', r['stats'].get('dali_way')) for r in d['ranks']]" $OUT/ddp-$run.json $run 2>/dev/null || tail -5 $OUT/ddp-$run.log
+      done ;;
   esac
 done

@@ -20,6 +20,7 @@ import numpy as np
 
 from ingest import format as fmt
 from ingest.codec import Compression, compress, pack_record
+from ingest.cores import usable_cores
 from ingest.cstderr import captured
 from ingest.normalize import DEFAULT_MAX_PIXELS, Options, Reject, convert
 from ingest.resume import (
@@ -81,7 +82,7 @@ def build(
 
     options = options or BuildOptions()
     out = Path(out)
-    with local_build.make_pool(workers or os.cpu_count() or 1) as pool:
+    with local_build.make_pool(workers or usable_cores()) as pool:
         facts = functools.partial(local_build.file_facts, pool)
         tree, state = start(src, out, options, overwrite, "local", facts)
         run = Run(tree, out, options, state, map_size or default_map_size(options))

@@ -29,13 +29,13 @@ from __future__ import annotations
 import ctypes
 import importlib
 import math
-import os
 import queue
 import re
 
 import numpy as np
 import torch
 
+from ingest.cores import usable_cores
 from ingest.cstderr import filtered
 from loader.decode_nvjpeg import raise_if_not_the_data
 
@@ -103,7 +103,7 @@ class DaliDecoder:
                 "decoder='nvjpeg'"
             ) from None
         self.batch_size = int(batch_size)
-        self.threads = threads or max(1, min(MAX_THREADS, (os.cpu_count() or 1) // 2))
+        self.threads = threads or max(1, min(MAX_THREADS, usable_cores() // 2))
         self.hw_decoder_load = float(hw_decoder_load)
         self._idle: queue.SimpleQueue = queue.SimpleQueue()  # pipelines no call is using
         for _ in range(self.concurrent_calls):

@@ -17,12 +17,13 @@ installed. Nothing is synchronised per step: the loop runs as it would unwrapped
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+from ingest.cores import usable_cores
 
 INPUT_BOUND = 0.2  # at least this share of step time waiting for data: input-bound
 COMPUTE_BOUND = 0.05  # at most this share: the loader keeps up
@@ -208,7 +209,7 @@ class Profile:
             if s.gpu_utilization is not None
             else "not measured (no CUDA batches, or pynvml / nvidia-ml-py not installed)"
         )
-        cores = f"{s.cores_busy:.1f} of {os.cpu_count()}" if s.cores_busy is not None else "?"
+        cores = f"{s.cores_busy:.1f} of {usable_cores()}" if s.cores_busy is not None else "?"
         cuda = self._gpu.device is not None or _cuda() is not None
         return "\n".join(
             [
@@ -262,7 +263,7 @@ def knob(stats: Stats, loader) -> str:
     """The first thing to change when a loop waits for data on ``loader``."""
     from loader.dataloader import DataLoader
 
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     workers = getattr(loader, "num_workers", None)
     saturated = stats.cores_busy is not None and stats.cores_busy >= 0.85 * cores
     if getattr(loader, "_gpu_stage", None) is not None:  # our GPU path

@@ -523,7 +523,7 @@ def test_a_training_check_times_no_trial_of_our_ways(monkeypatch, until, untimed
 def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
     """``benchmarks/ddp_two_gpus.py`` under ``torchrun --nproc_per_node=2`` (gloo here, NCCL
     on the GPUs): each rank reads its half of the store, and its loader serves exactly the
-    batches asked (two epochs, then the warm-up and timed steps)."""
+    batches asked (an untimed epoch, three timed, then the warm-up and timed steps)."""
     from gpu_path_data import NUM_SAMPLES, make_small_store
 
     store = make_small_store(tmp_path)
@@ -539,5 +539,8 @@ def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
     assert out["world_size"] == 2 and [r["rank"] for r in out["ranks"]] == [0, 1]
     for r in out["ranks"]:
         assert r["epoch_images"] == 4 * per_epoch
-        assert r["stats"]["batches"] == 2 * per_epoch + 1 + 2
+        assert r["stats"]["batches"] == (1 + 3) * per_epoch + 1 + 2  # 1 + 3 epochs, steps
+        # Both ranks may run on all of this machine's cores: each takes half as workers.
+        assert r["cores"] == sorted(os.sched_getaffinity(0))
+        assert r["workers"] == max(1, len(r["cores"]) // 2)
         assert r["fed_img_s"] > 0 and r["ceiling_img_s"] > 0

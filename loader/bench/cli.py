@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from ingest.cores import usable_cores
+
 DTYPES = ("float32", "float16", "bfloat16", "uint8")
 
 
@@ -110,7 +112,7 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
     for name, (quick, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
-    args.workers = (os.cpu_count() or 1) if args.workers is None else args.workers
+    args.workers = usable_cores() if args.workers is None else args.workers
     for name in ("images", "batch_size", "passes", "train_steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"imfeed-bench: --{name.replace('_', '-')} must be at least 1")

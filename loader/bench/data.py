@@ -11,6 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ingest.cores import usable_cores
 from ingest.format import MANIFEST
 
 CLASSES = 10
@@ -111,7 +112,7 @@ def make_folder(
     parts = workdir / f".making-{CLASSES}x{per_class}{size}"
     shutil.rmtree(parts, ignore_errors=True)
     jobs = [(parts / str(c), per_class, c, photos, short_side) for c in range(CLASSES)]
-    workers = min(CLASSES, os.cpu_count() or 1)
+    workers = min(CLASSES, usable_cores())
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
         list(pool.map(_make_class, jobs))
     folder.mkdir(parents=True, exist_ok=True)
@@ -140,7 +141,7 @@ def build_store(folder: Path, store: Path, say, max_size: int | None = None) -> 
         return
     say(f"building the store {store} (once; later runs reuse it) ...")
     options = BuildOptions(max_size=max_size)
-    build(folder, store, options=options, workers=os.cpu_count(), progress=False)
+    build(folder, store, options=options, workers=usable_cores(), progress=False)
 
 
 def export_store(store: Path, folder: Path, say) -> Path:

@@ -1,0 +1,14 @@
+"""How many cores this process may use."""
+
+from __future__ import annotations
+
+import os
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (``taskset``, a cgroup cpuset,
+    ``torchrun --numa-binding``), which ``os.cpu_count()`` ignores: it counts the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity on this platform (macOS, Windows)
+        return os.cpu_count() or 1
