@@ -6,7 +6,7 @@ this rank), then fed by the loader (``cache="shm"``: one copy of the store's byt
 all ranks). Rank 0 prints one JSON line with every rank's figures; run it with
 ``--nproc_per_node=1`` and ``2`` in the same session to compare per-GPU figures.
 
-    torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 60] [--warmup 100]
+    torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 150] [--warmup 100]
         [--cache shm]
 """
 
@@ -75,6 +75,18 @@ def my_share_of_cores(world: int) -> int:
     return max(1, len(mine) // sharing)
 
 
+def phase(before: dict, after: dict, images: int) -> dict:
+    """What ``dl.stats()`` counted between ``before`` and ``after`` (``images`` served):
+    each time in microseconds an image, and the DALI stage's way and paces at the end."""
+    out = {
+        k[:-2] + "_us_per_image": round((v - before.get(k, 0.0)) / images * 1e6, 1)
+        for k, v in after.items()
+        if k.endswith("_s") and isinstance(v, float)
+    }
+    out.update({k: after[k] for k in ("dali_way", "dali_trials", "dali_paces_ms") if k in after})
+    return out
+
+
 def make_step(device, rank: int):
     model = torchvision.models.resnet50().to(device, memory_format=torch.channels_last)
     ddp = torch.nn.parallel.DistributedDataParallel(
@@ -97,13 +109,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("store")
     ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=150)
     # Untimed steps (more while the DALI stage tries its two ways: loader.pace).
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--cache", default="shm")
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--workers", type=int, default=0, help="per rank (default: its cores)")
-    ap.add_argument("--loader-epochs", type=int, default=3, help="timed, of the loader alone")
+    # The loader alone is timed over whole epochs, this many images in all (split over ranks).
+    ap.add_argument("--loader-images", type=int, default=60000)
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -125,17 +138,21 @@ def main() -> None:
     for _ in dl:  # a first epoch starts the workers and fills the cache
         pass
     sync(device)
+    before, epochs = dl.stats(), 0
     t0, n = time.perf_counter(), 0
-    for _ in range(a.loader_epochs):  # then the loader alone (this rank's share)
+    while n < a.loader_images // world or epochs < 2:  # then the loader alone (this rank)
         for images, _ in dl:
             n += len(images)
+        epochs += 1
     sync(device)
     loader_rate = n / (time.perf_counter() - t0)
+    alone = phase(before, dl.stats(), n)
     fed = timed_steps(step, chain.from_iterable(repeat(dl)), a.steps, a.warmup, device, dl)
     mine = {
         "rank": rank, "workers": workers, "ceiling_img_s": round(ceiling, 1),
         "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed, 1),
-        "share": round(fed / ceiling, 3), "epoch_images": n // a.loader_epochs,
+        "share": round(fed / ceiling, 3), "epoch_images": n // epochs, "loader_epochs": epochs,
+        "alone": alone,
         "cores": sorted(os.sched_getaffinity(0)), "stats": dl.stats(),
     }  # fmt: skip
     everyone = [None] * world

@@ -523,14 +523,14 @@ def test_a_training_check_times_no_trial_of_our_ways(monkeypatch, until, untimed
 def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
     """``benchmarks/ddp_two_gpus.py`` under ``torchrun --nproc_per_node=2`` (gloo here, NCCL
     on the GPUs): each rank reads its half of the store, and its loader serves exactly the
-    batches asked (an untimed epoch, three timed, then the warm-up and timed steps)."""
+    batches asked (an untimed epoch, the timed ones, then the warm-up and timed steps)."""
     from gpu_path_data import NUM_SAMPLES, make_small_store
 
     store = make_small_store(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
          str(REPO / "benchmarks" / "ddp_two_gpus.py"), str(store), "--steps", "2",
-         "--warmup", "1", "--batch-size", "4", "--size", "64"],
+         "--warmup", "1", "--batch-size", "4", "--size", "64", "--loader-images", "1"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -538,8 +538,9 @@ def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
     per_epoch = NUM_SAMPLES // 2 // 4  # batches of 4 a rank, the last short one dropped
     assert out["world_size"] == 2 and [r["rank"] for r in out["ranks"]] == [0, 1]
     for r in out["ranks"]:
-        assert r["epoch_images"] == 4 * per_epoch
-        assert r["stats"]["batches"] == (1 + 3) * per_epoch + 1 + 2  # 1 + 3 epochs, steps
+        assert r["epoch_images"] == 4 * per_epoch and r["loader_epochs"] == 2  # the least
+        assert r["alone"]["wait_us_per_image"] > 0
+        assert r["stats"]["batches"] == (1 + r["loader_epochs"]) * per_epoch + 1 + 2
         # Both ranks may run on all of this machine's cores: each takes half as workers.
         assert r["cores"] == sorted(os.sched_getaffinity(0))
         assert r["workers"] == max(1, len(r["cores"]) // 2)
