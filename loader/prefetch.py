@@ -84,6 +84,8 @@ class GpuEpochIterator(EpochIterator):
         self._decoder = _DecodeThreads(threads) if self._ring.slots > 1 else None
         self._depth = 1 if self._decoder is None else batches_on_gpu(threads)
         self._started: collections.deque = collections.deque()  # (slot, Started, waited)
+        # Finished batches' slots, until their GPU work is done: (slot, event or None).
+        self._in_use: collections.deque = collections.deque()
         self._thread_failed = False
 
     def __next__(self):
@@ -158,10 +160,11 @@ class GpuEpochIterator(EpochIterator):
             if not self._started:
                 raise StopIteration  # the epoch is over
             slot, started, waited = self._started.popleft()
+            event = None
             try:
                 images, labels, indices, event = self._stage.finish(started, waited)
             finally:
-                self._free.append(slot)
+                self._in_use.append((slot, event))
             self._stage.note_finished()
         except torch.cuda.OutOfMemoryError:
             raise  # torch's own message says what to do
@@ -184,6 +187,34 @@ class GpuEpochIterator(EpochIterator):
             self._free.append(slot)
             raise
         return slot, started, waited
+
+    def _dispatch(self) -> None:
+        """Slots go back to the workers once the GPU work of their batch is done (``finish``
+        returns as soon as that work is queued): DALI reads the JPEGs in the slot
+        (``dali_stage.NO_COPY``) until its output for them is consumed, and an asynchronous
+        pipeline may still be at it. Waits only where the next batch has no slot else."""
+        step = self._next_step
+        self._give_back_slots(wait=not self._free and step not in self._pending
+                              and step not in self._ready)  # fmt: skip
+        super()._dispatch()
+
+    def _produce(self):
+        if self._pool is None:  # no workers: the slot is filled here, without _dispatch
+            self._give_back_slots(wait=not self._free)
+        return super()._produce()
+
+    def _give_back_slots(self, wait: bool = False, every: bool = False) -> None:
+        """Free the slots whose batch's GPU work is done, in order; with ``wait``, at least
+        one, waiting for it; with ``every``, all of them, waiting as needed."""
+        while self._in_use:
+            slot, event = self._in_use[0]
+            if event is not None and not event.query():
+                if not (wait or every):
+                    return
+                event.synchronize()
+                wait = False
+            self._in_use.popleft()
+            self._free.append(slot)
 
     def _take(self, results) -> None:
         """On every poll of the workers: the prefetch thread leaves promptly once told to
@@ -208,6 +239,7 @@ class GpuEpochIterator(EpochIterator):
             failed = not self._decoder.stop(_JOIN_S) or failed
         if thread is None or not thread.is_alive() or thread is threading.current_thread():
             self._stage.settle()  # so must what the stage still holds (DALI's batches)
+            self._give_back_slots(every=True)  # and the GPU work of the batches finished
         super()._close(finished, failed)
 
 

@@ -39,6 +39,7 @@ from test_gpu_path import (
     B,
     assert_holds_nothing_more,
     assert_never_overwritten,
+    assert_slots_kept_until_done,
     cpu_rows,
     epoch,
     flat,
@@ -355,6 +356,14 @@ def test_nothing_is_held_longer_epoch_after_epoch(store, abandon):
 @gpu_only
 def test_delivered_batches_are_never_overwritten(store):
     assert_never_overwritten(make(store, dtype=torch.float16))
+
+
+@needs_dali
+def test_a_slot_is_refilled_only_once_its_batch_gpu_work_is_done(store, monkeypatch):
+    from loader.dali_stage import DaliStage
+
+    dl = make(store, persistent_workers=True)
+    assert_slots_kept_until_done(dl, DaliStage, monkeypatch)
 
 
 @needs_dali

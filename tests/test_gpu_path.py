@@ -493,22 +493,74 @@ def test_nothing_is_held_longer_epoch_after_epoch(store, abandon):
     assert_holds_nothing_more(make(store, persistent_workers=True), abandon)
 
 
+class _Pending:
+    """A batch's event whose GPU work completes after a few queries (or when waited for);
+    on completing it notes whether the batch's slot still holds what it held when the
+    batch was finished."""
+
+    def __init__(self, views: dict, seen: list) -> None:
+        self.views, self.seen, self.queries, self.done = views, seen, 0, False
+        self.before = {k: np.array(v, copy=True) for k, v in views.items()}
+
+    def query(self) -> bool:
+        self.queries += 1
+        if self.queries > 3:
+            self.synchronize()
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.done:
+            self.done = True
+            self.seen.append(all(np.array_equal(self.before[k], v) for k, v in self.views.items()))
+
+
+def assert_slots_kept_until_done(dl, stage_class, monkeypatch) -> None:
+    """``finish`` returns once a batch's GPU work is queued, and DALI may read the JPEGs in
+    the slot until it is done (``dali_stage.NO_COPY``): over two epochs of ``dl``, each
+    slot is refilled only after its batch's event completed, and every sample comes once."""
+    seen: list[bool] = []
+    finish = stage_class.finish
+
+    def pending_finish(self, started, waited=0.0):
+        images, labels, indices, _ = finish(self, started, waited)
+        return images, labels, indices, _Pending(started.views, seen)
+
+    monkeypatch.setattr(stage_class, "finish", pending_finish)
+    for _ in range(2):
+        got = sorted(int(i) for _images, _labels, indices in dl for i in indices)
+        assert got == list(range(NUM_SAMPLES))
+    dl.close()
+    assert seen == [True] * (2 * len(dl))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_slot_is_refilled_only_once_its_batch_gpu_work_is_done(store, num_workers, monkeypatch):
+    dl = make(store, num_workers=num_workers, persistent_workers=num_workers > 0)
+    assert_slots_kept_until_done(dl, type(dl._gpu_stage), monkeypatch)
+
+
 def assert_never_overwritten(dl) -> None:
     """Hold four delivered batches over three epochs of ``dl`` (``with_indices``) while
-    the device is kept busy, then check they are unchanged."""
-    held, copies = [], []
-    for _ in range(3):
-        for images, labels, _ in dl:
+    the device is kept busy, then check they are unchanged (bit for bit: a NaN equals
+    itself), and that every batch was finite when delivered (a NaN there is pixels not
+    yet written: wrong, whatever happens to them later)."""
+    held, copies, not_finite = [], [], []
+    for e in range(3):
+        for k, (images, labels, _) in enumerate(dl):
             if len(held) < 4:
                 held.append((images, labels))
                 copies.append((images.clone(), labels.clone()))
+            if images.is_floating_point():  # read after the loop: no wait for the host here
+                not_finite.append((e, k, (~images.isfinite()).flatten(1).any(1)))
             # keep the device busy so that a missing wait would show
             torch.cuda._sleep(1_000_000)
     torch.cuda.synchronize()
+    not_finite = [(e, k, r.nonzero().flatten().tolist()) for e, k, r in not_finite if r.any()]
+    assert not not_finite, f"(epoch, batch, rows) delivered with NaN or inf: {not_finite}"
     for k, ((images, labels), (i0, l0)) in enumerate(zip(held, copies, strict=True)):
-        changed = (images != i0).flatten(1).any(1).nonzero().flatten().tolist()
-        nans = int(i0.isnan().sum()) if i0.is_floating_point() else 0
-        assert not changed, f"batch {k}: rows {changed} changed ({nans} NaN when delivered)"
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[images.element_size()]
+        changed = (images.view(bits) != i0.view(bits)).flatten(1).any(1).nonzero().flatten()
+        assert not changed.tolist(), f"batch {k}: rows {changed.tolist()} changed"
         assert torch.equal(labels, l0), f"batch {k}: labels changed"
 
 
