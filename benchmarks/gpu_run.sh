@@ -2,7 +2,7 @@
 # The H200 runs behind benchmarks/results/gpu-h200-*: run from the repository root on the
 # GPU machine, after the wheels are installed in /tmp/site (../shared/GPU.md), with the
 # photographs in .photos. Usage: benchmarks/gpu_run.sh STAGE... (prepare, tests, probe, daliprobe,
-# split, decoders, bench, diagnose, profile, memory, ingest, ddp); logs and JSON go to $OUT. MAX_SIZE=512
+# split, decoders, bench, diagnose, profile, memory, delivery, ingest, ddp); logs and JSON go to $OUT. MAX_SIZE=512
 # makes "bench" compare every pipeline on images capped at 512 px (imfeed-bench --max-size);
 # SHORT_SIDE=800-1000 makes camera-sized images instead of ImageNet-shaped ones
 # (--short-side). PROBE_ARGS go to the probe (e.g. "--busy-thread --gather-chunk 256");
@@ -37,6 +37,7 @@ for stage in "$@"; do
     profile) prepare; timeout 300 python3 benchmarks/profile_example.py "$FOLDER" "$STORE" > $OUT/profile.log 2>&1; cat $OUT/profile.log | tail -20 ;;
     memory) for r in "" --release; do timeout 200 python3 benchmarks/dali_memory_probe.py --epochs ${EPOCHS:-150} $r > $OUT/memory$r.log 2>&1; cut -c1-400 $OUT/memory$r.log | tail -40; done ;;
     ingest) timeout ${INGEST_S:-300} python3 benchmarks/bench_ingest.py --images 20000 --workdir /tmp/bi --out $OUT > $OUT/ingest.log 2>&1; tail -25 $OUT/ingest.log ;;
+    delivery) timeout ${DELIVERY_S:-240} python3 benchmarks/dali_delivery_probe.py --runs ${RUNS:-12} ${VARIANTS:+--variants $VARIANTS} --out $OUT/dali-delivery.json > $OUT/dali-delivery.log 2>&1; grep "runs delivered" $OUT/dali-delivery.log ;;
     ddp) prepare; (nproc; lscpu | grep -i "numa\|thread\|socket"; nvidia-smi topo -m) > $OUT/ddp-topology.log 2>&1; tail -6 $OUT/ddp-topology.log
       # 1: one rank on the first half of the cores (the single-GPU figure); 2: two ranks,
       # each on half the cores; 2numa: two ranks, torchrun binding each to cores near its GPU.
