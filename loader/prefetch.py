@@ -188,20 +188,28 @@ class GpuEpochIterator(EpochIterator):
             raise
         return slot, started, waited
 
+    # Slots go back to the workers once the GPU work of their batch is done, not when
+    # ``finish`` has queued it: DALI reads the JPEGs in the slot (``dali_stage.NO_COPY``)
+    # until its output for them is consumed, and an asynchronous pipeline may still be at
+    # it. Only a batch that has no slot else waits for one (``_produce``).
+
     def _dispatch(self) -> None:
-        """Slots go back to the workers once the GPU work of their batch is done (``finish``
-        returns as soon as that work is queued): DALI reads the JPEGs in the slot
-        (``dali_stage.NO_COPY``) until its output for them is consumed, and an asynchronous
-        pipeline may still be at it. Waits only where the next batch has no slot else."""
-        step = self._next_step
-        self._give_back_slots(wait=not self._free and step not in self._pending
-                              and step not in self._ready)  # fmt: skip
+        self._give_back_slots()
         super()._dispatch()
 
     def _produce(self):
-        if self._pool is None:  # no workers: the slot is filled here, without _dispatch
-            self._give_back_slots(wait=not self._free)
+        if not self._free and not self._placed(self._next_step):
+            self._give_back_slots(wait=True)
         return super()._produce()
+
+    def _next_ready(self) -> bool:
+        ready = super()._next_ready()  # True also where the batch has no slot yet
+        held = self._pool is not None and self._in_use and not self._placed(self._next_step)
+        return ready and not held
+
+    def _placed(self, step: int) -> bool:
+        """Whether batch ``step`` has its slot (with the workers, or filled)."""
+        return self._pool is not None and (step in self._pending or step in self._ready)
 
     def _give_back_slots(self, wait: bool = False, every: bool = False) -> None:
         """Free the slots whose batch's GPU work is done, in order; with ``wait``, at least

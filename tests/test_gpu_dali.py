@@ -360,11 +360,12 @@ def test_delivered_batches_are_never_overwritten(store):
 
 
 @needs_dali
-def test_a_slot_is_refilled_only_once_its_batch_gpu_work_is_done(store, monkeypatch):
+@pytest.mark.parametrize("queries", [3, None], ids=["done-soon", "done-when-waited"])
+def test_a_slot_is_refilled_only_once_its_batch_gpu_work_is_done(store, queries, monkeypatch):
     from loader.dali_stage import DaliStage
 
-    dl = make(store, persistent_workers=True)
-    assert_slots_kept_until_done(dl, DaliStage, monkeypatch)
+    dl = make(store, batch_size=2, persistent_workers=True)  # more batches than slots
+    assert_slots_kept_until_done(dl, DaliStage, monkeypatch, queries)
 
 
 @needs_dali

@@ -494,18 +494,19 @@ def test_nothing_is_held_longer_epoch_after_epoch(store, abandon):
 
 
 class _Pending:
-    """A batch's event whose GPU work completes after a few queries (or when waited for);
-    on completing it notes whether the batch's slot still holds what it held when the
-    batch was finished."""
+    """A batch's event whose GPU work completes after ``queries`` queries (None: only when
+    waited for); on completing it notes whether the batch's slot still holds what it held
+    when the batch was finished."""
 
-    def __init__(self, views: dict, seen: list) -> None:
-        self.views, self.seen, self.queries, self.done = views, seen, 0, False
+    def __init__(self, views: dict, seen: list, queries: int | None) -> None:
+        self.views, self.seen, self.left, self.done = views, seen, queries, False
         self.before = {k: np.array(v, copy=True) for k, v in views.items()}
 
     def query(self) -> bool:
-        self.queries += 1
-        if self.queries > 3:
-            self.synchronize()
+        if self.left is not None:
+            self.left -= 1
+            if self.left < 0:
+                self.synchronize()
         return self.done
 
     def synchronize(self) -> None:
@@ -514,16 +515,18 @@ class _Pending:
             self.seen.append(all(np.array_equal(self.before[k], v) for k, v in self.views.items()))
 
 
-def assert_slots_kept_until_done(dl, stage_class, monkeypatch) -> None:
+def assert_slots_kept_until_done(dl, stage_class, monkeypatch, queries: int | None = 3):
     """``finish`` returns once a batch's GPU work is queued, and DALI may read the JPEGs in
     the slot until it is done (``dali_stage.NO_COPY``): over two epochs of ``dl``, each
-    slot is refilled only after its batch's event completed, and every sample comes once."""
+    slot is refilled only after its batch's event completed (after ``queries`` queries, or
+    never until waited for: the ring runs out, and a batch waits for a slot), and every
+    sample comes once."""
     seen: list[bool] = []
     finish = stage_class.finish
 
     def pending_finish(self, started, waited=0.0):
         images, labels, indices, _ = finish(self, started, waited)
-        return images, labels, indices, _Pending(started.views, seen)
+        return images, labels, indices, _Pending(started.views, seen, queries)
 
     monkeypatch.setattr(stage_class, "finish", pending_finish)
     for _ in range(2):
@@ -533,10 +536,15 @@ def assert_slots_kept_until_done(dl, stage_class, monkeypatch) -> None:
     assert seen == [True] * (2 * len(dl))
 
 
+@pytest.mark.parametrize("queries", [3, None], ids=["done-soon", "done-when-waited"])
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_slot_is_refilled_only_once_its_batch_gpu_work_is_done(store, num_workers, monkeypatch):
-    dl = make(store, num_workers=num_workers, persistent_workers=num_workers > 0)
-    assert_slots_kept_until_done(dl, type(dl._gpu_stage), monkeypatch)
+def test_a_slot_is_refilled_only_once_its_batch_gpu_work_is_done(
+    store, num_workers, queries, monkeypatch
+):
+    # Batches of 2: 12 an epoch, more than the ring's slots, so that "done-when-waited"
+    # runs out of them.
+    dl = make(store, batch_size=2, num_workers=num_workers, persistent_workers=num_workers > 0)
+    assert_slots_kept_until_done(dl, type(dl._gpu_stage), monkeypatch, queries)
 
 
 def assert_never_overwritten(dl) -> None:
