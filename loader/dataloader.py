@@ -203,7 +203,8 @@ class DataLoader:
                 self._producer, self.transform, self._output.dtype, bool(channels_last),
                 self.device, self.decoder, cpu_share, self.num_workers, self._stats,
             )  # fmt: skip
-            on_gpu = batches_on_gpu(self._gpu_stage.concurrent_calls)
+            # and one finished, whose slot waits for its GPU work (GpuEpochIterator)
+            on_gpu = batches_on_gpu(self._gpu_stage.concurrent_calls) + 1
             slots = ring_slots(self.batch_size, self.num_workers, self.prefetch_factor, on_gpu)
         self._ring = Ring(self._producer.buffers(), slots, shared=self.num_workers > 0)
         self._workers = _Workers()
