@@ -349,8 +349,8 @@ def held_resources() -> tuple[int, int, int]:
     once what earlier tests left for the garbage collector is gone. The CUDA driver's
     descriptors of its device nodes (``/dev/nvidia*``) are not counted: it opens one as a
     memory pool maps more memory (DALI's grow for their first epochs, then stay: measured
-    on the H200, where one was opened at the 7th epoch and none after; the DALI memory test
-    bounds the pools)."""
+    on the H200, where some were opened at the 7th epoch and none after; the DALI memory
+    test bounds the pools)."""
     gc.collect()
     me = str(os.getpid())
     children = 0
