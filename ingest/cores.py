@@ -12,3 +12,9 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # no affinity on this platform (macOS, Windows)
         return os.cpu_count() or 1
+
+
+def half_the_cores(at_most: int) -> int:
+    """Threads for a pool beside the workers: half the usable cores, at most ``at_most``,
+    at least one."""
+    return max(1, min(at_most, usable_cores() // 2))

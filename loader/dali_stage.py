@@ -49,7 +49,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ingest.cores import usable_cores
+from ingest.cores import half_the_cores
 from ingest.cstderr import filtered
 from loader.augment_gpu import Rows, cut, upload
 from loader.decode_dali import _LIBRARY_LINES, HW_DECODER_LOAD, jpeg_batch
@@ -110,7 +110,7 @@ class DaliStage(GpuStage):
 
     def __init__(self, *args, threads: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.threads = threads or max(1, min(MAX_THREADS, usable_cores() // 2))
+        self.threads = threads or half_the_cores(MAX_THREADS)
         # The batches the GPU stage holds: all but the one being finished may be in DALI.
         self.depth = 1 + self.concurrent_calls
         self._pipelines: dict[str, _Pipeline] = {}  # by kind, built when first needed

@@ -35,7 +35,7 @@ import re
 import numpy as np
 import torch
 
-from ingest.cores import usable_cores
+from ingest.cores import half_the_cores
 from ingest.cstderr import filtered
 from loader.decode_nvjpeg import raise_if_not_the_data
 
@@ -103,7 +103,7 @@ class DaliDecoder:
                 "decoder='nvjpeg'"
             ) from None
         self.batch_size = int(batch_size)
-        self.threads = threads or max(1, min(MAX_THREADS, usable_cores() // 2))
+        self.threads = threads or half_the_cores(MAX_THREADS)
         self.hw_decoder_load = float(hw_decoder_load)
         self._idle: queue.SimpleQueue = queue.SimpleQueue()  # pipelines no call is using
         for _ in range(self.concurrent_calls):

@@ -16,7 +16,7 @@ import cv2
 import numpy as np
 import torch
 
-from ingest.cores import usable_cores
+from ingest.cores import half_the_cores
 from loader.augment import Transform
 from loader.hostmem import HostMemory
 
@@ -85,7 +85,7 @@ def conversion_threads() -> int:
     """Threads for the CPU conversion: half the cores, at most 8, so that the main process
     keeps up with many workers (``cv2.LUT`` releases the GIL); one on small machines, where
     the workers already fill the cores and a thread pool would only add overhead."""
-    return max(1, min(8, usable_cores() // 2))
+    return half_the_cores(8)
 
 
 class BatchOutput:

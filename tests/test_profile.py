@@ -14,7 +14,7 @@ from loader_data import make_store
 
 import loader
 import loader.decode as decode_registry
-from ingest.cores import usable_cores
+from ingest.cores import half_the_cores, usable_cores
 from loader.profiler import Stats, knob, verdict
 
 SLEEP = 0.15  # far longer than anything else a step does here
@@ -129,11 +129,11 @@ def test_knob_more_workers_when_the_cpu_is_idle():
 def test_the_cores_counted_are_those_this_process_may_run_on(monkeypatch):
     """Under ``taskset``, a cpuset or ``torchrun --numa-binding`` the process may use fewer
     cores than the machine has: the knob, the CPU conversion's threads and the DALI stage's
-    threads count those (``os.cpu_count()`` counts the machine's)."""
+    threads (``half_the_cores``) count those (``os.cpu_count()`` counts the machine's)."""
     from loader.output import conversion_threads
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6}, raising=False)
-    assert usable_cores() == 3 and conversion_threads() == 1
+    assert usable_cores() == 3 and conversion_threads() == 1 and half_the_cores(8) == 1
     dl = torch.utils.data.DataLoader(list(range(8)), num_workers=1)
     assert knob(_stats(0.5, 0.1), dl) == "more workers (num_workers=1 now, the machine has 3 cores)"
     assert knob(_stats(0.5, 2.9), dl).startswith("loader.DataLoader over a store")
