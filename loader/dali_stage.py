@@ -42,7 +42,6 @@ tolerance).
 
 from __future__ import annotations
 
-import ctypes
 import time
 from typing import NamedTuple
 
@@ -52,7 +51,7 @@ import torch
 from ingest.cores import half_the_cores
 from ingest.cstderr import filtered
 from loader.augment_gpu import Rows, cut, upload
-from loader.decode_dali import _LIBRARY_LINES, HW_DECODER_LOAD, jpeg_batch
+from loader.decode_dali import _LIBRARY_LINES, HW_DECODER_LOAD, copy_into, jpeg_batch
 from loader.decode_nvjpeg import raise_if_not_the_data
 from loader.gpu_stage import GpuStage, Started, _event, read_slot
 from loader.pace import WayPicker
@@ -282,11 +281,7 @@ class DaliStage(GpuStage):
             )
         else:
             target = into
-        pointer = ctypes.c_void_p(target.data_ptr())
-        if self.device.type == "cuda":
-            out.copy_to_external(pointer, self.stream.cuda_stream, non_blocking=True)
-        else:
-            out.copy_to_external(pointer)
+        copy_into(target, out, self.stream if self.device.type == "cuda" else None)
         if into is not None and target is not into:
             into.copy_(target)
         return target

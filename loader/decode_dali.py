@@ -196,16 +196,15 @@ class DaliDecoder:
         shapes = [tuple(s) for s in out.shape()]
         sizes = [math.prod(s) for s in shapes]
         buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-        target = ctypes.c_void_p(buffer.data_ptr())
         copied = None
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
             _wait_for(out, stream, self.device)
-            out.copy_to_external(target, stream.cuda_stream, non_blocking=True)
+            copy_into(buffer, out, stream)
             copied = torch.cuda.Event()
             copied.record(stream)
         else:
-            out.copy_to_external(target)
+            copy_into(buffer, out, None)
         return hwc_views(buffer, shapes, sizes, windows[:, 2:4]), copied
 
 
@@ -267,6 +266,23 @@ class _Pipeline:
     def __init__(self) -> None:
         self.pipe = None
         self.copied = None
+
+
+def copy_into(target: torch.Tensor, out, stream: torch.cuda.Stream | None) -> None:
+    """Copy DALI's output ``out`` (dense, as many bytes as ``target``) into ``target``:
+    queued on ``stream``, or done on return where there is none (the CPU).
+
+    DALI takes the stream as a ``ctypes.c_void_p``. Given the plain int of
+    ``stream.cuda_stream``, it finds no handle in it and copies on the legacy default
+    stream, which a torch side stream does not wait for: what ``stream`` did next could
+    read the target before the copy wrote it (on the H200, batches of the DALI stage
+    delivered with NaN where its rows went through a temporary,
+    ``benchmarks/dali_delivery_probe.py``)."""
+    pointer = ctypes.c_void_p(target.data_ptr())
+    if stream is None:
+        out.copy_to_external(pointer)
+    else:
+        out.copy_to_external(pointer, ctypes.c_void_p(stream.cuda_stream), non_blocking=True)
 
 
 def _wait_for(out, stream: torch.cuda.Stream, device: torch.device) -> None:

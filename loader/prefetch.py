@@ -113,19 +113,27 @@ class GpuEpochIterator(EpochIterator):
             raise payload
         images, labels, indices, event, bad = payload
         if images.device.type == "cuda":
-            stream = torch.cuda.current_stream(images.device)
-            starved = stream.query()  # nothing left queued: the model waited for this batch
-            self._stats.add(starved_handoffs=int(starved))
-            self._stage.note_handoff()
-            stream.wait_event(event)  # the training stream waits; the host does not
-            images.record_stream(stream)
-            labels.record_stream(stream)
+            try:
+                self._hand_over(images, labels, event)
+            except BaseException:  # the thread and the workers do not outlive a failed handoff
+                self._close(finished=False, failed=True)
+                raise
         self._loader._note_bad(bad)
         self._stats.add(batches=1, samples=len(indices))  # counted as delivered
         next(self._official)
         if self._loader.with_indices:
             return images, labels, torch.from_numpy(indices)
         return images, labels
+
+    def _hand_over(self, images, labels, event) -> None:
+        """Make the training stream wait for the batch's GPU work (the host does not)."""
+        stream = torch.cuda.current_stream(images.device)
+        starved = stream.query()  # nothing left queued: the model waited for this batch
+        self._stats.add(starved_handoffs=int(starved))
+        self._stage.note_handoff()
+        stream.wait_event(event)
+        images.record_stream(stream)
+        labels.record_stream(stream)
 
     def _take_finished(self) -> tuple[str, object]:
         timeout = self._loader.timeout

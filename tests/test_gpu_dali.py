@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -57,7 +58,7 @@ from ingest import format as fmt
 from loader.augment import Transform
 from loader.dali_stage import CUDA as CUDA_WAY
 from loader.dali_stage import ENGINES
-from loader.decode_dali import _LIBRARY_LINES
+from loader.decode_dali import _LIBRARY_LINES, copy_into
 from loader.pace import WayPicker
 from loader.store import Store
 
@@ -115,6 +116,26 @@ def test_without_dali_the_error_says_what_to_install(monkeypatch):
 )
 def test_which_stderr_lines_are_nvimagecodecs(line, library):
     assert bool(_LIBRARY_LINES.search(line)) is library
+
+
+class _Output:
+    """DALI's output as ``copy_into`` sees it: records how ``copy_to_external`` is called
+    (DALI's binding reads pointers and the stream from a ``ctypes.c_void_p``'s ``value``,
+    and an object without one as none: the legacy default stream)."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def copy_to_external(self, ptr, cuda_stream=None, non_blocking=False):
+        stream = getattr(cuda_stream, "value", None)
+        self.calls.append((getattr(ptr, "value", None), stream, non_blocking))
+
+
+def test_dali_copies_on_the_stream_it_is_given():
+    target, out = torch.zeros(16, dtype=torch.uint8), _Output()
+    copy_into(target, out, SimpleNamespace(cuda_stream=0x7F3A00))
+    copy_into(target, out, None)  # on the CPU: no stream, done on return
+    assert out.calls == [(target.data_ptr(), 0x7F3A00, True), (target.data_ptr(), None, False)]
 
 
 @needs_dali
@@ -355,8 +376,10 @@ def test_nothing_is_held_longer_epoch_after_epoch(store, abandon):
 
 @needs_dali
 @gpu_only
-def test_delivered_batches_are_never_overwritten(store):
-    assert_never_overwritten(make(store, dtype=torch.float16))
+@pytest.mark.parametrize("own_stream", [False, True], ids=["default-stream", "own-stream"])
+def test_delivered_batches_are_never_overwritten(store, own_stream):
+    dl = make(store, dtype=torch.float16)
+    assert_never_overwritten(dl, torch.cuda.Stream() if own_stream else None)
 
 
 @needs_dali

@@ -467,8 +467,10 @@ def test_stats_count_the_bytes_copied_to_the_device(store):
 
 
 @gpu_only
-def test_delivered_batches_are_never_overwritten(store):
-    assert_never_overwritten(make(store, dtype=torch.float16, num_workers=2))
+@pytest.mark.parametrize("own_stream", [False, True], ids=["default-stream", "own-stream"])
+def test_delivered_batches_are_never_overwritten(store, own_stream):
+    dl = make(store, dtype=torch.float16, num_workers=2)
+    assert_never_overwritten(dl, torch.cuda.Stream() if own_stream else None)
 
 
 def assert_holds_nothing_more(dl, abandon: bool, epochs: int = 8) -> None:
@@ -496,11 +498,17 @@ def test_nothing_is_held_longer_epoch_after_epoch(store, abandon):
 class _Pending:
     """A batch's event whose GPU work completes after ``queries`` queries (None: only when
     waited for); on completing it notes whether the batch's slot still holds what it held
-    when the batch was finished."""
+    when the batch was finished. On a GPU it stands in front of the stage's real event
+    (``real``): the training stream waits for that one, and completing waits for it too."""
 
-    def __init__(self, views: dict, seen: list, queries: int | None) -> None:
+    def __init__(self, views: dict, seen: list, queries: int | None, real=None) -> None:
         self.views, self.seen, self.left, self.done = views, seen, queries, False
         self.before = {k: np.array(v, copy=True) for k, v in views.items()}
+        self.real = real
+
+    def wait(self, stream) -> None:
+        if self.real is not None:
+            self.real.wait(stream)
 
     def query(self) -> bool:
         if self.left is not None:
@@ -511,6 +519,8 @@ class _Pending:
 
     def synchronize(self) -> None:
         if not self.done:
+            if self.real is not None:
+                self.real.synchronize()
             self.done = True
             self.seen.append(all(np.array_equal(self.before[k], v) for k, v in self.views.items()))
 
@@ -525,14 +535,16 @@ def assert_slots_kept_until_done(dl, stage_class, monkeypatch, queries: int | No
     finish = stage_class.finish
 
     def pending_finish(self, started, waited=0.0):
-        images, labels, indices, _ = finish(self, started, waited)
-        return images, labels, indices, _Pending(started.views, seen, queries)
+        images, labels, indices, event = finish(self, started, waited)
+        return images, labels, indices, _Pending(started.views, seen, queries, event)
 
     monkeypatch.setattr(stage_class, "finish", pending_finish)
-    for _ in range(2):
-        got = sorted(int(i) for _images, _labels, indices in dl for i in indices)
-        assert got == list(range(NUM_SAMPLES))
-    dl.close()
+    try:
+        for _ in range(2):
+            got = sorted(int(i) for _images, _labels, indices in dl for i in indices)
+            assert got == list(range(NUM_SAMPLES))
+    finally:
+        dl.close()
     assert seen == [True] * (2 * len(dl))
 
 
@@ -547,21 +559,24 @@ def test_a_slot_is_refilled_only_once_its_batch_gpu_work_is_done(
     assert_slots_kept_until_done(dl, type(dl._gpu_stage), monkeypatch, queries)
 
 
-def assert_never_overwritten(dl) -> None:
+def assert_never_overwritten(dl, stream: torch.cuda.Stream | None = None) -> None:
     """Hold four delivered batches over three epochs of ``dl`` (``with_indices``) while
     the device is kept busy, then check they are unchanged (bit for bit: a NaN equals
     itself), and that every batch was finite when delivered (a NaN there is pixels not
-    yet written: wrong, whatever happens to them later)."""
+    yet written: wrong, whatever happens to them later). The training loop runs on
+    ``stream`` where given (else the default stream, which some copies wait for
+    implicitly where a stream of the user's own would not)."""
     held, copies, not_finite = [], [], []
-    for e in range(3):
-        for k, (images, labels, _) in enumerate(dl):
-            if len(held) < 4:
-                held.append((images, labels))
-                copies.append((images.clone(), labels.clone()))
-            if images.is_floating_point():  # read after the loop: no wait for the host here
-                not_finite.append((e, k, (~images.isfinite()).flatten(1).any(1)))
-            # keep the device busy so that a missing wait would show
-            torch.cuda._sleep(1_000_000)
+    with torch.cuda.stream(stream):
+        for e in range(3):
+            for k, (images, labels, _) in enumerate(dl):
+                if len(held) < 4:
+                    held.append((images, labels))
+                    copies.append((images.clone(), labels.clone()))
+                if images.is_floating_point():  # read after the loop: the host never waits
+                    not_finite.append((e, k, (~images.isfinite()).flatten(1).any(1)))
+                # keep the device busy so that a missing wait would show
+                torch.cuda._sleep(1_000_000)
     torch.cuda.synchronize()
     not_finite = [(e, k, r.nonzero().flatten().tolist()) for e, k, r in not_finite if r.any()]
     assert not not_finite, f"(epoch, batch, rows) delivered with NaN or inf: {not_finite}"
@@ -654,6 +669,23 @@ def test_ctrl_c_while_waiting_stops_the_thread_and_the_workers(store, monkeypatc
         next(it)
     assert dl.worker_pids == []
     assert not gpu_threads()
+
+
+@gpu_only
+def test_a_failed_handoff_stops_the_thread_and_the_workers(store, monkeypatch):
+    dl = make(store, num_workers=2)
+    it = iter(dl)
+    next(it)
+
+    def failed(*_args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(it, "_hand_over", failed)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        next(it)
+    assert dl.worker_pids == [] and not gpu_threads()
+    with pytest.raises(StopIteration):  # as a generator after it raised
+        next(it)
 
 
 def test_close_with_stopped_workers_returns_promptly(store):
