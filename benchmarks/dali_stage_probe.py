@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import json
 import sys
 import time
@@ -39,6 +38,7 @@ import loader
 import loader.dali_stage as dali_stage
 from loader.augment_gpu import cut
 from loader.dali_stage import ENGINES, _Ticket
+from loader.decode_dali import copy_into
 from loader.store import Store
 
 
@@ -212,8 +212,7 @@ def run_graph(name: str, threads: int, work: list, stage_arguments, rounds: int 
         (out,) = pipe.outputs(cuda_stream=stream)
         wait_s += time.perf_counter() - t
         if "copy" in mods:
-            pointer = ctypes.c_void_p(target.data_ptr())
-            out.copy_to_external(pointer, stream.cuda_stream, non_blocking=True)
+            copy_into(target, out, stream)
         del out
 
     seconds, feed_s = fed_ahead(fed * rounds, depth, feed, take)

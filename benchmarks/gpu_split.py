@@ -16,7 +16,6 @@ bytes in RAM and batches of the sampler's crop windows:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import sys
 import threading
@@ -30,6 +29,7 @@ import torch
 
 from benchmarks.gpu_decoders import from_threads, setup, sync
 from loader.decode import get_decoder
+from loader.decode_dali import copy_into
 
 DEPTH = 2
 
@@ -70,7 +70,7 @@ class AsyncDali:
         (out,) = self.pipe.outputs()
         size = sum(int(np.prod(s)) for s in out.shape())
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        out.copy_to_external(ctypes.c_void_p(buffer.data_ptr()), self.stream.cuda_stream)
+        copy_into(buffer, out, self.stream)
         self.stream.synchronize()  # before the next outputs() lets DALI reuse its buffers
         return buffer
 
