@@ -36,6 +36,7 @@ the loop waited in ``next()`` and NVML's GPU utilisation:
 
     python3 benchmarks/diagnose_training.py STORE [--model resnet18] [--steps 40]
         [--warmup 8] [--workers 16] [--only synthetic,...] [--dali base,prime1,...]
+        [--train-priority N]
 """
 
 from __future__ import annotations
@@ -330,7 +331,14 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--only", default=",".join(CONDITIONS))
     ap.add_argument("--dali", default="", help="DALI stage settings (module docstring)")
+    ap.add_argument(
+        "--train-priority", type=int, default=0,
+        help="N > 0: every condition trains on a stream of priority -N (higher than the "
+        "default stream's and DALI's), to see whether the GPU then serves the model first",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.train_priority:
+        torch.cuda.set_stream(torch.cuda.Stream(priority=-args.train_priority))
     only = args.only.split(",")
     dali = [s for s in args.dali.split(",") if s]
     step = step_fn(args.model)
