@@ -1,10 +1,11 @@
 """DDP ResNet-50 on every GPU of one host, fed by ``loader.DataLoader`` (``torchrun``).
 
 Each rank trains on its own GPU with its share of the cores as workers: first on synthetic
-data on the GPU (the ceiling), then the loader alone (its second epoch: its throughput on
-this rank), then fed by the loader (``cache="shm"``: one copy of the store's bytes in RAM for
-all ranks). Rank 0 prints one JSON line with every rank's figures; run it with
-``--nproc_per_node=1`` and ``2`` in the same session to compare per-GPU figures.
+data on the GPU (the ceiling), then the loader alone (after an untimed epoch, and the DALI
+stage's first trial of its two ways: its throughput on this rank), then fed by the loader
+(``cache="shm"``: one copy of the store's bytes in RAM for all ranks). Rank 0 prints one
+JSON line with every rank's figures; run it with ``--nproc_per_node=1`` and ``2`` in the
+same session to compare per-GPU figures.
 
     torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 150] [--warmup 100]
         [--cache shm]
@@ -137,6 +138,14 @@ def main() -> None:
     )  # fmt: skip
     for _ in dl:  # a first epoch starts the workers and fills the cache
         pass
+    # Then untimed epochs until the DALI stage's first trial of its two ways is over, as in
+    # imfeed-bench: its batches the slower way would weigh twice as much per image with
+    # two ranks, whose epochs are half as long (loader.pace).
+    warm_epochs = 1
+    while settling(dl):
+        for _ in dl:
+            pass
+        warm_epochs += 1
     sync(device)
     before, epochs = dl.stats(), 0
     t0, n = time.perf_counter(), 0
@@ -152,6 +161,7 @@ def main() -> None:
         "rank": rank, "workers": workers, "ceiling_img_s": round(ceiling, 1),
         "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed, 1),
         "share": round(fed / ceiling, 3), "epoch_images": n // epochs, "loader_epochs": epochs,
+        "warm_epochs": warm_epochs,
         "alone": alone,
         "cores": sorted(os.sched_getaffinity(0)), "stats": dl.stats(),
     }  # fmt: skip

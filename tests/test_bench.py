@@ -540,6 +540,8 @@ def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
     for r in out["ranks"]:
         assert r["epoch_images"] == 4 * per_epoch and r["loader_epochs"] == 2  # the least
         assert r["alone"]["wait_us_per_image"] > 0
+        # One untimed epoch: on the CPU the stage has no ways to try, no trial to wait for.
+        assert r["warm_epochs"] == 1
         assert r["stats"]["batches"] == (1 + r["loader_epochs"]) * per_epoch + 1 + 2
         # Both ranks may run on all of this machine's cores: each takes half as workers.
         assert r["cores"] == sorted(os.sched_getaffinity(0))
