@@ -136,13 +136,12 @@ def main() -> None:
         transform=loader.Transform("train", size), device=device, dtype=torch.bfloat16,
         channels_last=True, persistent_workers=True, cache=a.cache or None,
     )  # fmt: skip
-    for _ in dl:  # a first epoch starts the workers and fills the cache
-        pass
-    # Then untimed epochs until the DALI stage's first trial of its two ways is over, as in
-    # imfeed-bench: its batches the slower way would weigh twice as much per image with
-    # two ranks, whose epochs are half as long (loader.pace).
-    warm_epochs = 1
-    while settling(dl):
+    # Untimed epochs: the first starts the workers and fills the cache; more until the DALI
+    # stage's first trial of its two ways is over, as in imfeed-bench: its batches the
+    # slower way would weigh twice as much per image with two ranks, whose epochs are half
+    # as long (loader.pace).
+    warm_epochs = 0
+    while warm_epochs == 0 or settling(dl):
         for _ in dl:
             pass
         warm_epochs += 1

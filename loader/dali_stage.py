@@ -265,9 +265,8 @@ class DaliStage(GpuStage):
 
     def _next_output(self, own: _Pipeline):
         own.queue.pop(0)
-        stream = self.stream if self.device.type == "cuda" else None
         with filtered(_LIBRARY_LINES):  # its complaints about a bad stream: an error here
-            (out,) = own.pipe.outputs(cuda_stream=stream)
+            (out,) = own.pipe.outputs(cuda_stream=self.stream)  # None off CUDA
         return out
 
     def _copy_out(self, out, count: int, into: torch.Tensor | None = None) -> torch.Tensor:
@@ -281,7 +280,7 @@ class DaliStage(GpuStage):
             )
         else:
             target = into
-        copy_into(target, out, self.stream if self.device.type == "cuda" else None)
+        copy_into(target, out, self.stream)  # no stream off CUDA: done on return
         if into is not None and target is not into:
             into.copy_(target)
         return target
