@@ -7,8 +7,14 @@ stage's first trial of its two ways: its throughput on this rank), then fed by t
 JSON line with every rank's figures; run it with ``--nproc_per_node=1`` and ``2`` in the
 same session to compare per-GPU figures.
 
+The model trains as imfeed-bench's training check does (bf16 autocast, channels_last, SGD,
+``cudnn.benchmark``); the synthetic batch is in the loader's dtype (bfloat16), so that both
+phases feed the model the same tensors. ``wait_share``: the share of the timed steps spent
+in ``next()`` on the loader. ``--plain`` (one rank only) trains the model without the DDP
+wrapper, ``--no-cudnn-benchmark`` with cuDNN's default choice of kernels: what each costs.
+
     torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 150] [--warmup 100]
-        [--cache shm]
+        [--cache shm] [--workers N] [--plain] [--no-cudnn-benchmark]
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ import loader
 from loader.bench.train import SETTLE_STEPS, settling
 
 
-def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> float:
+def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> tuple[float, float]:
     """img/s of ``steps`` steps after ``warmup`` (and more while ``dl`` on any rank tries
-    its ways, ``loader.pace``: at most ``SETTLE_STEPS``), all ranks in step."""
+    its ways, ``loader.pace``: at most ``SETTLE_STEPS``), all ranks in step; and the share
+    of those steps' time spent waiting in ``next()``."""
     it = iter(batches)
     for _ in range(warmup):
         step(*next(it))
@@ -43,13 +50,16 @@ def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> floa
             break
         step(*next(it))
     sync(device)
-    t0, n = time.perf_counter(), 0
+    t0, n, waited = time.perf_counter(), 0, 0.0
     for _ in range(steps):
+        asked = time.perf_counter()
         x, y = next(it)
+        waited += time.perf_counter() - asked
         step(x, y)
         n += len(x)
     sync(device)
-    return n / (time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    return n / seconds, waited / seconds
 
 
 def anyone(flag: bool, device) -> bool:
@@ -88,11 +98,14 @@ def phase(before: dict, after: dict, images: int) -> dict:
     return out
 
 
-def make_step(device, rank: int):
+def make_step(device, rank: int, plain: bool = False):
+    """One training step of ResNet-50 (DDP unless ``plain``) on a batch."""
     model = torchvision.models.resnet50().to(device, memory_format=torch.channels_last)
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[rank] if device.type == "cuda" else None
-    )
+    ddp = model
+    if not plain:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[rank] if device.type == "cuda" else None
+        )
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
 
@@ -118,19 +131,25 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0, help="per rank (default: its cores)")
     # The loader alone is timed over whole epochs, this many images in all (split over ranks).
     ap.add_argument("--loader-images", type=int, default=60000)
+    ap.add_argument("--plain", action="store_true", help="one rank: no DDP wrapper")
+    ap.add_argument("--no-cudnn-benchmark", action="store_true")
     a = ap.parse_args()
+    torch.backends.cudnn.benchmark = not a.no_cudnn_benchmark
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
+    if a.plain and world > 1:
+        ap.error("--plain trains without DDP: one rank only (--nproc_per_node=1)")
     workers = a.workers or my_share_of_cores(world)
-    step = make_step(device, rank)
+    step = make_step(device, rank, a.plain)
     b, size = a.batch_size, a.size
-    x = torch.randn(b, 3, size, size, device=device).to(memory_format=torch.channels_last)
+    x = torch.randn(b, 3, size, size, device=device, dtype=torch.bfloat16)
+    x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (b,), device=device)
-    ceiling = timed_steps(step, iter(lambda: (x, y), None), a.steps, a.warmup, device)
+    ceiling, _ = timed_steps(step, iter(lambda: (x, y), None), a.steps, a.warmup, device)
     dl = loader.DataLoader(
         a.store, batch_size=b, shuffle=True, drop_last=True, num_workers=workers,
         transform=loader.Transform("train", size), device=device, dtype=torch.bfloat16,
@@ -155,11 +174,15 @@ def main() -> None:
     sync(device)
     loader_rate = n / (time.perf_counter() - t0)
     alone = phase(before, dl.stats(), n)
-    fed = timed_steps(step, chain.from_iterable(repeat(dl)), a.steps, a.warmup, device, dl)
+    fed, wait_share = timed_steps(
+        step, chain.from_iterable(repeat(dl)), a.steps, a.warmup, device, dl
+    )
     mine = {
         "rank": rank, "workers": workers, "ceiling_img_s": round(ceiling, 1),
         "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed, 1),
-        "share": round(fed / ceiling, 3), "epoch_images": n // epochs, "loader_epochs": epochs,
+        "share": round(fed / ceiling, 3), "wait_share": round(wait_share, 4),
+        "ddp": not a.plain, "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "epoch_images": n // epochs, "loader_epochs": epochs,
         "warm_epochs": warm_epochs,
         "alone": alone,
         "cores": sorted(os.sched_getaffinity(0)), "stats": dl.stats(),

@@ -39,16 +39,18 @@ for stage in "$@"; do
     ingest) timeout ${INGEST_S:-300} python3 benchmarks/bench_ingest.py --images 20000 --workdir /tmp/bi --out $OUT > $OUT/ingest.log 2>&1; tail -25 $OUT/ingest.log ;;
     delivery) timeout ${DELIVERY_S:-240} python3 benchmarks/dali_delivery_probe.py --runs ${RUNS:-12} ${VARIANTS:+--variants $VARIANTS} --out $OUT/dali-delivery.json > $OUT/dali-delivery.log 2>&1; grep "runs delivered" $OUT/dali-delivery.log ;;
     ddp) prepare; (nproc; lscpu | grep -i "numa\|thread\|socket"; nvidia-smi topo -m) > $OUT/ddp-topology.log 2>&1; tail -6 $OUT/ddp-topology.log
-      # 1: one rank on the first half of the cores (the single-GPU figure); 2: two ranks,
-      # each on half the cores; 2numa: two ranks, torchrun binding each to cores near its GPU.
+      # 1: one rank on the first half of the cores (the single-GPU figure); 1all: one rank on
+      # all of them; 2: two ranks, each on half the cores; 2numa: two ranks, torchrun binding
+      # each to cores near its GPU. DDP_TAG is added to the file names (runs with other DDP_ARGS).
       for run in ${DDP_RUNS:-1 2 2numa}; do
         case $run in
           1) pre="taskset -c 0-$(( $(nproc) / 2 - 1 ))" args=--nproc_per_node=1 ;;
+          1all) pre="" args=--nproc_per_node=1 ;;
           2) pre="" args=--nproc_per_node=2 ;;
           2numa) pre="" args="--nproc_per_node=2 --numa-binding exclusive" ;;
         esac
-        timeout 200 $pre python3 -m torch.distributed.run $args benchmarks/ddp_two_gpus.py "$STORE" ${DDP_ARGS:-} > $OUT/ddp-$run.json 2> $OUT/ddp-$run.log
-        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(sys.argv[2], {k: v for k, v in r.items() if k not in ('stats', 'cores')}, len(r['cores']), 'cores', r['stats'].get('dali_way')) for r in d['ranks']]" $OUT/ddp-$run.json $run 2>/dev/null || tail -5 $OUT/ddp-$run.log
+        timeout 200 $pre python3 -m torch.distributed.run $args benchmarks/ddp_two_gpus.py "$STORE" ${DDP_ARGS:-} > $OUT/ddp-$run${DDP_TAG:-}.json 2> $OUT/ddp-$run${DDP_TAG:-}.log
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(sys.argv[2], {k: v for k, v in r.items() if k not in ('stats', 'cores', 'alone')}, len(r['cores']), 'cores', r['stats'].get('dali_way'), r['stats'].get('dali_paces_ms')) for r in d['ranks']]" $OUT/ddp-$run${DDP_TAG:-}.json "$run${DDP_TAG:-}" 2>/dev/null || tail -5 $OUT/ddp-$run${DDP_TAG:-}.log
       done ;;
   esac
 done

@@ -547,3 +547,4 @@ def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
         assert r["cores"] == sorted(os.sched_getaffinity(0))
         assert r["workers"] == max(1, len(r["cores"]) // 2)
         assert r["fed_img_s"] > 0 and r["ceiling_img_s"] > 0
+        assert 0 < r["wait_share"] < 1 and r["ddp"] and r["cudnn_benchmark"]
