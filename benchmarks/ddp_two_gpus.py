@@ -14,7 +14,7 @@ in ``next()`` on the loader. ``--plain`` (one rank only) trains the model withou
 wrapper, ``--no-cudnn-benchmark`` with cuDNN's default choice of kernels: what each costs.
 
     torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 150] [--warmup 100]
-        [--cache shm] [--workers N] [--plain] [--no-cudnn-benchmark]
+        [--cache shm] [--workers N] [--cpu-share X] [--plain] [--no-cudnn-benchmark]
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0, help="per rank (default: its cores)")
     # The loader alone is timed over whole epochs, this many images in all (split over ranks).
     ap.add_argument("--loader-images", type=int, default=60000)
+    ap.add_argument("--cpu-share", default="0", help="the loader's cpu_share (a fraction, auto)")
     ap.add_argument("--plain", action="store_true", help="one rank: no DDP wrapper")
     ap.add_argument("--no-cudnn-benchmark", action="store_true")
     a = ap.parse_args()
@@ -154,6 +155,7 @@ def main() -> None:
         a.store, batch_size=b, shuffle=True, drop_last=True, num_workers=workers,
         transform=loader.Transform("train", size), device=device, dtype=torch.bfloat16,
         channels_last=True, persistent_workers=True, cache=a.cache or None,
+        cpu_share=a.cpu_share if a.cpu_share == "auto" else float(a.cpu_share),
     )  # fmt: skip
     # Untimed epochs: the first starts the workers and fills the cache; more until the DALI
     # stage's first trial of its two ways is over, as in imfeed-bench: its batches the
