@@ -15,6 +15,7 @@ wrapper, ``--no-cudnn-benchmark`` with cuDNN's default choice of kernels: what e
 
     torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 150] [--warmup 100]
         [--cache shm] [--workers N] [--cpu-share X] [--plain] [--no-cudnn-benchmark]
+        [--dali-way engines|cuda] [--train-priority N]
 """
 
 from __future__ import annotations
@@ -133,6 +134,13 @@ def main() -> None:
     ap.add_argument("--loader-images", type=int, default=60000)
     ap.add_argument("--cpu-share", default="0", help="the loader's cpu_share (a fraction, auto)")
     ap.add_argument("--plain", action="store_true", help="one rank: no DDP wrapper")
+    ap.add_argument("--dali-way", choices=("engines", "cuda"), help="no trials: this way only")
+    ap.add_argument(
+        "--train-priority",
+        type=int,
+        default=0,
+        help="N: train on a stream of priority -N (higher than the loader's)",
+    )
     ap.add_argument("--no-cudnn-benchmark", action="store_true")
     a = ap.parse_args()
     torch.backends.cudnn.benchmark = not a.no_cudnn_benchmark
@@ -144,6 +152,8 @@ def main() -> None:
         torch.cuda.set_device(device)
     if a.plain and world > 1:
         ap.error("--plain trains without DDP: one rank only (--nproc_per_node=1)")
+    if a.train_priority and cuda:
+        torch.cuda.set_stream(torch.cuda.Stream(device, priority=-a.train_priority))
     workers = a.workers or my_share_of_cores(world)
     step = make_step(device, rank, a.plain)
     b, size = a.batch_size, a.size
@@ -157,6 +167,9 @@ def main() -> None:
         channels_last=True, persistent_workers=True, cache=a.cache or None,
         cpu_share=a.cpu_share if a.cpu_share == "auto" else float(a.cpu_share),
     )  # fmt: skip
+    if a.dali_way and getattr(dl._gpu_stage, "picker", None) is not None:
+        dl._gpu_stage.picker = None  # as diagnose_training.py's "engines" / "cuda"
+        dl._gpu_stage._choose = lambda: a.dali_way
     # Untimed epochs: the first starts the workers and fills the cache; more until the DALI
     # stage's first trial of its two ways is over, as in imfeed-bench: its batches the
     # slower way would weigh twice as much per image with two ranks, whose epochs are half
@@ -184,6 +197,7 @@ def main() -> None:
         "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed, 1),
         "share": round(fed / ceiling, 3), "wait_share": round(wait_share, 4),
         "ddp": not a.plain, "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "dali_way_fixed": a.dali_way, "train_priority": a.train_priority,
         "epoch_images": n // epochs, "loader_epochs": epochs,
         "warm_epochs": warm_epochs,
         "alone": alone,
