@@ -15,7 +15,7 @@ wrapper, ``--no-cudnn-benchmark`` with cuDNN's default choice of kernels: what e
 
     torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 150] [--warmup 100]
         [--cache shm] [--workers N] [--cpu-share X] [--plain] [--no-cudnn-benchmark]
-        [--dali-way engines|cuda] [--train-priority N]
+        [--dali-way engines|cuda] [--cuda-first] [--train-priority N]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import torchvision
 
 import loader
 from loader.bench.train import SETTLE_STEPS, settling
+from loader.pace import WayPicker
 
 
 def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> tuple[float, float]:
@@ -135,6 +136,7 @@ def main() -> None:
     ap.add_argument("--cpu-share", default="0", help="the loader's cpu_share (a fraction, auto)")
     ap.add_argument("--plain", action="store_true", help="one rank: no DDP wrapper")
     ap.add_argument("--dali-way", choices=("engines", "cuda"), help="no trials: this way only")
+    ap.add_argument("--cuda-first", action="store_true", help="trials try the CUDA way first")
     ap.add_argument(
         "--train-priority",
         type=int,
@@ -170,6 +172,8 @@ def main() -> None:
     if a.dali_way and getattr(dl._gpu_stage, "picker", None) is not None:
         dl._gpu_stage.picker = None  # as diagnose_training.py's "engines" / "cuda"
         dl._gpu_stage._choose = lambda: a.dali_way
+    elif a.cuda_first and getattr(dl._gpu_stage, "picker", None) is not None:
+        dl._gpu_stage.picker = WayPicker(tuple(reversed(dl._gpu_stage.picker.ways)))
     # Untimed epochs: the first starts the workers and fills the cache; more until the DALI
     # stage's first trial of its two ways is over, as in imfeed-bench: its batches the
     # slower way would weigh twice as much per image with two ranks, whose epochs are half
@@ -197,7 +201,8 @@ def main() -> None:
         "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed, 1),
         "share": round(fed / ceiling, 3), "wait_share": round(wait_share, 4),
         "ddp": not a.plain, "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "dali_way_fixed": a.dali_way, "train_priority": a.train_priority,
+        "dali_way_fixed": a.dali_way, "cuda_first": a.cuda_first,
+        "train_priority": a.train_priority,
         "epoch_images": n // epochs, "loader_epochs": epochs,
         "warm_epochs": warm_epochs,
         "alone": alone,
