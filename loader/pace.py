@@ -10,10 +10,21 @@ of the machine 79.6% against 89.7% (``diagnose4``). Both models had work queued 
 stream at most hand-offs either way, so the stream's state does not tell either.
 
 So the picker measures the training loop's pace itself: the time between hand-offs. A
-trial starts ``window`` batches one way, then ``window`` the next; the first and last
-``skip`` gaps of each window are left out (the model trained on them beside batches of
-another way: a batch is started a few batches before it is handed off), the mean of the
-others is each way's pace (``steady_mean``), and the faster way is kept. The first trial
+trial runs the ways in a counterbalanced order, ``window`` batches each, then each again
+in reverse (A B B A: the two B windows are one run); the first and last ``skip`` gaps of
+each run are left out (the model trained on them beside batches of another way: a batch is
+started a few batches before it is handed off), the mean of the others is each way's pace
+(``steady_mean``), and the faster way is kept. Every other trial starts with the other way.
+
+Counterbalanced, because the loop's own pace can move during a trial. DDP ResNet-50 on one
+H200 (``benchmarks/ddp_two_gpus.py``, one rank, 16 cores), with trials of one window each
+way in a row: in all 9 runs the way tried second measured slower. Where DALI decoded (8
+runs), by 2.3-5.9 ms a batch (56.3-58.0 ms against 59.8-62.4), whichever way it was;
+where the workers decoded every image (``cpu_share=1``: the two ways then differ in
+nothing), by 0.65 ms. Tried first, the engines were kept, and the model trained at
+96.4-97.0% of its ceiling (three runs as shipped); tried first, CUDA was kept: 97.7% and
+97.8% (``gpu-h200-ddp1.json``). In A B B A order a steady drift adds as much to each way's
+mean. The first trial
 starts once ``warmup`` batches have been handed off (the workers and pipelines started); a
 new one when the kept way's pace moves by more than ``drift`` (another model, evaluation,
 the loader left alone; the median of the last ``track`` gaps, so that one pause does not
@@ -26,10 +37,11 @@ a batch now and then), and the model trained at 94.9% of its ceiling against 97.
 What a stall costs is in the mean; a pause of the loop's own (an epoch's start, a
 checkpoint, an evaluation) is not the loader's doing, so gaps over ``PAUSE`` times the
 median are left out. The stalls are rare (one step in ten), so the windows are long: 44
-gaps counted each way. With 12, many windows hold no stall, and the stalling way looks the
-faster: trials by mean kept CUDA in 4 of 5 runs with windows of 64, 1 of 2 with windows of
-32 (``diagnose7``, ``diagnose8``); in a simulation of those stalls, 83 seeded runs of 100
-against 42, and medians none (``tests/test_pace.py``).
+gaps counted a run, 88 each way. With 12, many windows hold no stall, and the stalling way
+looks the faster: trials by mean kept CUDA in 4 of 5 runs with windows of 64, 1 of 2 with
+windows of 32 (``diagnose7``, ``diagnose8``, one run each way then); in a simulation of
+those stalls, 91 seeded runs of 100 (A B B A, windows of 64) against 35 with windows of 24,
+and medians none (``tests/test_pace.py``).
 
 The batches made ahead hide a way slower than the model for a while: beside ResNet-50 on
 the H200 (12 DALI threads), the engines' window handed batches off as fast as the CUDA
@@ -55,6 +67,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 PAUSE = 10  # a gap this many times a window's median is the loop's pause, not a stall
+# Where a batch stands in a trial (None: started between trials).
+_SKIPPED, _COUNTED, _LAST = 0, 1, 2  # _LAST: the trial's last counted gap; it then decides
 
 
 def steady_mean(gaps: Sequence[float]) -> float:
@@ -108,7 +122,8 @@ class WayPicker:
         self._handoffs = 0
         self._lock = threading.Lock()
         self._plan: list[tuple[str, int]] = []  # the trial's batches still to start:
-        # (way, place in its window); started, not yet handed off: (way, place or None)
+        # (way, place: _SKIPPED, _COUNTED, _LAST); started, not yet handed off: (way, place
+        # or None)
         self._in_flight: collections.deque = collections.deque()
         self._unfinished: collections.deque = collections.deque()  # the same, to finish
         self._gaps: dict[str, list[float]] = {}  # by way, between hand-offs
@@ -155,9 +170,8 @@ class WayPicker:
                 elif self._counted(place):
                     self._gaps[way].append(gap)
             if self._trialing:
-                measured = way == self.ways[-1] and place == self.window - self.skip - 1
                 left = any(p is not None for _, p in self._in_flight)
-                if measured or not (self._plan or left):
+                if place == _LAST or not (self._plan or left):
                     self._decide()  # the rest of the trial's plan would measure nothing
                 return
             self._since += 1
@@ -174,13 +188,27 @@ class WayPicker:
             if self._trialing and not self._plan:
                 self._decide()
 
-    def _counted(self, place: int | None) -> bool:
-        """Whether a gap at ``place`` in its trial window is measured (not one of the
-        ``skip`` at either end, beside another way's batches)."""
-        return place is not None and self.skip <= place < self.window - self.skip
+    @staticmethod
+    def _counted(place: int | None) -> bool:
+        """Whether the gap before a batch at ``place`` is measured (in a trial, not one of
+        the ``skip`` at either end of a run, beside another way's batches)."""
+        return place is not None and place != _SKIPPED
 
     def _start_trial(self) -> None:
-        self._plan = [(w, k) for w in self.ways for k in range(self.window)]
+        order = self.ways if self.trials % 2 == 0 else self.ways[::-1]
+        runs: list[list] = []  # [way, batches]: A B ... B A, a way twice in a row one run
+        for way in order + order[::-1]:
+            if runs and runs[-1][0] == way:
+                runs[-1][1] += self.window
+            else:
+                runs.append([way, self.window])
+        self._plan = [
+            (way, _COUNTED if self.skip <= k < length - self.skip else _SKIPPED)
+            for way, length in runs
+            for k in range(length)
+        ]
+        last = max(k for k, (_, place) in enumerate(self._plan) if place == _COUNTED)
+        self._plan[last] = (self._plan[last][0], _LAST)
         self._gaps = {w: [] for w in self.ways}
         self._made = {w: [] for w in self.ways}
         self._trialing = True

@@ -34,7 +34,7 @@ from loader.proctree import PeakMemory, tree_cpu_seconds
 
 READY_TIMEOUT = 600.0  # seconds for a pipeline to start (imports, DALI's first batches)
 PASS_TIMEOUT = 1800.0  # seconds for one pass or training check before it counts as hung
-WARMUP_PASSES = 4  # at most, while our DALI stage tries its ways (``settling``)
+WARMUP_PASSES = 6  # at most, while our DALI stage tries its ways (``settling``: 262 batches)
 
 
 def _reason(e: BaseException) -> str:
