@@ -22,13 +22,15 @@ way in a row: in all 9 runs the way tried second measured slower. Where DALI dec
 runs), by 2.3-5.9 ms a batch (56.3-58.0 ms against 59.8-62.4), whichever way it was;
 where the workers decoded every image (``cpu_share=1``: the two ways then differ in
 nothing), by 0.65 ms. Tried first, the engines were kept, and the model trained at
-96.4-97.0% of its ceiling (three runs as shipped); tried first, CUDA was kept: 97.7% and
-97.8% (``gpu-h200-ddp1.json``). In A B B A order a steady drift adds as much to each way's
-mean. The first trial
-starts once ``warmup`` batches have been handed off (the workers and pipelines started); a
-new one when the kept way's pace moves by more than ``drift`` (another model, evaluation,
-the loader left alone; the median of the last ``track`` gaps, so that one pause does not
-start one) and every ``recheck`` batches.
+96.4-97.0% of its ceiling (the three runs with ``cpu_share=0``, the loop on the default
+stream); tried first, CUDA was kept: 97.7% and 97.8%; CUDA alone, no trials: 97.5% and
+97.7%. In A B B A order a steady drift adds as much to each way's mean; two runs kept CUDA
+(its pace 2.3-2.7 ms a batch under the engines'), 97.4% and 97.7% (``gpu-h200-ddp1.json``).
+
+The first trial starts once ``warmup`` batches have been handed off (the workers and
+pipelines started); a new one when the kept way's pace moves by more than ``drift``
+(another model, evaluation, the loader left alone; the median of the last ``track`` gaps,
+so that one pause does not start one) and every ``recheck`` batches.
 
 The mean, not the median: beside ResNet-50 on the H200 the engines' steps took 55 ms at
 the median, as the CUDA way's, but 97-109 ms at the 90th percentile (the loop waiting for
