@@ -10,8 +10,14 @@ same session to compare per-GPU figures.
 The model trains as imfeed-bench's training check does (bf16 autocast, channels_last, SGD,
 ``cudnn.benchmark``); the synthetic batch is in the loader's dtype (bfloat16), so that both
 phases feed the model the same tensors. ``wait_share``: the share of the timed steps spent
-in ``next()`` on the loader. ``--plain`` (one rank only) trains the model without the DDP
-wrapper, ``--no-cudnn-benchmark`` with cuDNN's default choice of kernels: what each costs.
+in ``next()`` on the loader; ``step_ms`` and ``wait_ms``: the host's time per timed step
+and per wait (median, 90th percentile, largest); ``beside``: ``dl.stats()`` while fed to
+the model (per image, and the hand-offs to a training stream that had run dry).
+
+Flags to tell what costs what: ``--plain`` (one rank only) trains without the DDP wrapper,
+``--no-cudnn-benchmark`` with cuDNN's default kernels, ``--cpu-share`` sets the loader's,
+``--dali-way`` keeps the DALI stage to one way (no trials), ``--cuda-first`` makes its
+trials start with CUDA, ``--train-priority N`` trains on a stream of priority -N.
 
     torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 150] [--warmup 100]
         [--cache shm] [--workers N] [--cpu-share X] [--plain] [--no-cudnn-benchmark]
@@ -31,6 +37,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torchvision
@@ -40,10 +47,11 @@ from loader.bench.train import SETTLE_STEPS, settling
 from loader.pace import WayPicker
 
 
-def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> tuple[float, float]:
-    """img/s of ``steps`` steps after ``warmup`` (and more while ``dl`` on any rank tries
-    its ways, ``loader.pace``: at most ``SETTLE_STEPS``), all ranks in step; and the share
-    of those steps' time spent waiting in ``next()``."""
+def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> dict:
+    """``steps`` steps after ``warmup`` (and more while ``dl`` on any rank tries its ways,
+    ``loader.pace``: at most ``SETTLE_STEPS``), all ranks in step: their img/s, the share
+    of their time spent waiting in ``next()``, and the host's time per step and per wait
+    (ms: median, 90th percentile, largest): a few long waits or many short ones."""
     it = iter(batches)
     for _ in range(warmup):
         step(*next(it))
@@ -52,16 +60,28 @@ def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> tupl
             break
         step(*next(it))
     sync(device)
-    t0, n, waited = time.perf_counter(), 0, 0.0
+    t0, n, waits, ends = time.perf_counter(), 0, [], []
     for _ in range(steps):
         asked = time.perf_counter()
         x, y = next(it)
-        waited += time.perf_counter() - asked
+        waits.append(time.perf_counter() - asked)
         step(x, y)
         n += len(x)
+        ends.append(time.perf_counter())
     sync(device)
     seconds = time.perf_counter() - t0
-    return n / seconds, waited / seconds
+    return {
+        "img_s": n / seconds,
+        "wait_share": sum(waits) / seconds,
+        "step_ms": spread(np.diff([t0, *ends])),
+        "wait_ms": spread(waits),
+    }
+
+
+def spread(seconds) -> list[float]:
+    """Median, 90th percentile and largest of ``seconds``, in milliseconds."""
+    ms = np.asarray(seconds) * 1e3
+    return [round(float(v), 2) for v in (np.median(ms), np.percentile(ms, 90), ms.max())]
 
 
 def anyone(flag: bool, device) -> bool:
@@ -162,7 +182,7 @@ def main() -> None:
     x = torch.randn(b, 3, size, size, device=device, dtype=torch.bfloat16)
     x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (b,), device=device)
-    ceiling, _ = timed_steps(step, iter(lambda: (x, y), None), a.steps, a.warmup, device)
+    ceiling = timed_steps(step, iter(lambda: (x, y), None), a.steps, a.warmup, device)["img_s"]
     dl = loader.DataLoader(
         a.store, batch_size=b, shuffle=True, drop_last=True, num_workers=workers,
         transform=loader.Transform("train", size), device=device, dtype=torch.bfloat16,
@@ -193,19 +213,23 @@ def main() -> None:
     sync(device)
     loader_rate = n / (time.perf_counter() - t0)
     alone = phase(before, dl.stats(), n)
-    fed, wait_share = timed_steps(
-        step, chain.from_iterable(repeat(dl)), a.steps, a.warmup, device, dl
-    )
+    before = dl.stats()  # then fed to the model (the untimed steps counted in ``beside``)
+    fed = timed_steps(step, chain.from_iterable(repeat(dl)), a.steps, a.warmup, device, dl)
+    after = dl.stats()
+    beside = phase(before, after, after["samples"] - before["samples"])
+    starved = [s.get("starved_handoffs", 0) for s in (before, after)]
+    beside["starved_handoffs"] = starved[1] - starved[0]
     mine = {
         "rank": rank, "workers": workers, "ceiling_img_s": round(ceiling, 1),
-        "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed, 1),
-        "share": round(fed / ceiling, 3), "wait_share": round(wait_share, 4),
+        "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed["img_s"], 1),
+        "share": round(fed["img_s"] / ceiling, 3), "wait_share": round(fed["wait_share"], 4),
+        "step_ms": fed["step_ms"], "wait_ms": fed["wait_ms"],
         "ddp": not a.plain, "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "dali_way_fixed": a.dali_way, "cuda_first": a.cuda_first,
         "train_priority": a.train_priority,
         "epoch_images": n // epochs, "loader_epochs": epochs,
         "warm_epochs": warm_epochs,
-        "alone": alone,
+        "alone": alone, "beside": beside,
         "cores": sorted(os.sched_getaffinity(0)), "stats": dl.stats(),
     }  # fmt: skip
     everyone = [None] * world

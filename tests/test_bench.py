@@ -548,3 +548,7 @@ def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
         assert r["workers"] == max(1, len(r["cores"]) // 2)
         assert r["fed_img_s"] > 0 and r["ceiling_img_s"] > 0
         assert 0 < r["wait_share"] < 1 and r["ddp"] and r["cudnn_benchmark"]
+        for times in (r["step_ms"], r["wait_ms"]):  # median, 90th percentile, largest
+            assert len(times) == 3 and 0 < times[0] <= times[1] <= times[2]
+        # What the loader did while fed to the model; no CUDA stream to run dry here.
+        assert r["beside"]["wait_us_per_image"] > 0 and r["beside"]["starved_handoffs"] == 0
