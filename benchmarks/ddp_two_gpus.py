@@ -12,7 +12,8 @@ The model trains as imfeed-bench's training check does (bf16 autocast, channels_
 phases feed the model the same tensors. ``wait_share``: the share of the timed steps spent
 in ``next()`` on the loader; ``step_ms`` and ``wait_ms``: the host's time per timed step
 and per wait (median, 90th percentile, largest); ``beside``: ``dl.stats()`` while fed to
-the model (per image, and the hand-offs to a training stream that had run dry).
+the model (per image; the hand-offs to a training stream that had run dry, and those with
+the batch's GPU work still running).
 
 Flags to tell what costs what: ``--plain`` (one rank only) trains without the DDP wrapper,
 ``--no-cudnn-benchmark`` with cuDNN's default kernels, ``--cpu-share`` sets the loader's,
@@ -217,8 +218,8 @@ def main() -> None:
     fed = timed_steps(step, chain.from_iterable(repeat(dl)), a.steps, a.warmup, device, dl)
     after = dl.stats()
     beside = phase(before, after, after["samples"] - before["samples"])
-    starved = [s.get("starved_handoffs", 0) for s in (before, after)]
-    beside["starved_handoffs"] = starved[1] - starved[0]
+    for key in ("starved_handoffs", "pending_handoffs"):
+        beside[key] = after.get(key, 0) - before.get(key, 0)
     mine = {
         "rank": rank, "workers": workers, "ceiling_img_s": round(ceiling, 1),
         "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed["img_s"], 1),

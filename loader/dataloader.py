@@ -294,8 +294,10 @@ class DataLoader:
         ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
         ``cpu_share``: the workers' current share of the GPU-decodable samples;
         ``starved_handoffs``: batches handed to a training stream with no work left queued
-        (the model waited for data; on CUDA); with ``decoder="dali"`` on CUDA, ``dali_way``:
-        how DALI decodes between trials ("engines" or "cuda", ``loader.pace``),
+        (the model waited for data; on CUDA); ``pending_handoffs``: batches handed off
+        with their GPU work still running (the training stream waits for it; on CUDA);
+        with ``decoder="dali"`` on CUDA, ``dali_way``: how DALI decodes between trials
+        ("engines" or "cuda", ``loader.pace``),
         ``dali_trials`` the trials so far, ``dali_trialing`` whether one is under way,
         ``dali_paces_ms`` each way's pace in the last trial (milliseconds a batch, the
         faster is kept: ``loader.pace``) and

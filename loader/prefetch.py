@@ -129,9 +129,14 @@ class GpuEpochIterator(EpochIterator):
         """Make the training stream wait for the batch's GPU work (the host does not)."""
         stream = torch.cuda.current_stream(images.device)
         starved = stream.query()  # nothing left queued: the model waited for this batch
-        self._stats.add(starved_handoffs=int(starved))
+        # A batch whose GPU work is done needs no wait, and skipping it keeps the GIL:
+        # ``Event.wait`` lets it go (``query`` does not), and beside the prefetch thread the
+        # training loop may then take up to a switch interval (5 ms) to get it back.
+        pending = not event.query()
+        self._stats.add(starved_handoffs=int(starved), pending_handoffs=int(pending))
         self._stage.note_handoff()
-        stream.wait_event(event)
+        if pending:
+            stream.wait_event(event)
         images.record_stream(stream)
         labels.record_stream(stream)
 

@@ -60,8 +60,9 @@ from loader.augment import Transform, plan_crops
 from loader.augment_gpu import GpuAugment
 from loader.encoded import EncodedBatches
 from loader.options import resolve_decoder
-from loader.prefetch import _DecodeThreads, ring_slots
+from loader.prefetch import GpuEpochIterator, _DecodeThreads, ring_slots
 from loader.sampler import batch_seed
+from loader.stats import LoaderStats
 from loader.store import Store
 
 B = 8  # 23 samples: batches of 8, 8, 7
@@ -686,6 +687,59 @@ def test_a_failed_handoff_stops_the_thread_and_the_workers(store, monkeypatch):
     assert dl.worker_pids == [] and not gpu_threads()
     with pytest.raises(StopIteration):  # as a generator after it raised
         next(it)
+
+
+class _Used:
+    """A stand-in for a batch's tensor on a GPU: the streams it was marked as used by."""
+
+    device = torch.device("cuda", 0)
+
+    def __init__(self) -> None:
+        self.streams: list = []
+
+    def record_stream(self, stream) -> None:
+        self.streams.append(stream)
+
+
+class _TrainingStream:
+    def __init__(self) -> None:
+        self.waited: list = []
+
+    def query(self) -> bool:  # work still queued: the model was not starved
+        return False
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+
+class _Done:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_handoff_waits_only_for_gpu_work_still_running(monkeypatch):
+    # The training stream waits for a batch's event only while its GPU work runs: waiting
+    # lets the GIL go (torch's Event.wait), querying does not. Either way both tensors are
+    # marked as used by the training stream, for the allocator.
+    stream = _TrainingStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    stats, handed = LoaderStats(), []
+    it = type("It", (), {})()
+    it._stats = stats
+    it._stage = type("Stage", (), {"note_handoff": lambda self: handed.append(1)})()
+    events = [_Done(True), _Done(False), _Done(True)]
+    tensors = []
+    for event in events:
+        images, labels = _Used(), _Used()
+        GpuEpochIterator._hand_over(it, images, labels, event)
+        tensors += [images, labels]
+    assert stream.waited == [events[1]] and len(handed) == 3
+    assert all(t.streams == [stream] for t in tensors)
+    totals = stats.snapshot()
+    assert totals["pending_handoffs"] == 1 and totals["starved_handoffs"] == 0
 
 
 def test_close_with_stopped_workers_returns_promptly(store):
