@@ -41,6 +41,7 @@ from common import REPO, machine, make_dataset, write_result
 from ingest import cachedir as cd
 from ingest.build import BuildOptions, build
 from ingest.cli import parse_size
+from ingest.cores import usable_cores
 from ingest.format import MANIFEST, read_manifest
 
 MiB = 1 << 20
@@ -206,7 +207,7 @@ def prepare(args) -> Path:
     src = make_dataset(args.workdir, args.classes, per_class)
     store = args.workdir / f"store-{args.classes}x{per_class}-{args.shard_size}"
     if not (store / MANIFEST).exists():
-        build(src, store, BuildOptions(shard_size=args.shard_size), workers=os.cpu_count(),
+        build(src, store, BuildOptions(shard_size=args.shard_size), workers=usable_cores(),
               progress=False, overwrite=True)  # fmt: skip
     return store
 
@@ -217,7 +218,7 @@ def main() -> None:
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--shard-size", type=parse_size, default=parse_size("32MiB"))
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--workers", type=int, default=os.cpu_count())
+    p.add_argument("--workers", type=int, default=usable_cores())
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cache-root", default=cd.DEFAULT_ROOT)
     p.add_argument("--note", default="", help="free text stored in the JSON (machine load...)")
@@ -250,7 +251,7 @@ def main() -> None:
         "runs": runs,
         "summary": result,
     }
-    write_result(args.out, f"cache-{os.cpu_count()}cpu.json", report)
+    write_result(args.out, f"cache-{usable_cores()}cpu.json", report)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import numpy as np
 from common import REPO, cpu_machine, image_files, make_imagenet_sized, warm, write_result
 
 from ingest.build import BuildOptions, build
+from ingest.cores import usable_cores
 
 GOALS = {"verified_vs_imdecode": 0.9, "no_verify_vs_concat": 0.5}
 
@@ -81,7 +82,7 @@ def _size(text: str) -> int:
 
 
 def _args() -> argparse.Namespace:
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=20000)
     ap.add_argument("--workers", type=int, default=cores, help="of the builds (default: all cores)")
@@ -106,7 +107,7 @@ def _rounds(args, src: Path, paths: list[Path]) -> dict[str, float]:
         options = BuildOptions(shard_size=shard_size, verify=verify)
         return functools.partial(build, src, out, options, workers=args.workers, progress=False)
 
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     clean = functools.partial(shutil.rmtree, out, ignore_errors=True)
     runs = {
         "concat (byte-copy floor)": (functools.partial(concat, paths, args.workdir / "cat"), None),
@@ -125,7 +126,7 @@ def _rounds(args, src: Path, paths: list[Path]) -> dict[str, float]:
 
 def main() -> None:
     args = _args()
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     t0 = time.perf_counter()
     src = make_imagenet_sized(args.workdir, args.images, cores)
     paths = image_files(src)

@@ -37,6 +37,7 @@ import numpy as np
 from common import REPO, image_files, machine, make_dataset, warm, write_result
 
 from ingest.build import build
+from ingest.cores import usable_cores
 from ingest.format import MANIFEST
 
 MiB = 1 << 20
@@ -132,7 +133,7 @@ class Imdecode:
     def __init__(self, paths: list[Path]) -> None:
         cv2.setNumThreads(1)
         self.paths = paths
-        self.pool = mp.get_context("fork").Pool(os.cpu_count())
+        self.pool = mp.get_context("fork").Pool(usable_cores())
 
     def __iter__(self):
         for _ in self.pool.imap_unordered(_decode, self.paths, chunksize=8):
@@ -191,7 +192,7 @@ def prepare(args) -> tuple[Path, Path, list[Path]]:
     src = make_dataset(args.workdir, args.classes, per_class)
     store = args.workdir / f"store-{args.classes}x{per_class}"
     if not (store / MANIFEST).exists():
-        build(src, store, workers=os.cpu_count(), progress=False, overwrite=True)
+        build(src, store, workers=usable_cores(), progress=False, overwrite=True)
     paths = image_files(src)
     warm(paths)
     warm([p for p in store.rglob("*") if p.is_file()])
@@ -230,7 +231,7 @@ def main() -> None:
     p.add_argument("--images", type=int, default=2560)
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--workers", type=int, default=os.cpu_count())
+    p.add_argument("--workers", type=int, default=usable_cores())
     p.add_argument("--epochs", type=int, default=4, help="timed epochs, after one warm-up")
     p.add_argument("--no-antialias", action="store_true", help="plain bilinear shrink")
     p.add_argument("--workdir", type=Path, default=REPO / "bench-data" / "loader")
@@ -254,7 +255,7 @@ def main() -> None:
         "results": results,
         "summary": ratios,
     }
-    write_result(args.out, f"loader-{os.cpu_count()}cpu.json", report)
+    write_result(args.out, f"loader-{usable_cores()}cpu.json", report)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import shutil
 import sys
 import time
@@ -26,6 +25,7 @@ from bench_ingest import timed
 from common import REPO, image_files, machine, make_dataset, warm, write_result
 
 from ingest.build import BuildOptions, build
+from ingest.cores import usable_cores
 from ingest.ray_build import build_ray, import_ray
 
 
@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=REPO / "bench-data" / "ingest")
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
-    ray, cpus = import_ray(), os.cpu_count() or 1
+    ray, cpus = import_ray(), usable_cores()
     src = make_dataset(args.workdir, 10, max(1, args.images // 10))
     paths = image_files(src)
     total, n = warm(paths), len(paths)

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 def _write(args, report: dict, device: str, say) -> str:
     """Write JSON, Markdown table and PNG chart; return the text for stdout."""
     args.out.mkdir(parents=True, exist_ok=True)
-    name = args.name or f"{'gpu' if device != 'cpu' else 'cpu'}-{os.cpu_count()}cpu" + (
+    name = args.name or f"{'gpu' if device != 'cpu' else 'cpu'}-{usable_cores()}cpu" + (
         "-quick" if args.quick else ""
     )
     base = args.out / name
