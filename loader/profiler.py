@@ -275,7 +275,7 @@ def knob(stats: Stats, loader) -> str:
                 "thread waits for the workers less than it works)"
             )
     if workers is not None and workers < cores and not saturated:
-        return f"more workers (num_workers={workers} now, the machine has {cores} cores)"
+        return f"more workers (num_workers={workers} now, this process may use {cores} cores)"
     if not isinstance(loader, DataLoader):
         return (
             "loader.DataLoader over a store (`ingest build SRC OUT`): it decodes each JPEG "

@@ -119,7 +119,7 @@ def _stats(wait: float, busy: float) -> Stats:
 def test_knob_more_workers_when_the_cpu_is_idle():
     dl = torch.utils.data.DataLoader(list(range(8)), num_workers=0)
     assert knob(_stats(0.5, 0.1), dl) == (
-        f"more workers (num_workers=0 now, the machine has {os.cpu_count()} cores)"
+        f"more workers (num_workers=0 now, this process may use {usable_cores()} cores)"
     )
     assert verdict(_stats(0.1, 0.1), dl).startswith(
         "partly input-bound: the loop waited for data 10%"
@@ -135,7 +135,9 @@ def test_the_cores_counted_are_those_this_process_may_run_on(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6}, raising=False)
     assert usable_cores() == 3 and conversion_threads() == 1 and half_the_cores(8) == 1
     dl = torch.utils.data.DataLoader(list(range(8)), num_workers=1)
-    assert knob(_stats(0.5, 0.1), dl) == "more workers (num_workers=1 now, the machine has 3 cores)"
+    assert knob(_stats(0.5, 0.1), dl) == (
+        "more workers (num_workers=1 now, this process may use 3 cores)"
+    )
     assert knob(_stats(0.5, 2.9), dl).startswith("loader.DataLoader over a store")
 
 
