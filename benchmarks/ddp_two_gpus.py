@@ -18,7 +18,8 @@ the batch's GPU work still running).
 Flags to tell what costs what: ``--plain`` (one rank only) trains without the DDP wrapper,
 ``--no-cudnn-benchmark`` with cuDNN's default kernels, ``--cpu-share`` sets the loader's,
 ``--dali-way`` keeps the DALI stage to one way (no trials), ``--cuda-first`` makes its
-trials start with CUDA, ``--train-priority N`` trains on a stream of priority -N.
+first trial start with CUDA (with one window each way in a row, as the trials were, the
+way tried first was kept under DDP), ``--train-priority N`` trains on a stream of priority -N.
 
     torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 150] [--warmup 100]
         [--cache shm] [--workers N] [--cpu-share X] [--plain] [--no-cudnn-benchmark]
@@ -157,7 +158,9 @@ def main() -> None:
     ap.add_argument("--cpu-share", default="0", help="the loader's cpu_share (a fraction, auto)")
     ap.add_argument("--plain", action="store_true", help="one rank: no DDP wrapper")
     ap.add_argument("--dali-way", choices=("engines", "cuda"), help="no trials: this way only")
-    ap.add_argument("--cuda-first", action="store_true", help="trials try the CUDA way first")
+    ap.add_argument(
+        "--cuda-first", action="store_true", help="the first trial tries the CUDA way first"
+    )
     ap.add_argument(
         "--train-priority",
         type=int,
