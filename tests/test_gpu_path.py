@@ -506,24 +506,31 @@ class _Pending:
         self.views, self.seen, self.left, self.done = views, seen, queries, False
         self.before = {k: np.array(v, copy=True) for k, v in views.items()}
         self.real = real
+        # The prefetch thread (giving slots back) and, on a GPU, the training loop (handing
+        # the batch off) both ask: it completes once, whoever asks.
+        self.lock = threading.RLock()
 
     def wait(self, stream) -> None:
         if self.real is not None:
             self.real.wait(stream)
 
     def query(self) -> bool:
-        if self.left is not None:
-            self.left -= 1
-            if self.left < 0:
-                self.synchronize()
-        return self.done
+        with self.lock:
+            if self.left is not None:
+                self.left -= 1
+                if self.left < 0:
+                    self.synchronize()
+            return self.done
 
     def synchronize(self) -> None:
-        if not self.done:
+        with self.lock:
+            if self.done:
+                return
             if self.real is not None:
                 self.real.synchronize()
             self.done = True
-            self.seen.append(all(np.array_equal(self.before[k], v) for k, v in self.views.items()))
+            unchanged = all(np.array_equal(self.before[k], v) for k, v in self.views.items())
+            self.seen.append(unchanged)
 
 
 def assert_slots_kept_until_done(dl, stage_class, monkeypatch, queries: int | None = 3):
