@@ -50,7 +50,7 @@ for stage in "$@"; do
           2numa) pre="" args="--nproc_per_node=2 --numa-binding exclusive" ;;
         esac
         timeout 200 $pre python3 -m torch.distributed.run $args benchmarks/ddp_two_gpus.py "$STORE" ${DDP_ARGS:-} > $OUT/ddp-$run${DDP_TAG:-}.json 2> $OUT/ddp-$run${DDP_TAG:-}.log
-        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(sys.argv[2], {k: v for k, v in r.items() if k not in ('stats', 'cores', 'alone', 'beside')}, 'starved', r.get('beside', {}).get('starved_handoffs'), len(r['cores']), 'cores', r['stats'].get('dali_way'), r['stats'].get('dali_paces_ms')) for r in d['ranks']]" $OUT/ddp-$run${DDP_TAG:-}.json "$run${DDP_TAG:-}" 2>/dev/null || tail -5 $OUT/ddp-$run${DDP_TAG:-}.log
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(sys.argv[2], {k: v for k, v in r.items() if k not in ('stats', 'cores', 'alone', 'beside')}, 'starved', r.get('beside', {}).get('starved_handoffs'), 'pending', r.get('beside', {}).get('pending_handoffs'), len(r['cores']), 'cores', r['stats'].get('dali_way'), r['stats'].get('dali_paces_ms')) for r in d['ranks']]" $OUT/ddp-$run${DDP_TAG:-}.json "$run${DDP_TAG:-}" 2>/dev/null || tail -5 $OUT/ddp-$run${DDP_TAG:-}.log
       done ;;
   esac
 done
