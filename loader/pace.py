@@ -66,6 +66,7 @@ import collections
 import statistics
 import threading
 from collections.abc import Sequence
+from itertools import groupby
 from typing import NamedTuple
 
 PAUSE = 10  # a gap this many times a window's median is the loop's pause, not a stall
@@ -198,12 +199,8 @@ class WayPicker:
 
     def _start_trial(self) -> None:
         order = self.ways if self.trials % 2 == 0 else self.ways[::-1]
-        runs: list[list] = []  # [way, batches]: A B ... B A, a way twice in a row one run
-        for way in order + order[::-1]:
-            if runs and runs[-1][0] == way:
-                runs[-1][1] += self.window
-            else:
-                runs.append([way, self.window])
+        # A B ... B A, a window each; the same way twice in a row is one run.
+        runs = [(way, len(list(same)) * self.window) for way, same in groupby(order + order[::-1])]
         self._plan = [
             (way, _COUNTED if self.skip <= k < length - self.skip else _SKIPPED)
             for way, length in runs

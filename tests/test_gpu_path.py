@@ -719,7 +719,7 @@ class _TrainingStream:
         self.waited.append(event)
 
 
-class _Done:
+class _QueriedEvent:
     def __init__(self, done: bool) -> None:
         self.done = done
 
@@ -737,7 +737,7 @@ def test_a_handoff_waits_only_for_gpu_work_still_running(monkeypatch):
     it = type("It", (), {})()
     it._stats = stats
     it._stage = type("Stage", (), {"note_handoff": lambda self: handed.append(1)})()
-    events = [_Done(True), _Done(False), _Done(True)]
+    events = [_QueriedEvent(True), _QueriedEvent(False), _QueriedEvent(True)]
     tensors = []
     for event in events:
         images, labels = _Used(), _Used()
