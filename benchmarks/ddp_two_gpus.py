@@ -19,11 +19,12 @@ Flags to tell what costs what: ``--plain`` (one rank only) trains without the DD
 ``--no-cudnn-benchmark`` with cuDNN's default kernels, ``--cpu-share`` sets the loader's,
 ``--dali-way`` keeps the DALI stage to one way (no trials), ``--cuda-first`` makes its
 first trial start with CUDA (with one window each way in a row, as the trials were, the
-way tried first was kept under DDP), ``--train-priority N`` trains on a stream of priority -N.
+way tried first was kept under DDP), ``--train-priority N`` trains on a stream of priority -N,
+``--switch-interval MS`` sets how long a Python thread may hold the GIL while another waits.
 
     torchrun --nproc_per_node=2 benchmarks/ddp_two_gpus.py STORE [--steps 150] [--warmup 100]
         [--cache shm] [--workers N] [--cpu-share X] [--plain] [--no-cudnn-benchmark]
-        [--dali-way engines|cuda] [--cuda-first] [--train-priority N]
+        [--dali-way engines|cuda] [--cuda-first] [--train-priority N] [--switch-interval MS]
 """
 
 from __future__ import annotations
@@ -168,7 +169,14 @@ def main() -> None:
         help="N: train on a stream of priority -N (higher than the loader's)",
     )
     ap.add_argument("--no-cudnn-benchmark", action="store_true")
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        help="MS: Python's thread switch interval (sys.setswitchinterval; default 5 ms)",
+    )
     a = ap.parse_args()
+    if a.switch_interval:
+        sys.setswitchinterval(a.switch_interval / 1e3)
     torch.backends.cudnn.benchmark = not a.no_cudnn_benchmark
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -231,6 +239,7 @@ def main() -> None:
         "ddp": not a.plain, "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "dali_way_fixed": a.dali_way, "cuda_first": a.cuda_first,
         "train_priority": a.train_priority,
+        "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3),
         "epoch_images": n // epochs, "loader_epochs": epochs,
         "warm_epochs": warm_epochs,
         "alone": alone, "beside": beside,
