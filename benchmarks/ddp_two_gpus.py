@@ -9,7 +9,9 @@ same session to compare per-GPU figures.
 
 The model trains as imfeed-bench's training check does (bf16 autocast, channels_last, SGD,
 ``cudnn.benchmark``); the synthetic batch is in the loader's dtype (bfloat16), so that both
-phases feed the model the same tensors. ``wait_share``: the share of the timed steps spent
+phases feed the model the same tensors. ``dry_share`` (and ``ceiling_dry_share``): the
+share of the timed steps whose batch was asked for with the GPU already idle (the host, not
+the GPU, set the pace); ``wait_share``: the share of the timed steps spent
 in ``next()`` on the loader; ``step_ms`` and ``wait_ms``: the host's time per timed step
 and per wait (median, 90th percentile, largest); ``beside``: ``dl.stats()`` while fed to
 the model (per image; the hand-offs to a training stream that had run dry, and those with
@@ -63,8 +65,10 @@ def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> dict
             break
         step(*next(it))
     sync(device)
-    t0, n, waits, ends = time.perf_counter(), 0, [], []
+    t0, n, waits, ends, dry = time.perf_counter(), 0, [], [], 0
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     for _ in range(steps):
+        dry += stream is not None and stream.query()  # the GPU already ran out of steps
         asked = time.perf_counter()
         x, y = next(it)
         waits.append(time.perf_counter() - asked)
@@ -76,6 +80,7 @@ def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> dict
     return {
         "img_s": n / seconds,
         "wait_share": sum(waits) / seconds,
+        "dry_share": dry / steps,
         "step_ms": spread(np.diff([t0, *ends])),
         "wait_ms": spread(waits),
     }
@@ -194,7 +199,8 @@ def main() -> None:
     x = torch.randn(b, 3, size, size, device=device, dtype=torch.bfloat16)
     x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (b,), device=device)
-    ceiling = timed_steps(step, iter(lambda: (x, y), None), a.steps, a.warmup, device)["img_s"]
+    synthetic = timed_steps(step, iter(lambda: (x, y), None), a.steps, a.warmup, device)
+    ceiling = synthetic["img_s"]
     dl = loader.DataLoader(
         a.store, batch_size=b, shuffle=True, drop_last=True, num_workers=workers,
         transform=loader.Transform("train", size), device=device, dtype=torch.bfloat16,
@@ -235,6 +241,9 @@ def main() -> None:
         "rank": rank, "workers": workers, "ceiling_img_s": round(ceiling, 1),
         "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed["img_s"], 1),
         "share": round(fed["img_s"] / ceiling, 3), "wait_share": round(fed["wait_share"], 4),
+        "dry_share": round(fed["dry_share"], 3),
+        "ceiling_dry_share": round(synthetic["dry_share"], 3),
+        "ceiling_step_ms": synthetic["step_ms"],
         "step_ms": fed["step_ms"], "wait_ms": fed["wait_ms"],
         "ddp": not a.plain, "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "dali_way_fixed": a.dali_way, "cuda_first": a.cuda_first,
