@@ -124,7 +124,8 @@ def phase(before: dict, after: dict, images: int) -> dict:
         for k, v in after.items()
         if k.endswith("_s") and isinstance(v, float)
     }
-    out.update({k: after[k] for k in ("dali_way", "dali_trials", "dali_paces_ms") if k in after})
+    keys = ("dali_way", "dali_trials", "dali_trial_causes", "dali_paces_ms")
+    out.update({k: after[k] for k in keys if k in after})
     return out
 
 

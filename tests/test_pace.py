@@ -93,7 +93,7 @@ def test_a_way_slower_than_the_model_is_seen_before_the_queue_runs_dry():
     loop = Queued(picker)
     loop.run(16, {"engines": 0.0105, "cuda": 0.008}, {"engines": 0.020, "cuda": 0.020})
     loop.run(400, {"engines": 0.0105, "cuda": 0.008}, {"engines": 0.010, "cuda": 0.0104})
-    ((_, handed, made, kept),) = picker.history
+    ((_, handed, made, kept, _),) = picker.history
     assert handed == pytest.approx({"engines": 0.010, "cuda": 0.0104}, rel=1e-6)
     # By the loop's gaps alone, the engines; by the batches finished, the engines make one
     # in 10.5 ms, and CUDA, refilling the queue the engines had drained, in less than 10.4.
@@ -117,7 +117,7 @@ def test_a_trial_keeps_the_way_the_loop_takes_batches_sooner_with():
     trial = ["engines"] * 64 + ["cuda"] * 128 + ["engines"] * (54 + LAG - 1)
     assert loop.handed[: len(trial)] == trial and set(loop.handed[len(trial) :]) == {"cuda"}
     # Decided on the last engines run's last counted gap (its 54th batch), both paces kept.
-    ((handoffs, handed, made, kept),) = picker.history
+    ((handoffs, handed, made, kept, _),) = picker.history
     assert handoffs == 64 + 128 + 54 and kept == "cuda"
     assert made == {}  # never told of batches finished: not counted
     assert handed == pytest.approx({"engines": 0.010, "cuda": 0.008}, rel=0.03)
@@ -133,14 +133,14 @@ def test_a_drift_of_the_loops_pace_weighs_on_every_way_alike():
     picker = WayPicker(("engines", "cuda"), warmup=0, recheck=300)
     loop = Loop(picker)
     loop.run(300, paces, slowing=slowing)
-    ((_, handed, _, kept),) = picker.history
+    ((_, handed, _, kept, _),) = picker.history
     assert kept == "cuda" and handed["cuda"] / handed["engines"] == pytest.approx(0.0552 / 0.056)
     # The next trial starts with the other way (C E E C), and decides alike.
     loop.run(600, paces, slowing=slowing)
     assert picker.trials == 2 and not picker.trialing
     runs = [(way, len(list(group))) for way, group in itertools.groupby(loop.handed[300:])]
     assert [way for way, _ in runs] == ["cuda", "engines", "cuda"] and runs[1][1] == 128
-    (_, handed, _, kept) = picker.history[-1]
+    (_, handed, _, kept, _) = picker.history[-1]
     assert kept == "cuda" and handed["cuda"] / handed["engines"] == pytest.approx(0.0552 / 0.056)
 
 
@@ -177,7 +177,7 @@ def test_stalls_a_median_would_hide_decide():
     # 30 ms (the loop waiting for data): 14 ms a batch on average, and CUDA is kept.
     picker = WayPicker(("engines", "cuda"), warmup=0)
     Loop(picker).run(300, {"engines": 0.010, "cuda": 0.012}, stalls={"engines": (5, 0.030)})
-    ((_, handed, _, kept),) = picker.history
+    ((_, handed, _, kept, _),) = picker.history
     assert kept == "cuda" and picker.pace == pytest.approx(0.012)
     # 17 of the engines' 88 counted gaps are stalls (8 in its first run, 9 in its second:
     # the simulation's every fifth engines gap); a median would have said 10 ms.
@@ -206,6 +206,36 @@ def test_a_new_trial_when_the_pace_moves_and_none_while_it_holds():
     loop.run(300, {"engines": 0.056, "cuda": 0.055}, noise=0.005)  # a heavy model now
     assert picker.trials == 2 and not picker.trialing
     assert picker.way == "cuda" and picker.pace == pytest.approx(0.055, rel=0.01)
+    assert [trial.cause for trial in picker.history] == ["first", "drift"]
+
+
+ALONE = {"engines": 0.009, "cuda": 0.024}  # the loader alone on the H200 (picker16)
+BURST = 0.0003  # the gap between batches made while the loop was away
+
+
+def test_an_epochs_first_batches_in_a_burst_start_no_trial():
+    # On the H200 (imfeed-bench, loader alone), the first batches of an epoch came out at
+    # once: the median of the last 8 gaps fell under half the pace, and a trial ran again.
+    picker = WayPicker(("engines", "cuda"), warmup=0)
+    Loop(picker).run(400, ALONE, noise=0.1)
+    assert picker.trials == 1 and picker.way == "engines"
+    for _ in range(3):  # three epochs: the batches in flight dropped, then a burst
+        picker.forget()
+        Loop(picker).run(100, ALONE, noise=0.1, outliers=dict.fromkeys(range(1, 6), BURST))
+    assert picker.trials == 1 and not picker.trialing
+
+
+def test_a_pause_of_the_loops_own_starts_no_trial_but_a_lasting_pace_does():
+    picker = WayPicker(("engines", "cuda"), warmup=0)
+    loop = Loop(picker)
+    loop.run(400, ALONE, noise=0.1)
+    # An evaluation or a checkpoint: one gap of 3 s, then the batches made meanwhile.
+    loop.run(100, ALONE, noise=0.1, outliers={0: 3.0, **dict.fromkeys(range(1, 6), BURST)})
+    assert picker.trials == 1
+    # A model 40 times slower than the loader now: its first gaps look like pauses, then
+    # they make the median, and the new pace starts a trial.
+    loop.run(40, {"engines": 0.36, "cuda": 0.36})
+    assert picker.trials == 2 and picker.trialing
 
 
 def test_a_new_trial_every_recheck_batches():
@@ -217,6 +247,8 @@ def test_a_new_trial_every_recheck_batches():
     assert picker.trials == 1
     loop.run(1, {"engines": 0.010, "cuda": 0.020})  # 100 hand-offs after the decision
     assert picker.trials == 2 and picker.trialing
+    loop.run(300, {"engines": 0.010, "cuda": 0.020})
+    assert [trial.cause for trial in picker.history][:2] == ["first", "recheck"]
 
 
 def test_batches_dropped_in_flight_are_forgotten():

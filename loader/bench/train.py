@@ -124,7 +124,8 @@ def dali_way(pipe) -> dict:
     stage decodes after its trials, and each way's pace in the last (``loader.pace``); empty
     for any other pipeline."""
     stats = _stats(getattr(pipe, "dl", None))
-    return {k: stats[k] for k in ("dali_way", "dali_trials", "dali_paces_ms") if k in stats}
+    keys = ("dali_way", "dali_trials", "dali_trial_causes", "dali_paces_ms")
+    return {k: stats[k] for k in keys if k in stats}
 
 
 def decoded_counts(pipe) -> dict | None:
