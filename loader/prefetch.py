@@ -72,6 +72,7 @@ class GpuEpochIterator(EpochIterator):
         super().__init__(loader)
         self._chunk = gather_chunk(loader.batch_size, loader.num_workers)
         self._stage = loader._gpu_stage
+        self._stage.epoch_started()
         self._stats = loader._stats
         self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch_factor)
         self._stop = threading.Event()

@@ -288,6 +288,27 @@ def test_auto_share_adapts_and_keeps_the_samples(store):
     assert 0.0 <= share <= 0.9
 
 
+def test_an_epochs_first_batch_does_not_steer_the_auto_share(store):
+    # The workers take 0.3 s to start: the first batch's wait is theirs, not their pace.
+    dl = make(store, cpu_share="auto", worker_init_fn=lambda _: time.sleep(0.3))
+    stage = dl._gpu_stage
+    steered = []  # (wait, busy, the share after them), batch by batch
+
+    def steer(waited, busy, real=stage._steer):
+        real(waited, busy)
+        steered.append((waited, busy, stage.cpu_share))
+
+    stage._steer = steer
+    stage.producer.cpu_share = 0.5  # as if steered there
+    epoch(dl)
+    assert len(steered) == 3
+    (wait, _, share), *rest = steered
+    assert wait > 0.2 and share == 0.5  # the workers' start: unmoved
+    for waited, busy, after in rest:  # the others steer it: gain 0.5, target 5% idle
+        share = min(max(share + 0.5 * (0.05 - waited / (waited + busy)), 0.0), 0.9)
+        assert after == pytest.approx(share)
+
+
 def test_an_image_the_gpu_decoder_rejects_is_decoded_on_the_cpu(store):
     reference = epoch(make(store, cpu_share=0.0))
     first_gpu = next(k for k in range(B) if k not in cpu_rows(store, reference[0][2]))
