@@ -249,8 +249,11 @@ def test_batches_split_between_the_two_pipelines_keep_samples_and_pixels(store):
     dl = make(store, batch_size=2)
     stage = dl._gpu_stage
     # A trial of 3 batches each way and 3 each again in reverse: engines, CUDA (6 in a
-    # row), engines (without CUDA, both ways are DALI's CPU pipeline).
-    stage.picker = picker = WayPicker((ENGINES, CUDA_WAY), window=3, skip=0, warmup=0)
+    # row), engines (without CUDA, both ways are DALI's CPU pipeline); run to its end
+    # however far apart the ways are.
+    stage.picker = picker = WayPicker(
+        (ENGINES, CUDA_WAY), window=3, skip=0, warmup=0, decisive=None
+    )
     finished = []  # the picker is told of each batch finished, to time the loader's pace
     picker.finished = lambda now, told=picker.finished: (finished.append(now), told(now))
     got = epoch(dl)

@@ -241,14 +241,30 @@ def test_a_pause_of_the_loops_own_starts_no_trial_but_a_lasting_pace_does():
 def test_a_new_trial_every_recheck_batches():
     picker = WayPicker(("engines", "cuda"), recheck=100, warmup=0)
     loop = Loop(picker)
-    loop.run(300, {"engines": 0.010, "cuda": 0.020})  # the trial decided at hand-off 246
+    paces = {"engines": 0.010, "cuda": 0.011}
+    loop.run(300, paces)  # the trial decided at hand-off 246
     assert picker.trials == 1 and not picker.trialing
-    loop.run(45, {"engines": 0.010, "cuda": 0.020})
+    assert picker.history[-1].handoffs == 246
+    loop.run(45, paces)
     assert picker.trials == 1
-    loop.run(1, {"engines": 0.010, "cuda": 0.020})  # 100 hand-offs after the decision
+    loop.run(1, paces)  # 100 hand-offs after the decision
     assert picker.trials == 2 and picker.trialing
-    loop.run(300, {"engines": 0.010, "cuda": 0.020})
+    loop.run(300, paces)
     assert [trial.cause for trial in picker.history][:2] == ["first", "recheck"]
+
+
+def test_a_trial_stops_halfway_where_a_way_is_far_slower():
+    # The loader alone: the CUDA way 2.7 times slower. One window each tells them apart.
+    picker = WayPicker(("engines", "cuda"), warmup=0)
+    loop = Loop(picker)
+    loop.run(300, ALONE, noise=0.1)
+    assert picker.trials == 1 and not picker.trialing and picker.way == "engines"
+    assert picker.history[-1].handoffs == 128  # the end of the CUDA way's first window
+    assert loop.handed.count("cuda") == 64 + LAG - 1  # and those already started then
+    # Not where the ways are close: 20% apart, the trial runs to its end.
+    picker = WayPicker(("engines", "cuda"), warmup=0)
+    Loop(picker).run(300, {"engines": 0.020, "cuda": 0.024}, noise=0.1)
+    assert picker.history[-1].handoffs == 246 and picker.way == "engines"
 
 
 def test_batches_dropped_in_flight_are_forgotten():
