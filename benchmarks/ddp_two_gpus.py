@@ -11,11 +11,12 @@ The model trains as imfeed-bench's training check does (bf16 autocast, channels_
 ``cudnn.benchmark``); the synthetic batch is in the loader's dtype (bfloat16), so that both
 phases feed the model the same tensors. ``dry_share`` (and ``ceiling_dry_share``): the
 share of the timed steps whose batch was asked for with the GPU already idle (the host, not
-the GPU, set the pace); ``wait_share``: the share of the timed steps spent
-in ``next()`` on the loader; ``step_ms`` and ``wait_ms``: the host's time per timed step
-and per wait (median, 90th percentile, largest); ``beside``: ``dl.stats()`` while fed to
-the model (per image; the hand-offs to a training stream that had run dry, and those with
-the batch's GPU work still running).
+the GPU, set the pace), ``starved_share`` the share whose batch was handed to a stream
+that had run dry by then (while the step waited in ``next()``); ``wait_share``: the share
+of the timed steps spent in ``next()`` on the loader; ``step_ms`` and ``wait_ms``: the
+host's time per timed step and per wait (median, 90th percentile, largest); ``beside``:
+``dl.stats()`` while fed to the model (per image; the hand-offs to a training stream that
+had run dry, and those with the batch's GPU work still running, untimed steps included).
 
 Flags to tell what costs what: ``--plain`` (one rank only) trains without the DDP wrapper,
 ``--no-cudnn-benchmark`` with cuDNN's default kernels, ``--cpu-share`` sets the loader's,
@@ -65,6 +66,7 @@ def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> dict
             break
         step(*next(it))
     sync(device)
+    before = dl.stats() if dl is not None else {}  # (our loader's; the synthetic has none)
     t0, n, waits, ends, dry = time.perf_counter(), 0, [], [], 0
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     for _ in range(steps):
@@ -77,10 +79,17 @@ def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> dict
         ends.append(time.perf_counter())
     sync(device)
     seconds = time.perf_counter() - t0
+    after = dl.stats() if dl is not None else {}
+
+    def starved(stats: dict) -> float:
+        return stats.get("starved_handoffs", 0) / steps
+
     return {
         "img_s": n / seconds,
         "wait_share": sum(waits) / seconds,
         "dry_share": dry / steps,
+        # Of the timed steps' hand-offs, those to a stream that had run dry meanwhile.
+        "starved_share": starved(after) - starved(before) if dl is not None else 0.0,
         "step_ms": spread(np.diff([t0, *ends])),
         "wait_ms": spread(waits),
     }
@@ -243,6 +252,7 @@ def main() -> None:
         "loader_img_s": round(loader_rate, 1), "fed_img_s": round(fed["img_s"], 1),
         "share": round(fed["img_s"] / ceiling, 3), "wait_share": round(fed["wait_share"], 4),
         "dry_share": round(fed["dry_share"], 3),
+        "starved_share": round(fed["starved_share"], 3),
         "ceiling_dry_share": round(synthetic["dry_share"], 3),
         "ceiling_step_ms": synthetic["step_ms"],
         "step_ms": fed["step_ms"], "wait_ms": fed["wait_ms"],

@@ -553,3 +553,4 @@ def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
         # What the loader did while fed to the model; no CUDA stream to run dry here.
         assert r["beside"]["wait_us_per_image"] > 0
         assert r["beside"]["starved_handoffs"] == r["beside"]["pending_handoffs"] == 0
+        assert r["dry_share"] == r["ceiling_dry_share"] == r["starved_share"] == 0.0
