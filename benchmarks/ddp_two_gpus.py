@@ -12,7 +12,8 @@ The model trains as imfeed-bench's training check does (bf16 autocast, channels_
 phases feed the model the same tensors. ``dry_share`` (and ``ceiling_dry_share``): the
 share of the timed steps whose batch was asked for with the GPU already idle (the host, not
 the GPU, set the pace), ``starved_share`` the share whose batch was handed to a stream
-that had run dry by then (while the step waited in ``next()``); ``wait_share``: the share
+that had run dry by then (while the step waited in ``next()``), ``epoch_starts`` the same
+for the steps whose batch was an epoch's first (and their waits); ``wait_share``: the share
 of the timed steps spent in ``next()`` on the loader; ``step_ms`` and ``wait_ms``: the
 host's time per timed step and per wait (median, 90th percentile, largest); ``beside``:
 ``dl.stats()`` while fed to the model (per image; the hand-offs to a training stream that
@@ -57,42 +58,60 @@ def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> dict
     """``steps`` steps after ``warmup`` (and more while ``dl`` on any rank tries its ways,
     ``loader.pace``: at most ``SETTLE_STEPS``), all ranks in step: their img/s, the share
     of their time spent waiting in ``next()``, and the host's time per step and per wait
-    (ms: median, 90th percentile, largest): a few long waits or many short ones."""
-    it = iter(batches)
+    (ms: median, 90th percentile, largest): a few long waits or many short ones. With
+    ``dl`` (``batches``: its epochs back to back), also the steps whose batch was an
+    epoch's first: their waits (ms), those handed to a stream that had run dry, and the
+    share of the time they waited."""
+    it, taken = iter(batches), 0
     for _ in range(warmup):
         step(*next(it))
+        taken += 1
     for _ in range(SETTLE_STEPS):
         if not anyone(settling(dl), device):
             break
         step(*next(it))
+        taken += 1
     sync(device)
-    before = dl.stats() if dl is not None else {}  # (our loader's; the synthetic has none)
+    before = starved(dl)
     t0, n, waits, ends, dry = time.perf_counter(), 0, [], [], 0
+    starts, starts_starved = [], 0  # the epochs' first batches: waits, and run dry
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     for _ in range(steps):
         dry += stream is not None and stream.query()  # the GPU already ran out of steps
+        first = dl is not None and taken % len(dl) == 0
+        starved_then = starved(dl) if first else 0
         asked = time.perf_counter()
         x, y = next(it)
         waits.append(time.perf_counter() - asked)
+        if first:
+            starts.append(waits[-1])
+            starts_starved += starved(dl) - starved_then
+        taken += 1
         step(x, y)
         n += len(x)
         ends.append(time.perf_counter())
     sync(device)
     seconds = time.perf_counter() - t0
-    after = dl.stats() if dl is not None else {}
-
-    def starved(stats: dict) -> float:
-        return stats.get("starved_handoffs", 0) / steps
-
     return {
         "img_s": n / seconds,
         "wait_share": sum(waits) / seconds,
         "dry_share": dry / steps,
         # Of the timed steps' hand-offs, those to a stream that had run dry meanwhile.
-        "starved_share": starved(after) - starved(before) if dl is not None else 0.0,
+        "starved_share": (starved(dl) - before) / steps,
         "step_ms": spread(np.diff([t0, *ends])),
         "wait_ms": spread(waits),
+        "epoch_starts": {
+            "steps": len(starts),
+            "wait_ms": [round(w * 1e3, 2) for w in starts],
+            "starved": starts_starved,
+            "wait_share": round(sum(starts) / seconds, 4),
+        },
     }
+
+
+def starved(dl) -> int:
+    """The hand-offs ``dl`` made to a training stream that had run dry (0 without one)."""
+    return int(dl.stats().get("starved_handoffs", 0)) if dl is not None else 0
 
 
 def spread(seconds) -> list[float]:
@@ -253,6 +272,7 @@ def main() -> None:
         "share": round(fed["img_s"] / ceiling, 3), "wait_share": round(fed["wait_share"], 4),
         "dry_share": round(fed["dry_share"], 3),
         "starved_share": round(fed["starved_share"], 3),
+        "epoch_starts": fed["epoch_starts"],
         "ceiling_dry_share": round(synthetic["dry_share"], 3),
         "ceiling_step_ms": synthetic["step_ms"],
         "step_ms": fed["step_ms"], "wait_ms": fed["wait_ms"],

@@ -554,3 +554,6 @@ def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
         assert r["beside"]["wait_us_per_image"] > 0
         assert r["beside"]["starved_handoffs"] == r["beside"]["pending_handoffs"] == 0
         assert r["dry_share"] == r["ceiling_dry_share"] == r["starved_share"] == 0.0
+        # Epochs of 2 batches, 1 untimed step: the second timed step starts an epoch.
+        starts = r["epoch_starts"]
+        assert starts["steps"] == len(starts["wait_ms"]) == 1 and starts["starved"] == 0
