@@ -274,8 +274,11 @@ class GpuStage:
 
     def epoch_started(self) -> None:
         """An epoch begins: its first batch's wait for the workers is their start (the
-        plan dispatched, the first records read), not their pace, and steers nothing."""
+        plan dispatched, the first records read), not their pace, and steers nothing; the
+        picker leaves out the burst of batches that follows."""
         self._starting = True
+        if self.picker is not None:
+            self.picker.epoch_started()
 
     def settle(self) -> None:
         """Wait for work of a closed epoch that still reads its ring slots (none here:

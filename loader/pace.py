@@ -32,7 +32,7 @@ pipelines started); a new one when the kept way's pace moves by more than ``drif
 (another model, evaluation, the loader left alone; the median of the last ``track`` gaps,
 so that one pause does not start one) and every ``recheck`` batches. The ``skip`` gaps
 after a pause of the loop's own (a gap over ``PAUSE`` times the median of the last ones)
-and after an epoch began (``forget``) are left out of everything: the batches made
+and after an epoch began (``epoch_started``) are left out of everything: the batches made
 meanwhile come out at once. Counted, five such gaps out of eight halve the median and start
 a trial (``tests/test_pace.py``). With the loader alone on the H200 (9 ms a batch the
 engines way, 24 the CUDA way), 2 of 5 imfeed-bench runs timed passes at 17-18k img/s
@@ -118,7 +118,7 @@ class WayPicker:
     """See the module docstring. ``next`` is called as a batch is started (its way),
     ``finished`` as one is ready to be handed off, ``handed`` as one is handed to the
     training loop, ``forget`` when the batches in flight are dropped (an epoch closed
-    early); any thread."""
+    early), ``epoch_started`` as an epoch begins; any thread."""
 
     def __init__(
         self,
@@ -156,8 +156,8 @@ class WayPicker:
         self._latest: collections.deque = collections.deque(maxlen=track)  # any gap
         self._last: tuple[str, float] | None = None  # way and time of the last hand-off
         self._since = 0  # hand-offs since the last trial ended
-        # Gaps still to leave out after the loop paused or an epoch began: (handed, made).
-        self._quiet = [0, 0]
+        # Gaps still to leave out after the loop paused or an epoch began.
+        self._quiet_handed = self._quiet_made = 0
         self._trialing = False
         self._cause = "first"
         if warmup == 0:
@@ -180,8 +180,8 @@ class WayPicker:
         with self._lock:
             way, place = self._unfinished.popleft() if self._unfinished else (None, None)
             last, self._last_made = self._last_made, (way, now)
-            if last is not None and self._quiet[1]:
-                self._quiet[1] -= 1
+            if last is not None and self._quiet_made:
+                self._quiet_made -= 1
             elif self._counted(place) and last is not None and last[0] == way:
                 self._made[way].append(now - last[1])
 
@@ -191,17 +191,18 @@ class WayPicker:
             self._handoffs += 1
             way, place = self._in_flight.popleft() if self._in_flight else (None, None)
             last, self._last = self._last, (way, now)
-            gap = None if last is None else now - last[1]
-            if gap is not None and self._paused(gap):
-                self._quiet[0] = self.skip  # the loop paused: what was made meanwhile follows
-            elif gap is not None and self._quiet[0]:
-                self._quiet[0] -= 1
-            elif gap is not None and way is not None and last[0] == way:
-                if place is None:
-                    if not self._trialing:
-                        self._recent.append(gap)
-                elif self._counted(place):
-                    self._gaps[way].append(gap)
+            if last is not None:
+                gap = now - last[1]
+                if self._note_gap(gap):  # the loop paused: what was made meanwhile follows
+                    self._quiet_handed = self.skip
+                elif self._quiet_handed:
+                    self._quiet_handed -= 1
+                elif way is not None and last[0] == way:
+                    if place is None:
+                        if not self._trialing:
+                            self._recent.append(gap)
+                    elif self._counted(place):
+                        self._gaps[way].append(gap)
             if self._trialing:
                 left = any(p is not None for _, p in self._in_flight)
                 if place == _LAST or not (self._plan or left):
@@ -223,9 +224,14 @@ class WayPicker:
             self._in_flight.clear()
             self._unfinished.clear()
             self._last = self._last_made = None
-            self._quiet = [self.skip, self.skip]  # the next epoch's first batches come in a burst
             if self._trialing and not self._plan:
                 self._decide()
+
+    def epoch_started(self) -> None:
+        """An epoch begins: its first batches come in a burst, made at once after the
+        workers started on it (the next ``skip`` gaps each side are left out)."""
+        with self._lock:
+            self._quiet_handed = self._quiet_made = self.skip
 
     @staticmethod
     def _counted(place: int | None) -> bool:
@@ -278,9 +284,10 @@ class WayPicker:
         self._since = 0
         self._recent.clear()
 
-    def _paused(self, gap: float) -> bool:
-        """Whether ``gap`` is a pause of the loop's own: over ``PAUSE`` times the median of
-        the last gaps, whatever their way (a pace that lasts soon makes that median)."""
+    def _note_gap(self, gap: float) -> bool:
+        """Note a gap between hand-offs, whatever its way; whether it is a pause of the
+        loop's own: over ``PAUSE`` times the median of the last ones (a pace that lasts
+        soon makes that median)."""
         paused = bool(self._latest) and gap > PAUSE * statistics.median(self._latest)
         self._latest.append(gap)
         return paused

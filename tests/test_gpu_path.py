@@ -309,6 +309,23 @@ def test_an_epochs_first_batch_does_not_steer_the_auto_share(store):
         assert after == pytest.approx(share)
 
 
+def test_the_picker_is_told_each_epochs_start_before_its_batches(store):
+    dl = make(store)
+    calls = []
+
+    class Told:  # what a WayPicker is told by the stage, recorded
+        def epoch_started(self):
+            calls.append("epoch")
+
+        def finished(self, now):
+            calls.append("finished")
+
+    dl._gpu_stage.picker = Told()
+    epoch(dl)
+    epoch(dl)
+    assert calls == (["epoch"] + ["finished"] * 3) * 2  # batches of 8, 8, 7
+
+
 def test_an_image_the_gpu_decoder_rejects_is_decoded_on_the_cpu(store):
     reference = epoch(make(store, cpu_share=0.0))
     first_gpu = next(k for k in range(B) if k not in cpu_rows(store, reference[0][2]))

@@ -221,6 +221,7 @@ def test_an_epochs_first_batches_in_a_burst_start_no_trial():
     assert picker.trials == 1 and picker.way == "engines"
     for _ in range(3):  # three epochs: the batches in flight dropped, then a burst
         picker.forget()
+        picker.epoch_started()
         Loop(picker).run(100, ALONE, noise=0.1, outliers=dict.fromkeys(range(1, 6), BURST))
     assert picker.trials == 1 and not picker.trialing
 
