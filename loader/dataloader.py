@@ -210,6 +210,9 @@ class DataLoader:
         self._workers = _Workers()
         self._finalizer = weakref.finalize(self, self._workers.stop, False)
         self._active: weakref.ref | None = None
+        # A finished GPU-path iterator whose thread went on into the next epoch's first
+        # batches (``loader.prefetch``), for the next iteration to take on.
+        self._carry: GpuEpochIterator | None = None
         self._resume = False  # a loaded state waits to be resumed by the next iteration
         self.bad_samples: dict[int, str] = {}
         self.num_replaced = 0
@@ -228,6 +231,13 @@ class DataLoader:
         if not self._resume and self._plan.consumed:
             self._plan.set_epoch(self._plan.epoch)
         self._resume = False
+        carry, self._carry = self._carry, None
+        if carry is not None:
+            if carry.follows_on(self._plan):
+                carry.carry_on(self._plan)
+                self._active = weakref.ref(carry)
+                return carry
+            carry.discard()  # its batches are of an epoch this loop does not read now
         if self.num_workers and self._workers.pool is None:
             self._workers.pool = WorkerPool(
                 self._producer, self._ring, self.num_workers, self._context, self.worker_init_fn
@@ -293,6 +303,9 @@ class DataLoader:
         ``gpu_decoded``/``cpu_decoded`` and ``gpu_share``: samples decoded on each side;
         ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
         ``cpu_share``: the workers' current share of the GPU-decodable samples;
+        ``epochs_carried``: epochs whose first batches the GPU path made while the loop
+        finished the one before (``persistent_workers=True``), ``carries_dropped``: such
+        batches dropped, the next iteration reading another epoch or place;
         ``starved_handoffs``: batches handed to a training stream with no work left queued
         (the model waited for data; on CUDA); ``pending_handoffs``: batches handed off
         with their GPU work still running (the training stream waits for it; on CUDA);
@@ -344,6 +357,7 @@ class DataLoader:
     def close(self) -> None:
         """Stop the workers now (a later iteration starts new ones)."""
         self._end_active("close()")
+        self._drop_carry()
         self._workers.stop()
         self._output.close()
 
@@ -400,6 +414,21 @@ class DataLoader:
         keep = self.persistent_workers and not failed and (drained or it.drain(30.0))
         if not keep:
             self._workers.stop(graceful=finished)
+
+    def _iteration_parked(self, it: GpuEpochIterator) -> bool:
+        """``it`` delivered its epoch to the end and its thread went on into the next: keep
+        it for the next iteration (False, and nothing done, if it was not the active one)."""
+        if self._active is None or self._active() is not it or self._plan.remaining():
+            return False
+        self._plan.end_epoch()
+        self._active = None
+        self._carry = it
+        return True
+
+    def _drop_carry(self) -> None:
+        carry, self._carry = self._carry, None
+        if carry is not None:
+            carry.discard()
 
     def _end_active(self, reason: str) -> None:
         it = self._active() if self._active is not None else None

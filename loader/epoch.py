@@ -149,7 +149,7 @@ class EpochIterator:
 
     def _dispatch(self) -> None:
         """Plan batches and send their chunks to the workers while slots are free."""
-        while self._pool is not None and self._free and not self._closed:
+        while self._pool is not None and self._free and self._dispatching():
             task = next(self._tasks, None)
             if task is None:
                 return
@@ -161,6 +161,10 @@ class EpochIterator:
             for lo in starts:
                 hi = lo + self._chunk
                 self._pool.submit((slot, step, (lo, indices[lo:hi], crops[lo:hi], seed)))
+
+    def _dispatching(self) -> bool:
+        """Whether to place more batches with the workers (not once closed)."""
+        return not self._closed
 
     def close(self, reason: str | None = None) -> None:
         """Abandon the rest of the epoch (its progress stays as delivered); frees the workers."""

@@ -320,10 +320,15 @@ def test_the_picker_is_told_each_epochs_start_before_its_batches(store):
         def finished(self, now):
             calls.append("finished")
 
+        def handed(self, now):
+            handed.append(now)
+
+    handed = []
     dl._gpu_stage.picker = Told()
     epoch(dl)
     epoch(dl)
     assert calls == (["epoch"] + ["finished"] * 3) * 2  # batches of 8, 8, 7
+    assert len(handed) == (6 if CUDA else 0)  # hand-offs are counted on CUDA only
 
 
 def test_an_image_the_gpu_decoder_rejects_is_decoded_on_the_cpu(store):
@@ -676,6 +681,102 @@ def test_persistent_workers_serve_every_epoch(store):
         assert sorted(flat(batches, 2).tolist()) == list(range(NUM_SAMPLES))
     dl.close()
     assert dl.worker_pids == []
+
+
+def same_batches(got: list[tuple], want: list[tuple]) -> None:
+    """Batch for batch: the same samples, labels and pixels (bit for bit)."""
+    assert [len(b[0]) for b in got] == [len(b[0]) for b in want]
+    for k in (2, 1, 0):
+        assert torch.equal(flat(got, k), flat(want, k)), k
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.5], ids=["back-to-back", "loop-pauses"])
+def test_persistent_workers_carry_on_into_the_next_epoch(store, pause):
+    # The thread makes the next epoch's first batches while the loop ends this one (with a
+    # pause between epochs and room for 4 finished batches, all three of the next epoch's,
+    # and then it waits for the loop to start it): every epoch is the one a loader that
+    # stops at each epoch's end delivers.
+    dl = make(
+        store, persistent_workers=True, dtype=torch.float16, transform=TRAIN,
+        prefetch_factor=4 if pause else 2,
+    )  # fmt: skip
+    want = make(store, dtype=torch.float16, transform=TRAIN)
+    for e in range(3):
+        same_batches(epoch(dl), epoch(want))
+        assert dl.epoch == want.epoch == e + 1
+        assert sorted(gpu_threads()).count("imfeed-gpu-prefetch") == 1  # carrying on
+        if pause:
+            time.sleep(pause)
+            stats = dl.stats()  # the next epoch is made, whole, before the loop asks
+            assert stats["gpu_decoded"] + stats["cpu_decoded"] == (e + 2) * NUM_SAMPLES
+    stats = dl.stats()
+    assert (stats["epochs_carried"], stats.get("carries_dropped", 0)) == (2, 0)
+    assert (stats["batches"], stats["samples"]) == (9, 3 * NUM_SAMPLES)
+    dl.close()
+    wait_for_no_gpu_threads()
+    assert not gpu_threads() and dl.worker_pids == []
+
+
+@pytest.mark.parametrize("how", ["set_epoch", "load_state_dict", "sampler-not-moved"])
+def test_batches_made_for_an_epoch_the_loop_does_not_take_are_dropped(store, how):
+    sampler = torch.utils.data.DistributedSampler(
+        range(NUM_SAMPLES), num_replicas=1, rank=0, seed=5
+    )
+    extra = {"sampler": sampler, "shuffle": False} if how == "sampler-not-moved" else {}
+    dl = make(store, persistent_workers=True, **extra)
+    want = make(store, **extra)
+    epoch(dl)
+    pids = dl.worker_pids
+    time.sleep(0.3)  # the thread is into epoch 1 (the sampler's epoch 0 once more)
+    if how == "set_epoch":
+        dl.set_epoch(4)
+        want.set_epoch(4)
+    elif how == "load_state_dict":  # halfway through epoch 1
+        state = {**dl.state_dict(), "consumed": B, "step": 1}
+        dl.load_state_dict(state)
+        want.load_state_dict(state)
+    same_batches(epoch(dl), epoch(want))
+    stats = dl.stats()
+    assert (stats.get("epochs_carried", 0), stats["carries_dropped"]) == (0, 1)
+    assert dl.worker_pids == pids  # the workers were drained, not stopped
+    if how == "sampler-not-moved":
+        sampler.set_epoch(1)  # as the loop should
+    same_batches(epoch(dl), epoch(want))  # and the next one follows on again
+    assert dl.stats()["epochs_carried"] == 1
+    dl.close()
+
+
+def test_resume_in_an_epoch_that_was_carried_on(store):
+    dl = make(store, persistent_workers=True)
+    epoch(dl)
+    it = iter(dl)  # epoch 1, its first batches made during epoch 0
+    head = [tuple(t.cpu() for t in next(it))]
+    state = dl.state_dict()
+    assert (state["epoch"], state["consumed"], dl.stats()["epochs_carried"]) == (1, B, 1)
+    resumed = make(store)
+    resumed.load_state_dict(state)
+    rest = epoch(resumed)
+    whole = make(store)
+    whole.set_epoch(1)
+    want = epoch(whole)
+    same_batches(head + rest, want)
+    it.close()  # a loop that stops early: the epoch starts again, whole, from its start
+    same_batches(epoch(dl), want)
+    dl.close()
+
+
+def test_a_parked_iterator_stops_with_its_loader(store):
+    dl = make(store, persistent_workers=True)
+    epoch(dl)
+    assert "imfeed-gpu-prefetch" in gpu_threads()
+    del dl
+    # The loader and its iterator hold each other: the garbage collector frees them, once
+    # the thread, which may be on a batch, has let go of the iterator.
+    deadline = time.monotonic() + 10
+    while gpu_threads() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert not gpu_threads()
 
 
 @pytest.mark.parametrize("decoder", [BACKEND, "serialising"])  # slow: calls still queued
