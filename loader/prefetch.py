@@ -99,6 +99,7 @@ class GpuEpochIterator(EpochIterator):
         # Finished batches' slots, until their GPU work is done: (slot, event or None).
         self._in_use: collections.deque = collections.deque()
         self._thread_failed = False
+        self._closer: threading.Thread | None = None  # the thread that closes the iterator
         # Carrying on into the next epoch needs workers that outlive this one.
         self._carries = loader.persistent_workers and self._pool is not None
         self._tasks = EpochTasks(loader._plan, loader.seed, ahead=int(self._carries))
@@ -306,12 +307,15 @@ class GpuEpochIterator(EpochIterator):
     def _take(self, results) -> None:
         """On every poll of the workers: the prefetch thread leaves promptly once told to
         stop, after booking what it received (the training thread, draining the workers at
-        close, must find every chunk either booked or still to come)."""
+        close, must find every chunk either booked or still to come), unless it is the
+        one closing: where it let go of the iterator last, it drains them itself."""
         super()._take(results)
-        if self._stop.is_set() and threading.current_thread() is self._thread:
+        here = threading.current_thread()
+        if self._stop.is_set() and here is self._thread and here is not self._closer:
             raise _Stopped
 
     def _close(self, finished: bool, failed: bool = False) -> None:
+        self._closer = threading.current_thread()
         self._stop.set()
         if self._decoder is not None:
             self._decoder.cancel()  # what it has not started, it never will
