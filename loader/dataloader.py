@@ -210,9 +210,9 @@ class DataLoader:
         self._workers = _Workers()
         self._finalizer = weakref.finalize(self, self._workers.stop, False)
         self._active: weakref.ref | None = None
-        # A finished GPU-path iterator whose thread went on into the next epoch's first
-        # batches (``loader.prefetch``), for the next iteration to take on.
-        self._carry: GpuEpochIterator | None = None
+        # A finished iterator that went on into the next epoch's first batches
+        # (``loader.epoch``), for the next iteration to take on.
+        self._carry: EpochIterator | None = None
         self._resume = False  # a loaded state waits to be resumed by the next iteration
         self.bad_samples: dict[int, str] = {}
         self.num_replaced = 0
@@ -303,9 +303,9 @@ class DataLoader:
         ``gpu_decoded``/``cpu_decoded`` and ``gpu_share``: samples decoded on each side;
         ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
         ``cpu_share``: the workers' current share of the GPU-decodable samples;
-        ``epochs_carried``: epochs whose first batches the GPU path made while the loop
-        finished the one before (``persistent_workers=True``), ``carries_dropped``: such
-        batches dropped, the next iteration reading another epoch or place;
+        ``epochs_carried``: epochs whose first batches were made while the loop finished
+        the one before (``persistent_workers=True``), ``carries_dropped``: such batches
+        dropped, the next iteration reading another epoch or place;
         ``starved_handoffs``: batches handed to a training stream with no work left queued
         (the model waited for data; on CUDA); ``pending_handoffs``: batches handed off
         with their GPU work still running (the training stream waits for it; on CUDA);
@@ -415,9 +415,9 @@ class DataLoader:
         if not keep:
             self._workers.stop(graceful=finished)
 
-    def _iteration_parked(self, it: GpuEpochIterator) -> bool:
-        """``it`` delivered its epoch to the end and its thread went on into the next: keep
-        it for the next iteration (False, and nothing done, if it was not the active one)."""
+    def _iteration_parked(self, it: EpochIterator) -> bool:
+        """``it`` delivered its epoch to the end and went on into the next: keep it for
+        the next iteration (False, and nothing done, if it was not the active one)."""
         if self._active is None or self._active() is not it or self._plan.remaining():
             return False
         self._plan.end_epoch()

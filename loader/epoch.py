@@ -6,12 +6,20 @@ batch comes W times sooner and the end of an epoch leaves no worker idle). Finis
 wait in a reorder buffer until their turn, and a slot is handed back once its batch has
 been copied out. The loader's plan advances only when a batch is delivered, so
 ``state_dict()`` counts what the user has received, not what the workers have prefetched.
+
+With persistent workers the last batches' refills already place the next epoch's first
+ones (``EpochTasks``: the loader's plan one epoch on), and the finished iterator is kept by
+the loader for the next iteration, which takes it on if its plan is that one and drops it
+otherwise (``follows_on``, ``carry_on``, ``discard``): the next epoch starts with batches
+made, not with idle workers.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
+import threading
 import time
 from collections.abc import Iterator
 
@@ -40,6 +48,57 @@ def tasks(plan: EpochPlan, seed: int) -> Iterator[tuple[int, np.ndarray, int]]:
         yield step, indices, batch_seed(seed, shadow.epoch, step, rank=shadow.rank)
 
 
+class EpochTasks:
+    """The worker tasks ``(key, indices, augmentation seed)`` of the rest of ``plan``'s
+    epoch, then of up to ``ahead`` epochs after it (and one more per ``allow``): each
+    ``plan`` one epoch on, as ``DataLoader`` moves it at an epoch's end. Keys are the
+    epoch's steps, counted on across epochs (the first epoch's own steps, then the next
+    one's from where it ended), so that batches keep one order; ``ends`` holds the key
+    after each epoch's last batch, once its tasks began. Iterates copies of ``plan``.
+
+    Once ``ahead`` runs out, ``next`` raises StopIteration, and yields again after
+    ``allow`` (asked again at each free slot)."""
+
+    def __init__(self, plan: EpochPlan, seed: int, ahead: int = 0) -> None:
+        self._plan, self._seed = copy.copy(plan), seed
+        self._tasks = tasks(plan, seed)
+        self._offset = 0
+        self._ahead = ahead
+        # allow() is the training thread's; next and wait, the prefetch thread's.
+        self._allowed = threading.Condition()
+        self.ends = collections.deque([plan.step + plan.remaining()])
+        self._end = self.ends[0]
+
+    def allow(self) -> None:
+        with self._allowed:
+            self._ahead += 1
+            self._allowed.notify_all()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until ``next`` may go on into another epoch."""
+        with self._allowed:
+            return self._allowed.wait_for(lambda: self._ahead > 0, timeout)
+
+    def __iter__(self) -> EpochTasks:
+        return self
+
+    def __next__(self) -> tuple:
+        task = next(self._tasks, None)
+        while task is None:
+            with self._allowed:
+                if not self._ahead:
+                    raise StopIteration
+                self._ahead -= 1
+            self._plan = copy.copy(self._plan)
+            self._plan.end_epoch()
+            self._tasks, self._offset = tasks(self._plan, self._seed), self._end
+            self._end += len(self._plan)
+            self.ends.append(self._end)
+            task = next(self._tasks, None)
+        step, indices, seed = task
+        return self._offset + step, indices, seed
+
+
 class EpochIterator:
     """The iterator ``DataLoader.__iter__`` returns; see there.
 
@@ -50,7 +109,6 @@ class EpochIterator:
     def __init__(self, loader) -> None:
         self._loader = loader
         self._official = loader._plan.batches()  # advanced once per delivered batch
-        self._tasks = tasks(loader._plan, loader.seed)
         self._length = loader._plan.remaining()
         self._next_step = loader._plan.step
         self._ring, self._pool = loader._ring, loader._pool
@@ -62,9 +120,41 @@ class EpochIterator:
         self._closed = False
         self._failure: Exception | None = None  # raised by a refill after a delivery
         self.ended_by: str | None = None
+        # With persistent workers an epoch's end does not stop the work: the next epoch's
+        # first batches (the plan one epoch on) are made meanwhile, and the loader keeps
+        # the finished iterator for the next iteration to take on (``follows_on``).
+        self._carries = loader.persistent_workers and self._pool is not None
+        self._tasks = EpochTasks(loader._plan, loader.seed, ahead=int(self._carries))
+        self._epoch, self._seed = loader._plan.epoch, loader.seed  # the loop's epoch
+        self._parked = False  # read to its end, and on into the next epoch
 
     def __iter__(self) -> EpochIterator:
         return self
+
+    def follows_on(self, plan: EpochPlan) -> bool:
+        """Whether ``plan`` (the loader's, at a new iteration) starts the epoch after this
+        one's, from its start, with the same seed: the batches this iterator went on to."""
+        where = (plan.epoch, plan.consumed, plan.step, plan.seed)
+        return self._parked and where == (self._epoch + 1, 0, 0, self._seed)
+
+    def carry_on(self, plan: EpochPlan) -> None:
+        """Become the iterator of ``plan``'s epoch (``follows_on``): the loop takes the
+        batches made for it, and the work may go on into the epoch after."""
+        self._official = plan.batches()
+        self._length = plan.remaining()
+        self._epoch += 1
+        self._parked = self._closed = False
+        self.ended_by = None
+        self._tasks.allow()
+        self._loader._stats.add(epochs_carried=1)
+
+    def discard(self) -> None:
+        """Stop a parked iterator: drop the batches made for an epoch the loop did not
+        take, and hand the workers back."""
+        if self._parked:
+            self._parked = False
+            self._loader._stats.add(carries_dropped=1)
+            self._close(finished=False)
 
     def __len__(self) -> int:
         return self._length
@@ -78,6 +168,9 @@ class EpochIterator:
                 )
             raise StopIteration
         try:
+            if self._carries and self._tasks.ends and self._next_step == self._tasks.ends[0]:
+                self._tasks.ends.popleft()
+                raise StopIteration  # the epoch's last batch is out; the next one's are on
             if self._failure is not None:
                 raise self._failure
             t0 = time.perf_counter()
@@ -88,7 +181,12 @@ class EpochIterator:
             finally:
                 self._free.append(slot)
         except StopIteration:
-            self._close(finished=True)
+            # Kept for the next iteration where it made the next epoch's first batches (a
+            # failed refill did not: the workers start afresh).
+            if self._failure is None and self._carries and self._loader._iteration_parked(self):
+                self._parked = self._closed = True
+            else:
+                self._close(finished=True)
             raise
         except BaseException:
             self._close(finished=False, failed=True)
@@ -168,7 +266,9 @@ class EpochIterator:
 
     def close(self, reason: str | None = None) -> None:
         """Abandon the rest of the epoch (its progress stays as delivered); frees the workers."""
-        if not self._closed:
+        if self._parked:
+            self.discard()
+        elif not self._closed:
             self.ended_by = reason
             self._close(finished=False)
 

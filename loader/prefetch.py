@@ -24,6 +24,7 @@ start again (on an H200, DDP ResNet-50 waited 42-48 ms at each epoch's start, wi
 idle). The loader keeps the finished iterator (``DataLoader._carry``); the next iteration
 takes it on if its plan is the one the thread guessed, and otherwise drops those batches.
 Nothing is counted before it is delivered, so ``state_dict()`` is unchanged by this.
+
 Errors in the thread (a dead worker, a CUDA error, a damaged store) reach the training
 loop as the exception itself, naming the stage.
 """
@@ -31,7 +32,6 @@ loop as the exception itself, naming the stage.
 from __future__ import annotations
 
 import collections
-import copy
 import queue
 import threading
 import time
@@ -40,8 +40,7 @@ from concurrent.futures import Future
 
 import torch
 
-from loader.epoch import EpochIterator, chunk_size, tasks
-from loader.sampler import EpochPlan
+from loader.epoch import EpochIterator, chunk_size
 
 _JOIN_S = 30.0  # longest wait for the thread to finish the batch it is on
 _PUT_POLL_S = 0.1
@@ -100,43 +99,7 @@ class GpuEpochIterator(EpochIterator):
         self._in_use: collections.deque = collections.deque()
         self._thread_failed = False
         self._closer: threading.Thread | None = None  # the thread that closes the iterator
-        # Carrying on into the next epoch needs workers that outlive this one.
-        self._carries = loader.persistent_workers and self._pool is not None
-        self._tasks = EpochTasks(loader._plan, loader.seed, ahead=int(self._carries))
         self._out = loader._plan.step  # the key of the next batch the thread finishes
-        self._epoch, self._seed = loader._plan.epoch, loader.seed  # the loop's epoch
-        self._parked = False  # read to its end, its thread on into the next epoch
-
-    def follows_on(self, plan: EpochPlan) -> bool:
-        """Whether ``plan`` (the loader's, at a new iteration) starts the epoch after this
-        one's, from its start, with the same seed: the batches this thread went on to."""
-        where = (plan.epoch, plan.consumed, plan.step, plan.seed)
-        return self._parked and where == (self._epoch + 1, 0, 0, self._seed)
-
-    def carry_on(self, plan: EpochPlan) -> None:
-        """Become the iterator of ``plan``'s epoch (``follows_on``): the loop takes the
-        batches the thread made, and the thread may go on into the epoch after."""
-        self._official = plan.batches()
-        self._length = plan.remaining()
-        self._epoch += 1
-        self._parked = self._closed = False
-        self.ended_by = None
-        self._tasks.allow()
-        self._stats.add(epochs_carried=1)
-
-    def close(self, reason: str | None = None) -> None:
-        if self._parked:
-            self.discard()
-        else:
-            super().close(reason)
-
-    def discard(self) -> None:
-        """Stop a parked iterator: drop the batches its thread made for an epoch the loop
-        did not take, and hand the workers back."""
-        if self._parked:
-            self._parked = False
-            self._stats.add(carries_dropped=1)
-            self._close(finished=False)
 
     def __next__(self):
         if self._closed:
@@ -407,57 +370,6 @@ class _EpochEnd(Exception):
 
 class _AheadOfLoop(Exception):
     """The prefetch thread made every batch it may before the loop starts the next epoch."""
-
-
-class EpochTasks:
-    """The worker tasks ``(key, indices, augmentation seed)`` of the rest of ``plan``'s
-    epoch, then of up to ``ahead`` epochs after it (and one more per ``allow``): each
-    ``plan`` one epoch on, as ``DataLoader`` moves it at an epoch's end. Keys are the
-    epoch's steps, counted on across epochs (the first epoch's own steps, then the next
-    one's from where it ended), so that batches keep one order; ``ends`` holds the key
-    after each epoch's last batch, once its tasks began. Iterates copies of ``plan``.
-
-    Once ``ahead`` runs out, ``next`` raises StopIteration, and yields again after
-    ``allow`` (the prefetch thread asks again each time it has a free slot)."""
-
-    def __init__(self, plan: EpochPlan, seed: int, ahead: int = 0) -> None:
-        self._plan, self._seed = copy.copy(plan), seed
-        self._tasks = tasks(plan, seed)
-        self._offset = 0
-        self._ahead = ahead
-        # allow() is the training thread's; next and wait, the prefetch thread's.
-        self._allowed = threading.Condition()
-        self.ends = collections.deque([plan.step + plan.remaining()])
-        self._end = self.ends[0]
-
-    def allow(self) -> None:
-        with self._allowed:
-            self._ahead += 1
-            self._allowed.notify_all()
-
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s until ``next`` may go on into another epoch."""
-        with self._allowed:
-            return self._allowed.wait_for(lambda: self._ahead > 0, timeout)
-
-    def __iter__(self) -> EpochTasks:
-        return self
-
-    def __next__(self) -> tuple:
-        task = next(self._tasks, None)
-        while task is None:
-            with self._allowed:
-                if not self._ahead:
-                    raise StopIteration
-                self._ahead -= 1
-            self._plan = copy.copy(self._plan)
-            self._plan.end_epoch()
-            self._tasks, self._offset = tasks(self._plan, self._seed), self._end
-            self._end += len(self._plan)
-            self.ends.append(self._end)
-            task = next(self._tasks, None)
-        step, indices, seed = task
-        return self._offset + step, indices, seed
 
 
 def _run(ref: weakref.ref, out: queue.Queue, stop: threading.Event, device) -> None:

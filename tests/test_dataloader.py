@@ -193,6 +193,66 @@ def test_stopping_early_then_iterating_again_restarts_the_epoch(store):
         assert dl.worker_pids == []
 
 
+def test_persistent_workers_carry_on_into_the_next_epoch(store):
+    # The last batches' refills place the next epoch's first ones: three epochs are those
+    # of a loader whose workers stop at each epoch's end, batch for batch and pixel for pixel.
+    dl = make(store, shuffle=True, num_workers=2, persistent_workers=True)
+    want = make(store, shuffle=True, num_workers=2)
+    for e in range(3):
+        assert same(epoch(dl), epoch(want))
+        placed = dl._carry._pending.keys() | dl._carry._ready.keys()
+        assert placed and min(placed) == len(dl) * (e + 1)  # the next epoch's first batch on
+    stats = dl.stats()
+    assert (stats["epochs_carried"], stats.get("carries_dropped", 0)) == (2, 0)
+    assert (stats["batches"], stats["samples"]) == (3 * len(dl), 3 * NUM_SAMPLES)
+    pids = dl.worker_pids
+    dl.close()
+    assert dl.worker_pids == [] and pids and dl._carry is None
+
+
+@pytest.mark.parametrize("how", ["set_epoch", "load_state_dict", "another-seed"])
+def test_batches_placed_for_an_epoch_the_loop_does_not_take_are_dropped(store, how):
+    drawn = {"seed": None} if how == "another-seed" else {}  # a saved seed then replaces it
+    dl = make(store, shuffle=True, num_workers=2, persistent_workers=True, **drawn)
+    want = make(store, shuffle=True, num_workers=2, seed=7 if drawn else 0)
+    epoch(dl)
+    pids = dl.worker_pids
+    if how == "set_epoch":
+        dl.set_epoch(3)
+        want.set_epoch(3)
+    elif how == "load_state_dict":  # epoch 1, after its first 3 batches
+        state = {**dl.state_dict(), "consumed": 3 * B, "step": 3}
+        dl.load_state_dict(state)
+        want.load_state_dict(state)
+    else:  # epoch 1 from its start, as guessed, but in another seed's order
+        dl.load_state_dict({**dl.state_dict(), "seed": 7})
+        want.set_epoch(1)
+    assert same(epoch(dl), epoch(want))
+    assert (dl.stats().get("epochs_carried", 0), dl.stats()["carries_dropped"]) == (0, 1)
+    assert dl.worker_pids == pids  # drained, not stopped
+    assert same(epoch(dl), epoch(want))  # and the next epoch follows on again
+    assert dl.stats()["epochs_carried"] == 1
+    dl.close()
+
+
+def test_resume_inside_an_epoch_that_was_carried_on(store):
+    dl = make(store, shuffle=True, num_workers=2, persistent_workers=True)
+    epoch(dl)
+    it = iter(dl)
+    head = [tuple(t.clone() for t in next(it)) for _ in range(2)]
+    state = dl.state_dict()
+    assert (state["epoch"], state["consumed"], dl.stats()["epochs_carried"]) == (1, 2 * B, 1)
+    resumed = make(store, shuffle=True)
+    resumed.load_state_dict(state)
+    whole = make(store, shuffle=True)
+    whole.set_epoch(1)
+    want = epoch(whole)
+    assert same(head + epoch(resumed), want)
+    del it  # left early: the epoch starts again from its start
+    assert same(epoch(dl), want)
+    dl.close()
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
 @pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("abandon", [False, True], ids=["whole", "abandoned"])

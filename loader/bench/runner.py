@@ -90,6 +90,8 @@ def timed_pass(pipe, s: Settings) -> dict:
         torch.cuda.synchronize()  # the last batches are finished, not merely queued
     seconds = time.perf_counter() - t0
     cpu = tree_cpu_seconds() - cpu0
+    if hasattr(pipe, "rest"):
+        pipe.rest()
     if n == 0:
         raise RuntimeError("an epoch gave no batches")
     return (
