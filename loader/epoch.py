@@ -143,7 +143,9 @@ class EpochIterator:
         self._official = plan.batches()
         self._length = plan.remaining()
         self._epoch += 1
-        self._parked = self._closed = False
+        # _closed first: the prefetch thread never finds it closed and not parked (it would
+        # stop placing batches for a moment)
+        self._closed = self._parked = False
         self.ended_by = None
         self._tasks.allow()
         self._loader._stats.add(epochs_carried=1)
