@@ -17,7 +17,8 @@ for the steps whose batch was an epoch's first (and their waits); ``wait_share``
 of the timed steps spent in ``next()`` on the loader; ``step_ms`` and ``wait_ms``: the
 host's time per timed step and per wait (median, 90th percentile, largest); ``beside``:
 ``dl.stats()`` while fed to the model (per image; the hand-offs to a training stream that
-had run dry, and those with the batch's GPU work still running, untimed steps included).
+had run dry, and those with the batch's GPU work still running, and the epochs begun with
+batches made during the one before, or those dropped; untimed steps included).
 
 Flags to tell what costs what: ``--plain`` (one rank only) trains without the DDP wrapper,
 ``--no-cudnn-benchmark`` with cuDNN's default kernels, ``--cpu-share`` sets the loader's,
@@ -264,7 +265,7 @@ def main() -> None:
     fed = timed_steps(step, chain.from_iterable(repeat(dl)), a.steps, a.warmup, device, dl)
     after = dl.stats()
     beside = phase(before, after, after["samples"] - before["samples"])
-    for key in ("starved_handoffs", "pending_handoffs"):
+    for key in ("starved_handoffs", "pending_handoffs", "epochs_carried", "carries_dropped"):
         beside[key] = after.get(key, 0) - before.get(key, 0)
     mine = {
         "rank": rank, "workers": workers, "ceiling_img_s": round(ceiling, 1),

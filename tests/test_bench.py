@@ -553,6 +553,9 @@ def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
         # What the loader did while fed to the model; no CUDA stream to run dry here.
         assert r["beside"]["wait_us_per_image"] > 0
         assert r["beside"]["starved_handoffs"] == r["beside"]["pending_handoffs"] == 0
+        # Both epochs fed began with batches made during the one before (persistent
+        # workers): the first after the loader's timed epochs, the second in the steps.
+        assert (r["beside"]["epochs_carried"], r["beside"]["carries_dropped"]) == (2, 0)
         assert r["dry_share"] == r["ceiling_dry_share"] == r["starved_share"] == 0.0
         # Epochs of 2 batches, 1 untimed step: the second timed step starts an epoch.
         starts = r["epoch_starts"]
