@@ -235,6 +235,18 @@ def test_batches_placed_for_an_epoch_the_loop_does_not_take_are_dropped(store, h
     dl.close()
 
 
+def test_a_worker_that_dies_between_epochs_is_reported_and_replaced(store):
+    dl = make(store, shuffle=True, num_workers=2, persistent_workers=True)
+    want = make(store, shuffle=True, num_workers=2)
+    assert same(epoch(dl), epoch(want))
+    os.kill(dl.worker_pids[0], signal.SIGKILL)  # while the next epoch's batches are out
+    with pytest.raises(RuntimeError, match=r"worker \d \(pid \d+\) died: killed by signal"):
+        epoch(dl)
+    assert dl.worker_pids == []  # stopped, not left half alive
+    assert same(epoch(dl), epoch(want))  # the failed epoch again, whole, by new workers
+    dl.close()
+
+
 def test_resume_inside_an_epoch_that_was_carried_on(store):
     dl = make(store, shuffle=True, num_workers=2, persistent_workers=True)
     epoch(dl)

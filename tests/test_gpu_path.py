@@ -807,6 +807,20 @@ def test_an_iterator_dropped_while_its_thread_makes_a_batch(store, monkeypatch):
     dl.close()
 
 
+def test_a_worker_that_dies_between_epochs_is_reported_and_replaced(store):
+    # Batches of 2, 12 an epoch: the next epoch needs the workers again after its first.
+    dl = make(store, persistent_workers=True, batch_size=2)
+    want = make(store, batch_size=2)
+    same_batches(epoch(dl), epoch(want))
+    os.kill(dl.worker_pids[0], signal.SIGKILL)  # while the next epoch's batches are made
+    with pytest.raises(RuntimeError, match=r"worker \d \(pid \d+\) died: killed by signal"):
+        epoch(dl)
+    wait_for_no_gpu_threads()
+    assert not gpu_threads() and dl.worker_pids == []
+    same_batches(epoch(dl), epoch(want))  # the failed epoch again, whole, by new workers
+    dl.close()
+
+
 def test_a_parked_iterator_stops_with_its_loader(store):
     dl = make(store, persistent_workers=True)
     epoch(dl)
