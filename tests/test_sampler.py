@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 
 import numpy as np
 import pytest
 
+from loader.epoch import EpochTasks
 from loader.sampler import EpochPlan, batch_seed
 
 
@@ -243,3 +245,26 @@ def test_bad_state_and_epoch() -> None:
         plan.load_state_dict({**state, "consumed": 11})
     with pytest.raises(ValueError, match=r"epoch=-1"):
         plan.set_epoch(-1)
+
+
+def test_epoch_tasks_go_on_into_the_epochs_allowed():
+    plan = EpochPlan(20, 8, shuffle=True, seed=3)  # steps of 8, 8, 4
+    first = next(plan.batches())  # one batch delivered: the rest starts at step 1
+    tasks = EpochTasks(plan, seed=9, ahead=1)
+    got = list(itertools.islice(tasks, 5))  # the rest of epoch 0, then epoch 1 whole
+    assert [key for key, _, _ in got] == [1, 2, 3, 4, 5]
+    assert list(tasks.ends) == [3, 6]
+    later = EpochPlan(20, 8, shuffle=True, seed=3)
+    later.set_epoch(1)
+    want = list(plan.order(0)[8:]), list(later.order(1))
+    assert np.concatenate([i for _, i, _ in got[:2]]).tolist() == want[0]
+    assert np.concatenate([i for _, i, _ in got[2:]]).tolist() == want[1]
+    assert [s for _, _, s in got] == [
+        batch_seed(9, 0, 1),
+        batch_seed(9, 0, 2),
+        *(batch_seed(9, 1, k) for k in range(3)),
+    ]
+    assert len(first) == 8 and plan.step == 1  # the plan itself is not moved
+    assert next(tasks, None) is None and not tasks.wait(0.01)  # no epoch allowed further
+    tasks.allow()
+    assert tasks.wait(0.01) and next(tasks)[0] == 6 and list(tasks.ends) == [3, 6, 9]
