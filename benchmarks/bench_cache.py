@@ -36,10 +36,9 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 import numpy as np
-from common import REPO, machine, make_dataset, write_result
+from common import REPO, machine, make_store, write_result
 
 from ingest import cachedir as cd
-from ingest.build import BuildOptions, build
 from ingest.cli import parse_size
 from ingest.cores import usable_cores
 from ingest.format import MANIFEST, read_manifest
@@ -203,13 +202,7 @@ def summary(runs: dict) -> dict:
 
 
 def prepare(args) -> Path:
-    per_class = -(-args.images // args.classes)
-    src = make_dataset(args.workdir, args.classes, per_class)
-    store = args.workdir / f"store-{args.classes}x{per_class}-{args.shard_size}"
-    if not (store / MANIFEST).exists():
-        build(src, store, BuildOptions(shard_size=args.shard_size), workers=usable_cores(),
-              progress=False, overwrite=True)  # fmt: skip
-    return store
+    return make_store(args.workdir, args.images, args.classes, args.shard_size)[1]
 
 
 def main() -> None:

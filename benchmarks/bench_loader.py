@@ -34,11 +34,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 
 import cv2
 import numpy as np
-from common import REPO, image_files, machine, make_dataset, warm, write_result
+from common import REPO, image_files, machine, make_store, warm, write_result
 
-from ingest.build import build
 from ingest.cores import usable_cores
-from ingest.format import MANIFEST
 
 MiB = 1 << 20
 
@@ -188,11 +186,7 @@ def summarise(epochs: list[dict]) -> dict:
 
 
 def prepare(args) -> tuple[Path, Path, list[Path]]:
-    per_class = -(-args.images // args.classes)
-    src = make_dataset(args.workdir, args.classes, per_class)
-    store = args.workdir / f"store-{args.classes}x{per_class}"
-    if not (store / MANIFEST).exists():
-        build(src, store, workers=usable_cores(), progress=False, overwrite=True)
+    src, store = make_store(args.workdir, args.images, args.classes)
     paths = image_files(src)
     warm(paths)
     warm([p for p in store.rglob("*") if p.is_file()])

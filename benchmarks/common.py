@@ -34,6 +34,24 @@ def make_dataset(root: Path, num_classes: int, per_class: int, seed: int = 0) ->
     return src
 
 
+def make_store(
+    root: Path, images: int, num_classes: int, shard_size: int | None = None
+) -> tuple[Path, Path]:
+    """``make_dataset`` of about ``images`` JPEGs and a store built from it (all cores;
+    ``shard_size`` in bytes, else the default), both made once and reused: (src, store)."""
+    from ingest.build import BuildOptions, build
+    from ingest.cores import usable_cores
+    from ingest.format import MANIFEST
+
+    per_class = -(-images // num_classes)
+    src = make_dataset(root, num_classes, per_class)
+    store = root / f"store-{num_classes}x{per_class}{f'-{shard_size}' if shard_size else ''}"
+    if not (store / MANIFEST).exists():
+        options = BuildOptions(shard_size=shard_size) if shard_size else BuildOptions()
+        build(src, store, options, workers=usable_cores(), progress=False, overwrite=True)
+    return src, store
+
+
 def make_imagenet_sized(root: Path, images: int, workers: int, seed: int = 0) -> Path:
     """``images`` JPEGs of ImageNet's mean size (~110 KB) in 10 classes under
     root/src-imagenet-N, made once (on ``workers`` processes) and reused."""

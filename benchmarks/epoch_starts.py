@@ -20,7 +20,6 @@ Writes benchmarks/results/epoch-starts-<device>-<cpus>cpu.json.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -29,22 +28,11 @@ from pathlib import Path
 # This checkout first (not an installed copy), then the shared benchmark helpers.
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-from common import REPO, machine, make_dataset, write_result
+from common import REPO, machine, make_store, write_result
+
+from ingest.cores import usable_cores
 
 WAYS = ("head-start", "cold")
-
-
-def prepare(workdir: Path, images: int, classes: int) -> Path:
-    from ingest.build import BuildOptions, build
-    from ingest.format import MANIFEST
-
-    per_class = -(-images // classes)
-    src = make_dataset(workdir, classes, per_class)
-    store = workdir / f"store-{classes}x{per_class}"
-    if not (store / MANIFEST).exists():
-        build(src, store, BuildOptions(), workers=len(os.sched_getaffinity(0)),
-              progress=False, overwrite=True)  # fmt: skip
-    return store
 
 
 def run(store: Path, way: str, a) -> dict:
@@ -90,14 +78,14 @@ def main() -> None:
     p.add_argument("--images", type=int, default=2048)
     p.add_argument("--classes", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--workers", type=int, default=usable_cores())
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/imfeed-epoch-starts"))
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     a = p.parse_args()
-    store = prepare(a.workdir, a.images, a.classes)
+    _, store = make_store(a.workdir, a.images, a.classes)
     runs: dict[str, list[dict]] = {way: [] for way in WAYS}
     for r in range(a.rounds):
         for way in WAYS[r % 2 :] + WAYS[: r % 2]:
@@ -117,7 +105,7 @@ def main() -> None:
         "runs": runs,
         "summary": summary,
     }
-    cpus = len(os.sched_getaffinity(0))
+    cpus = usable_cores()
     write_result(a.out, f"epoch-starts-{a.device.split(':')[0]}-{cpus}cpu.json", report)
     for way in WAYS:
         print(way, summary[way])
