@@ -231,13 +231,13 @@ class DataLoader:
         if not self._resume and self._plan.consumed:
             self._plan.set_epoch(self._plan.epoch)
         self._resume = False
-        carry, self._carry = self._carry, None
-        if carry is not None:
-            if carry.follows_on(self._plan):
-                carry.carry_on(self._plan)
-                self._active = weakref.ref(carry)
-                return carry
-            carry.discard()  # its batches are of an epoch this loop does not read now
+        carry = self._carry
+        if carry is not None and carry.follows_on(self._plan):
+            self._carry = None
+            carry.carry_on(self._plan)
+            self._active = weakref.ref(carry)
+            return carry
+        self._drop_carry()  # its batches are of an epoch this loop does not read now
         if self.num_workers and self._workers.pool is None:
             self._workers.pool = WorkerPool(
                 self._producer, self._ring, self.num_workers, self._context, self.worker_init_fn

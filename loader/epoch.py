@@ -69,6 +69,13 @@ class EpochTasks:
         self.ends = collections.deque([plan.step + plan.remaining()])
         self._end = self.ends[0]
 
+    def ended_before(self, key: int) -> bool:
+        """Whether an epoch ends before batch ``key`` (each end is told once)."""
+        if self.ends and key == self.ends[0]:
+            self.ends.popleft()
+            return True
+        return False
+
     def allow(self) -> None:
         with self._allowed:
             self._ahead += 1
@@ -143,9 +150,7 @@ class EpochIterator:
         self._official = plan.batches()
         self._length = plan.remaining()
         self._epoch += 1
-        # _closed first: the prefetch thread never finds it closed and not parked (it would
-        # stop placing batches for a moment)
-        self._closed = self._parked = False
+        self._closed = self._parked = False  # in this order: see ``_dispatching``
         self.ended_by = None
         self._tasks.allow()
         self._loader._stats.add(epochs_carried=1)
@@ -157,6 +162,14 @@ class EpochIterator:
             self._parked = False
             self._loader._stats.add(carries_dropped=1)
             self._close(finished=False)
+
+    def _epoch_over(self, carrying: bool) -> None:
+        """The loop read the epoch to its end: kept by the loader for the next iteration
+        where the next epoch's first batches are under way (``carrying``), else closed."""
+        if carrying and self._loader._iteration_parked(self):
+            self._parked = self._closed = True  # in this order: see ``_dispatching``
+        else:
+            self._close(finished=True)
 
     def __len__(self) -> int:
         return self._length
@@ -170,8 +183,7 @@ class EpochIterator:
                 )
             raise StopIteration
         try:
-            if self._carries and self._tasks.ends and self._next_step == self._tasks.ends[0]:
-                self._tasks.ends.popleft()
+            if self._carries and self._tasks.ended_before(self._next_step):
                 raise StopIteration  # the epoch's last batch is out; the next one's are on
             if self._failure is not None:
                 raise self._failure
@@ -183,12 +195,8 @@ class EpochIterator:
             finally:
                 self._free.append(slot)
         except StopIteration:
-            # Kept for the next iteration where it made the next epoch's first batches (a
-            # failed refill did not: the workers start afresh).
-            if self._failure is None and self._carries and self._loader._iteration_parked(self):
-                self._parked = self._closed = True
-            else:
-                self._close(finished=True)
+            # A failed refill did not place the next epoch's batches: the workers start afresh.
+            self._epoch_over(carrying=self._failure is None and self._carries)
             raise
         except BaseException:
             self._close(finished=False, failed=True)
@@ -263,8 +271,11 @@ class EpochIterator:
                 self._pool.submit((slot, step, (lo, indices[lo:hi], crops[lo:hi], seed)))
 
     def _dispatching(self) -> bool:
-        """Whether to place more batches with the workers (not once closed)."""
-        return not self._closed
+        """Whether to place more batches with the workers: not once closed, unless parked
+        (closed to the loop, its work going on into the next epoch). Parking sets
+        ``_parked`` before ``_closed``, taking on clears ``_closed`` first: a prefetch
+        thread reading the two meanwhile never finds the iterator closed and not parked."""
+        return self._parked or not self._closed
 
     def close(self, reason: str | None = None) -> None:
         """Abandon the rest of the epoch (its progress stays as delivered); frees the workers."""

@@ -119,12 +119,7 @@ class GpuEpochIterator(EpochIterator):
             raise
         self._stats.add(wait_s=time.perf_counter() - t0)
         if kind == "end":
-            # The thread went on into the next epoch (payload True): the loader keeps this
-            # iterator for the next iteration, if the epoch was the loop's to the end.
-            if payload and self._loader._iteration_parked(self):
-                self._parked = self._closed = True
-            else:
-                self._close(finished=True)
+            self._epoch_over(carrying=payload)  # payload: the thread went on into the next
             raise StopIteration
         if kind == "error":
             self._close(finished=False, failed=True)
@@ -176,8 +171,7 @@ class GpuEpochIterator(EpochIterator):
 
     def _produce_one(self) -> tuple:
         """Thread side: the next finished batch, or raise StopIteration at the epoch's end."""
-        if self._carries and self._tasks.ends and self._out == self._tasks.ends[0]:
-            self._tasks.ends.popleft()
+        if self._carries and self._tasks.ended_before(self._out):
             raise _EpochEnd  # every batch of the loop's epoch is out: tell it, and go on
         cpu0 = time.thread_time()
         try:
@@ -237,8 +231,7 @@ class GpuEpochIterator(EpochIterator):
         super()._dispatch()
 
     def _dispatching(self) -> bool:
-        # A parked iterator's thread goes on (closed to the loop, not stopped).
-        return not self._stop.is_set() and (self._parked or not self._closed)
+        return not self._stop.is_set() and super()._dispatching()
 
     def _produce(self):
         if not self._free and not self._placed(self._next_step):
