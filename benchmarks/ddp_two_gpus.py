@@ -111,8 +111,10 @@ def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> dict
 
 
 def starved(dl) -> int:
-    """The hand-offs ``dl`` made to a training stream that had run dry (0 without one)."""
-    return int(dl.stats().get("starved_handoffs", 0)) if dl is not None else 0
+    """The hand-offs ``dl`` made to a training stream that had run dry (0 without one).
+    Read without ``dl.stats()``, which waits for the loader's GPU work to time it: the
+    training loop's host must not be held up at the steps measured."""
+    return int(dl._stats.total("starved_handoffs")) if dl is not None else 0
 
 
 def spread(seconds) -> list[float]:

@@ -25,6 +25,12 @@ class LoaderStats:
             for name, value in amounts.items():
                 self._totals[name] += value
 
+    def total(self, name: str) -> float:
+        """One named total so far, as ``add`` left it: unlike ``snapshot``, this never
+        waits for the device."""
+        with self._lock:
+            return self._totals.get(name, 0.0)
+
     def add_gpu_time(self, stage: str, start, end) -> None:
         """Count the GPU time between two recorded CUDA events under ``stage + "_s"``."""
         with self._lock:
