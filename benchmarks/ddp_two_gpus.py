@@ -267,6 +267,7 @@ def main() -> None:
     fed = timed_steps(step, chain.from_iterable(repeat(dl)), a.steps, a.warmup, device, dl)
     after = dl.stats()
     beside = phase(before, after, after["samples"] - before["samples"])
+    picker = getattr(dl._gpu_stage, "picker", None)
     for key in ("starved_handoffs", "pending_handoffs", "epochs_carried", "carries_dropped"):
         beside[key] = after.get(key, 0) - before.get(key, 0)
     mine = {
@@ -287,6 +288,8 @@ def main() -> None:
         "warm_epochs": warm_epochs,
         "alone": alone, "beside": beside,
         "cores": sorted(os.sched_getaffinity(0)), "stats": dl.stats(),
+        # The DALI stage's last trials, oldest first (loader.pace).
+        "trials": [trial.report() for trial in getattr(picker, "history", ())],
     }  # fmt: skip
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)

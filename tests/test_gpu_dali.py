@@ -250,9 +250,9 @@ def test_batches_split_between_the_two_pipelines_keep_samples_and_pixels(store):
     stage = dl._gpu_stage
     # A trial of 3 batches each way and 3 each again in reverse: engines, CUDA (6 in a
     # row), engines (without CUDA, both ways are DALI's CPU pipeline); run to its end
-    # however far apart the ways are.
+    # however far apart the ways are, and not again however close they are.
     stage.picker = picker = WayPicker(
-        (ENGINES, CUDA_WAY), window=3, skip=0, warmup=0, decisive=None
+        (ENGINES, CUDA_WAY), window=3, skip=0, warmup=0, decisive=None, close=None
     )
     finished = []  # the picker is told of each batch finished, to time the loader's pace
     picker.finished = lambda now, told=picker.finished: (finished.append(now), told(now))

@@ -39,7 +39,8 @@ def forever(pipe) -> Iterator:
         yield from pipe.epoch()
 
 
-SETTLE_STEPS = 400  # untimed steps past the warm-up, at most, while our loader settles
+SETTLE_STEPS = 600  # untimed steps past the warm-up, at most, while our loader settles:
+# its first trial, and a second where the ways are close (two of about 250 batches each)
 
 
 def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> dict:
