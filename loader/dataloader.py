@@ -312,8 +312,9 @@ class DataLoader:
         with ``decoder="dali"`` on CUDA, ``dali_way``: how DALI decodes between trials
         ("engines" or "cuda", ``loader.pace``),
         ``dali_trials`` the trials so far, ``dali_trialing`` whether one is under way,
-        ``dali_trial_causes`` what started the last trials decided ("first", "drift":
-        the loop's pace moved, "recheck"; up to 8, oldest first),
+        ``dali_trial_causes`` what started the last trials ("first", "drift": the loop's
+        pace moved, "recheck", "close": the trial before could not tell the ways apart; up
+        to 8 decided, oldest first, then the one under way if any),
         ``dali_paces_ms`` each way's pace in the last trial (milliseconds a batch, the
         faster is kept: ``loader.pace``) and
         ``dali_cuda_batches`` the batches it decoded with CUDA kernels instead of the
@@ -339,7 +340,8 @@ class DataLoader:
                 out.update(
                     dali_way=picker.way, dali_trials=picker.trials,
                     dali_trialing=picker.trialing,
-                    dali_trial_causes=[trial.cause for trial in picker.history],
+                    dali_trial_causes=[trial.cause for trial in picker.history]
+                    + ([picker.cause] if picker.trialing else []),
                     dali_paces_ms={w: round(p * 1e3, 2) for w, p in paces.items()},
                 )  # fmt: skip
         return out

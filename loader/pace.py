@@ -198,6 +198,11 @@ class WayPicker:
     def trialing(self) -> bool:
         return self._trialing
 
+    @property
+    def cause(self) -> str:
+        """What started the trial under way, or the last one."""
+        return self._cause
+
     def next(self) -> str:
         """The way of the batch being started."""
         with self._lock:

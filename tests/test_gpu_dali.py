@@ -261,6 +261,7 @@ def test_batches_split_between_the_two_pipelines_keep_samples_and_pixels(store):
     assert set(stage._pipelines) == {ENGINES, CUDA_WAY} and stats["dali_cuda_batches"] == 6
     assert stats["dali_trials"] == 1 and stats.get("dali_batches_redone", 0) == 0
     assert stats["dali_trialing"] is False  # decided on the epoch's last batch
+    assert stats["dali_trial_causes"] == ["first"]
     assert len(finished) == 12 and finished == sorted(finished)
     assert torch.equal(flat(got, 2), flat(expected, 2))
     assert torch.equal(flat(got, 1), flat(expected, 1))

@@ -272,7 +272,7 @@ def test_a_pause_of_the_loops_own_starts_no_trial_but_a_lasting_pace_does():
     # A model 40 times slower than the loader now: its first gaps look like pauses, then
     # they make the median, and the new pace starts a trial.
     loop.run(40, {"engines": 0.36, "cuda": 0.36})
-    assert picker.trials == 2 and picker.trialing
+    assert picker.trials == 2 and picker.trialing and picker.cause == "drift"
 
 
 def test_a_new_trial_every_recheck_batches():
