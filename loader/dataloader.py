@@ -358,7 +358,7 @@ class DataLoader:
 
     def close(self) -> None:
         """Stop the workers now (a later iteration starts new ones)."""
-        self._end_active("close()")
+        self._end_active("close()", stopping=True)
         self._drop_carry()
         self._workers.stop()
         self._output.close()
@@ -432,10 +432,13 @@ class DataLoader:
         if carry is not None:
             carry.discard()
 
-    def _end_active(self, reason: str) -> None:
+    def _end_active(self, reason: str, stopping: bool = False) -> None:
         it = self._active() if self._active is not None else None
         if it is not None:
-            it.close(reason)
+            if self._plan.remaining() or stopping:
+                it.close(reason)
+            else:  # every batch taken, StopIteration never asked for (zip, islice)
+                it.end_read()
         self._active = None
 
     def __repr__(self) -> str:

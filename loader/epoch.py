@@ -171,6 +171,14 @@ class EpochIterator:
         else:
             self._close(finished=True)
 
+    def end_read(self) -> None:
+        """End an iteration the loop read to its last batch without asking past it (a loop
+        bounded by ``len(loader)``: ``zip``, ``islice``) as that ask would have: parked
+        where the next epoch's first batches are under way, closed as finished otherwise."""
+        with contextlib.suppress(StopIteration):
+            next(self)
+            raise RuntimeError("an iteration read to its end delivered one batch more")
+
     def __len__(self) -> int:
         return self._length
 

@@ -210,6 +210,29 @@ def test_persistent_workers_carry_on_into_the_next_epoch(store):
     assert dl.worker_pids == [] and pids and dl._carry is None
 
 
+def test_a_loop_bounded_by_len_carries_on_when_it_keeps_its_iterator(store):
+    # `it = iter(loader)` then `next(it)` len(loader) times: StopIteration is never asked
+    # for, yet the next iter() takes over the next epoch's batches (placed meanwhile).
+    dl = make(store, shuffle=True, num_workers=2, persistent_workers=True)
+    want = make(store, shuffle=True, num_workers=2)
+    it = iter(dl)
+    for e in range(3):
+        got = [tuple(t.clone() for t in next(it)) for _ in range(len(dl))]
+        assert same(got, epoch(want))
+        again = iter(dl)  # `it`, read whole, ended as StopIteration would have
+        assert again is it and dl.epoch == e + 1
+    stats = dl.stats()
+    assert (stats["epochs_carried"], stats.get("carries_dropped", 0)) == (3, 0)
+    del it, again  # epoch 3 left unread: closed, and read again from its start
+    # zip() and islice() drop their iterator at the loop's end, before the next iter():
+    # closed then, its epoch done, the next one not carried.
+    got = [tuple(t.clone() for t in batch) for _, batch in zip(range(len(dl)), dl)]
+    assert same(got, epoch(want)) and dl.epoch == 4
+    assert same(epoch(dl), epoch(want))
+    assert dl.stats()["epochs_carried"] == 3
+    dl.close()
+
+
 @pytest.mark.parametrize("how", ["set_epoch", "load_state_dict", "another-seed"])
 def test_batches_placed_for_an_epoch_the_loop_does_not_take_are_dropped(store, how):
     drawn = {"seed": None} if how == "another-seed" else {}  # a saved seed then replaces it

@@ -719,6 +719,24 @@ def test_persistent_workers_carry_on_into_the_next_epoch(store, pause):
     assert not gpu_threads() and dl.worker_pids == []
 
 
+def test_a_loop_bounded_by_len_carries_on_when_it_keeps_its_iterator(store):
+    # next(it) len(loader) times, never asking past the last: the thread's "end" between
+    # the epochs is read at the next iter(), which takes over the batches made meanwhile.
+    dl = make(store, persistent_workers=True)
+    want = make(store)
+    it = iter(dl)
+    for e in range(3):
+        same_batches([tuple(t.cpu() for t in next(it)) for _ in range(len(dl))], epoch(want))
+        again = iter(dl)
+        assert again is it and dl.epoch == e + 1
+        assert sorted(gpu_threads()).count("imfeed-gpu-prefetch") == 1  # carrying on
+    assert (dl.stats()["epochs_carried"], dl.stats().get("carries_dropped", 0)) == (3, 0)
+    same_batches(epoch(dl), epoch(want))  # and read to its end as usual
+    dl.close()
+    wait_for_no_gpu_threads()
+    assert not gpu_threads() and dl.worker_pids == []
+
+
 @pytest.mark.parametrize("how", ["set_epoch", "load_state_dict", "sampler-not-moved"])
 def test_batches_made_for_an_epoch_the_loop_does_not_take_are_dropped(store, how):
     sampler = torch.utils.data.DistributedSampler(
