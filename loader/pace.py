@@ -35,12 +35,16 @@ the trial the faster: CUDA opened in the 5 runs whose order is known (``ddp3``, 
 trial causes "first" then "drift") and measured 2.6-3.2 ms a batch under the engines; the
 engines opened once and measured 2.1 ms under CUDA, were kept, and the model trained at
 97.6%. So where a whole trial finds every way within ``close`` (10%) of the fastest, the
-next trial starts at once in the other order (B A A B) and decides on the gaps of both:
-whatever favours the way that opens a trial then favours each way once, and each pace
-rests on twice the gaps. The first of the two keeps the way kept before it (its
-``Trial.kept``), the second has the cause "close". Over the stalls simulated below, 98 of
-100 seeded loops kept the faster way, against 91 with one trial (``tests/test_pace.py``).
-The second trial costs little: the ways are close.
+next trial starts at once in the other order (B A A B), and each way's pace is the mean of
+its two: whatever favours the way that opens a trial then favours each way once, and each
+pace rests on twice the gaps. (The mean of the two paces, not of the gaps pooled: each
+way's longer run falls in a different trial, so pooled gaps would weigh a drift
+unevenly.) The first of the two keeps the way kept before it (its ``Trial.kept``), the
+second has the cause "close". With it, all 5 runs kept CUDA, at 98.2-98.3%
+(``gpu-h200-ddp5.json``): the trial opened by CUDA measured the engines 1.9-2.6 ms a
+batch slower, the one opened by the engines -0.4 to +0.9 ms. Over the stalls simulated
+below, 98 of 100 seeded loops kept the faster way, against 91 with one trial
+(``tests/test_pace.py``). The second trial costs little: the ways are close.
 
 The first trial starts once ``warmup`` batches have been handed off (the workers and
 pipelines started); a new one when the kept way's pace moves by more than ``drift``
