@@ -10,6 +10,7 @@
 # every run up to picker8); TRAIN_STEPS sets the timed steps of the bench's training
 # checks (30; TRAIN=0: none),
 # TRAIN_WARMUP the untimed ones before (at least the bench's own minimum);
+# TESTS_K a -k expression for the GPU tests (TESTS: files or node ids, split on spaces);
 # MODELS, STEPS and DIAG_ARGS go to diagnose_training.py (e.g. "--only synthetic --dali base,prime1"); DALI_SETTINGS to dali_stage_probe.py.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -24,7 +25,7 @@ for stage in "$@"; do
   echo "== $stage $(date -u +%T)"
   case $stage in
     prepare) prepare; tail -1 $OUT/prepare.log 2>/dev/null || echo "reusing $STORE" ;;
-    tests) timeout ${TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu_path.py tests/test_gpu_dali.py} > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
+    tests) timeout ${TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu_path.py tests/test_gpu_dali.py} ${TESTS_K:+-k "$TESTS_K"} > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
     probe) prepare; timeout 240 python3 benchmarks/gpu_path_probe.py "$STORE" --epochs ${EPOCHS:-5} --cpu-share ${SHARES:-0,0.15} --decoder ${DECODER:-nvjpeg} ${PROBE_ARGS:-} --out $OUT/probe.json > $OUT/probe.log 2>&1; grep -v "^  " $OUT/probe.log | cut -c1-150 ;;
     daliprobe) prepare; timeout 300 python3 benchmarks/dali_stage_probe.py "$STORE" ${DALI_SETTINGS:+--settings $DALI_SETTINGS} ${DALI_ARGS:-} --out $OUT/dali-stage-probe.json > $OUT/dali-stage-probe.log 2>&1; grep -v "^\[\|^$" $OUT/dali-stage-probe.log | tail -12 ;;
     split) prepare; timeout 300 python3 benchmarks/gpu_split.py "$STORE" --out $OUT/gpu-split.json 2>&1 | tee $OUT/gpu-split.log | tail -30 ;;
@@ -38,7 +39,7 @@ for stage in "$@"; do
     memory) for r in "" --release; do timeout 200 python3 benchmarks/dali_memory_probe.py --epochs ${EPOCHS:-150} $r > $OUT/memory$r.log 2>&1; cut -c1-400 $OUT/memory$r.log | tail -40; done ;;
     ingest) timeout ${INGEST_S:-300} python3 benchmarks/bench_ingest.py --images 20000 --workdir /tmp/bi --out $OUT > $OUT/ingest.log 2>&1; tail -25 $OUT/ingest.log ;;
     delivery) timeout ${DELIVERY_S:-240} python3 benchmarks/dali_delivery_probe.py --runs ${RUNS:-12} ${VARIANTS:+--variants $VARIANTS} --out $OUT/dali-delivery.json > $OUT/dali-delivery.log 2>&1; grep "runs delivered" $OUT/dali-delivery.log ;;
-    ddp) prepare; (nproc; lscpu | grep -i "numa\|thread\|socket"; nvidia-smi topo -m) > $OUT/ddp-topology.log 2>&1; tail -6 $OUT/ddp-topology.log
+    ddp) prepare; (echo "== topology"; nproc; lscpu | grep -i "numa\|thread\|socket"; nvidia-smi topo -m) >> $OUT/ddp.log 2>&1; echo "$(nproc) cores, $(nvidia-smi -L | wc -l) GPU(s)"
       # 1: one rank on the first half of the cores (the single-GPU figure); 1all: one rank on
       # all of them; 2: two ranks, each on half the cores; 2numa: two ranks, torchrun binding
       # each to cores near its GPU. DDP_TAG is added to the file names (runs with other DDP_ARGS).
@@ -49,8 +50,10 @@ for stage in "$@"; do
           2) pre="" args=--nproc_per_node=2 ;;
           2numa) pre="" args="--nproc_per_node=2 --numa-binding exclusive" ;;
         esac
-        timeout 200 $pre python3 -m torch.distributed.run $args benchmarks/ddp_two_gpus.py "$STORE" ${DDP_ARGS:-} > $OUT/ddp-$run${DDP_TAG:-}.json 2> $OUT/ddp-$run${DDP_TAG:-}.log
-        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(sys.argv[2], {k: v for k, v in r.items() if k not in ('stats', 'cores', 'alone', 'beside')}, 'starved', r.get('beside', {}).get('starved_handoffs'), 'pending', r.get('beside', {}).get('pending_handoffs'), len(r['cores']), 'cores', r['stats'].get('dali_way'), r['stats'].get('dali_paces_ms')) for r in d['ranks']]" $OUT/ddp-$run${DDP_TAG:-}.json "$run${DDP_TAG:-}" 2>/dev/null || tail -5 $OUT/ddp-$run${DDP_TAG:-}.log
+        # One log for every run (at most 8 files come back from the machine), a JSON each.
+        echo "== $run${DDP_TAG:-} $(date -u +%T)" >> $OUT/ddp.log
+        timeout 200 $pre python3 -m torch.distributed.run $args benchmarks/ddp_two_gpus.py "$STORE" ${DDP_ARGS:-} > $OUT/ddp-$run${DDP_TAG:-}.json 2>> $OUT/ddp.log
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(sys.argv[2], {k: v for k, v in r.items() if k not in ('stats', 'cores', 'alone', 'beside', 'trials')}, 'starved', r.get('beside', {}).get('starved_handoffs'), 'pending', r.get('beside', {}).get('pending_handoffs'), len(r['cores']), 'cores', r['stats'].get('dali_way'), [(t['cause'], t['kept']) for t in r.get('trials', [])], r['stats'].get('dali_paces_ms')) for r in d['ranks']]" $OUT/ddp-$run${DDP_TAG:-}.json "$run${DDP_TAG:-}" 2>/dev/null || tail -5 $OUT/ddp.log
       done ;;
   esac
 done
