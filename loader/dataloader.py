@@ -213,6 +213,10 @@ class DataLoader:
         # A finished iterator that went on into the next epoch's first batches
         # (``loader.epoch``), for the next iteration to take on.
         self._carry: EpochIterator | None = None
+        # The active iterator once its epoch's last batch is out, until the loop asks past
+        # it: a loop bounded by len(loader) (zip, islice) drops it unended, and the next
+        # iteration ends it as StopIteration would (``_end_active``) and takes it on.
+        self._read: EpochIterator | None = None
         self._resume = False  # a loaded state waits to be resumed by the next iteration
         self.bad_samples: dict[int, str] = {}
         self.num_replaced = 0
@@ -259,11 +263,13 @@ class DataLoader:
 
     @property
     def epoch(self) -> int:
-        """The epoch the next iteration reads (advances when an epoch is read to its end;
-        with a DistributedSampler, its epoch unless a loaded state resumes another)."""
+        """The epoch the next iteration reads (advances when an epoch is read to its end:
+        once its last batch is out with persistent workers, otherwise once the loop asks
+        past it; with a DistributedSampler, its epoch unless a loaded state resumes
+        another)."""
         if self._follows and not self._resume:
             return self.sampler.epoch
-        return self._plan.epoch
+        return self._plan.epoch + (self._read is not None)  # read whole, not yet ended
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order next, from its start (as ``DistributedSampler``);
@@ -277,6 +283,7 @@ class DataLoader:
 
     def state_dict(self) -> dict:
         """Progress (JSON-able): the epoch and the batches delivered so far."""
+        self._end_read()
         return self._plan.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
@@ -404,6 +411,8 @@ class DataLoader:
         self, it: EpochIterator, finished: bool, drained: bool, failed: bool = False
     ) -> None:
         active = self._active is not None and self._active() is it
+        if self._read is it:
+            self._read = None
         # A loop bounded by len(loader) (zip, islice) reads every batch but never sees
         # StopIteration: its epoch is done all the same, the next one must not repeat it.
         finished = finished or (active and self._plan.remaining() == 0)
@@ -417,13 +426,24 @@ class DataLoader:
         if not keep:
             self._workers.stop(graceful=finished)
 
+    def _end_read(self) -> None:
+        """An epoch read whole is over, whether or not the loop asked past its last batch."""
+        if self._read is not None:
+            self._end_active("its epoch was read whole")
+
+    def _hold_if_read(self, it: EpochIterator) -> None:
+        """``it`` (going on into the next epoch) delivered a batch: hold it if that was
+        its epoch's last."""
+        if not self._plan.remaining():
+            self._read = it
+
     def _iteration_parked(self, it: EpochIterator) -> bool:
         """``it`` delivered its epoch to the end and went on into the next: keep it for
         the next iteration (False, and nothing done, if it was not the active one)."""
         if self._active is None or self._active() is not it or self._plan.remaining():
             return False
         self._plan.end_epoch()
-        self._active = None
+        self._active = self._read = None
         self._carry = it
         return True
 
@@ -434,11 +454,12 @@ class DataLoader:
 
     def _end_active(self, reason: str, stopping: bool = False) -> None:
         it = self._active() if self._active is not None else None
+        self._read = None
         if it is not None:
             if self._plan.remaining() or stopping:
                 it.close(reason)
             else:  # every batch taken, StopIteration never asked for (zip, islice)
-                it.end_read()
+                it.end_read()  # (held since its last batch: see ``_read``)
         self._active = None
 
     def __repr__(self) -> str:

@@ -210,6 +210,8 @@ class EpochIterator:
             self._close(finished=False, failed=True)
             raise
         next(self._official)
+        if self._carries:
+            self._loader._hold_if_read(self)
         self._next_step += 1
         try:  # refill before returning, so workers run while the user trains
             self._dispatch()

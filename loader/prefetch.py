@@ -134,6 +134,8 @@ class GpuEpochIterator(EpochIterator):
         self._loader._note_bad(bad)
         self._stats.add(batches=1, samples=len(indices))  # counted as delivered
         next(self._official)
+        if self._carries:
+            self._loader._hold_if_read(self)
         if self._loader.with_indices:
             return images, labels, torch.from_numpy(indices)
         return images, labels

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import itertools
 import logging
 import os
 import shutil
@@ -210,28 +211,34 @@ def test_persistent_workers_carry_on_into_the_next_epoch(store):
     assert dl.worker_pids == [] and pids and dl._carry is None
 
 
-def test_a_loop_bounded_by_len_carries_on_when_it_keeps_its_iterator(store):
-    # `it = iter(loader)` then `next(it)` len(loader) times: StopIteration is never asked
-    # for, yet the next iter() takes over the next epoch's batches (placed meanwhile).
+def test_a_loop_bounded_by_len_carries_on(store):
+    # Every batch taken, StopIteration never asked for: the next iter() ends the iteration
+    # as StopIteration would and takes over the next epoch's batches (placed meanwhile),
+    # whether the loop kept its iterator (`next(it)` len(loader) times) or dropped it
+    # (zip, islice: the loader holds an iteration once its last batch is out).
     dl = make(store, shuffle=True, num_workers=2, persistent_workers=True)
     want = make(store, shuffle=True, num_workers=2)
     it = iter(dl)
-    for e in range(3):
+    for e in range(2):
         got = [tuple(t.clone() for t in next(it)) for _ in range(len(dl))]
+        assert same(got, epoch(want)) and dl.epoch == e + 1
+        again = iter(dl)
+        assert again is it and dl.stats()["epochs_carried"] == e + 1
+    del it, again  # epoch 2 left unread: closed, and read again from its start
+    for e in range(2, 5):
+        if e < 4:
+            bounded = (batch for _, batch in zip(range(len(dl)), dl, strict=False))
+        else:
+            bounded = itertools.islice(dl, len(dl))
+        got = [tuple(t.clone() for t in batch) for batch in bounded]
+        del bounded
         assert same(got, epoch(want))
-        again = iter(dl)  # `it`, read whole, ended as StopIteration would have
-        assert again is it and dl.epoch == e + 1
-    stats = dl.stats()
-    assert (stats["epochs_carried"], stats.get("carries_dropped", 0)) == (3, 0)
-    del it, again  # epoch 3 left unread: closed, and read again from its start
-    # zip() and islice() drop their iterator at the loop's end, before the next iter():
-    # closed then, its epoch done, the next one not carried.
-    bounded = zip(range(len(dl)), dl, strict=False)  # stops at the range, never asks past
-    got = [tuple(t.clone() for t in batch) for _, batch in bounded]
-    del bounded
-    assert same(got, epoch(want)) and dl.epoch == 4
-    assert same(epoch(dl), epoch(want))
-    assert dl.stats()["epochs_carried"] == 3
+        # Over, as if StopIteration had been asked for: a checkpoint here resumes the next.
+        assert dl.epoch == e + 1
+        assert (dl.state_dict()["epoch"], dl.state_dict()["consumed"]) == (e + 1, 0)
+    assert dl.stats()["epochs_carried"] == 4  # 1, 2, then 3 and 4 after the zip and islice
+    assert same(epoch(dl), epoch(want))  # epoch 5, carried on from 4
+    assert (dl.stats()["epochs_carried"], dl.stats().get("carries_dropped", 0)) == (5, 0)
     dl.close()
 
 

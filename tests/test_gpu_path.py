@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import io
+import itertools
 import os
 import signal
 import sys
@@ -719,19 +720,30 @@ def test_persistent_workers_carry_on_into_the_next_epoch(store, pause):
     assert not gpu_threads() and dl.worker_pids == []
 
 
-def test_a_loop_bounded_by_len_carries_on_when_it_keeps_its_iterator(store):
-    # next(it) len(loader) times, never asking past the last: the thread's "end" between
-    # the epochs is read at the next iter(), which takes over the batches made meanwhile.
+def test_a_loop_bounded_by_len_carries_on(store):
+    # next(it) len(loader) times, or zip / islice (which drop the iterator), never asking
+    # past the last batch: the thread's "end" between the epochs is read at the next
+    # iter(), which takes over the batches made meanwhile.
     dl = make(store, persistent_workers=True)
     want = make(store)
     it = iter(dl)
-    for e in range(3):
-        same_batches([tuple(t.cpu() for t in next(it)) for _ in range(len(dl))], epoch(want))
-        again = iter(dl)
-        assert again is it and dl.epoch == e + 1
+    same_batches([tuple(t.cpu() for t in next(it)) for _ in range(len(dl))], epoch(want))
+    again = iter(dl)
+    assert again is it and dl.epoch == 1
+    del it, again  # epoch 1 left unread: closed, and read again from its start
+    for e in range(1, 3):
+        if e == 1:
+            bounded = (batch for _, batch in zip(range(len(dl)), dl, strict=False))
+        else:
+            bounded = itertools.islice(dl, len(dl))
+        same_batches([tuple(t.cpu() for t in batch) for batch in bounded], epoch(want))
+        del bounded
         assert sorted(gpu_threads()).count("imfeed-gpu-prefetch") == 1  # carrying on
-    assert (dl.stats()["epochs_carried"], dl.stats().get("carries_dropped", 0)) == (3, 0)
+        state = dl.state_dict()  # over, as if StopIteration had been asked for
+        assert (dl.epoch, state["epoch"], state["consumed"]) == (e + 1, e + 1, 0)
+    assert (dl.stats()["epochs_carried"], dl.stats().get("carries_dropped", 0)) == (2, 0)
     same_batches(epoch(dl), epoch(want))  # and read to its end as usual
+    assert dl.stats()["epochs_carried"] == 3
     dl.close()
     wait_for_no_gpu_threads()
     assert not gpu_threads() and dl.worker_pids == []

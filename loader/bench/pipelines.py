@@ -220,6 +220,7 @@ class OurPipeline:
         Made while other pipelines run their passes, they would be a head start no one
         timed (and would take cores and GPU from those passes); within a pass, from one
         epoch to the next, that head start is timed, as it is in a training loop."""
+        self.dl._end_read()  # an epoch read whole, not asked past, goes to the carry
         self.dl._drop_carry()
 
     def close(self) -> None:
