@@ -177,7 +177,10 @@ class EpochIterator:
         where the next epoch's first batches are under way, closed as finished otherwise."""
         with contextlib.suppress(StopIteration):
             next(self)
-            raise RuntimeError("an iteration read to its end delivered one batch more")
+            raise RuntimeError(
+                "imfeed bug: an iteration read to its end delivered one batch more; "
+                "please report it with dl.stats()"
+            )
 
     def __len__(self) -> int:
         return self._length

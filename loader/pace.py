@@ -316,8 +316,9 @@ class WayPicker:
         return max(paces.values()) > self.decisive * min(paces.values())
 
     def _too_close(self, paces: dict) -> bool:
-        """Whether a whole trial (not one already pooled) found every way within ``close``
-        of the fastest: nearer than one trial tells apart, so another decides with it."""
+        """Whether a whole trial (not itself the second of two) found every way within
+        ``close`` of the fastest: nearer than one trial tells apart, so another decides
+        with it."""
         return (
             self.close is not None and self._cause != "close"
             and len(paces) == len(self.ways)
