@@ -18,7 +18,9 @@ of the timed steps spent in ``next()`` on the loader; ``step_ms`` and ``wait_ms`
 host's time per timed step and per wait (median, 90th percentile, largest); ``beside``:
 ``dl.stats()`` while fed to the model (per image; the hand-offs to a training stream that
 had run dry, and those with the batch's GPU work still running, and the epochs begun with
-batches made during the one before, or those dropped; untimed steps included).
+batches made during the one before, or those dropped; untimed steps included);
+``cpu_mhz``: this rank's cores' clock (/proc/cpuinfo, the median of samples every 0.25 s)
+in each phase, where a figure measured on half of the machine runs at a higher one.
 
 Flags to tell what costs what: ``--plain`` (one rank only) trains without the DDP wrapper,
 ``--no-cudnn-benchmark`` with cuDNN's default kernels, ``--cpu-share`` sets the loader's,
@@ -51,6 +53,7 @@ import torch.distributed as dist
 import torchvision
 
 import loader
+from loader.bench.machine import CoreClock
 from loader.bench.train import SETTLE_STEPS, settling
 from loader.pace import WayPicker
 
@@ -231,7 +234,10 @@ def main() -> None:
     x = torch.randn(b, 3, size, size, device=device, dtype=torch.bfloat16)
     x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (b,), device=device)
-    synthetic = timed_steps(step, iter(lambda: (x, y), None), a.steps, a.warmup, device)
+    cores = sorted(os.sched_getaffinity(0))
+    with CoreClock(cores) as clock:  # each phase's core clock: all busy, it runs lower
+        synthetic = timed_steps(step, iter(lambda: (x, y), None), a.steps, a.warmup, device)
+    clocks = {"ceiling": clock.mhz}
     ceiling = synthetic["img_s"]
     dl = loader.DataLoader(
         a.store, batch_size=b, shuffle=True, drop_last=True, num_workers=workers,
@@ -256,15 +262,19 @@ def main() -> None:
     sync(device)
     before, epochs = dl.stats(), 0
     t0, n = time.perf_counter(), 0
-    while n < a.loader_images // world or epochs < 2:  # then the loader alone (this rank)
-        for images, _ in dl:
-            n += len(images)
-        epochs += 1
-    sync(device)
+    with CoreClock(cores) as clock:
+        while n < a.loader_images // world or epochs < 2:  # then the loader alone (this rank)
+            for images, _ in dl:
+                n += len(images)
+            epochs += 1
+        sync(device)
     loader_rate = n / (time.perf_counter() - t0)
+    clocks["alone"] = clock.mhz
     alone = phase(before, dl.stats(), n)
     before = dl.stats()  # then fed to the model (the untimed steps counted in ``beside``)
-    fed = timed_steps(step, chain.from_iterable(repeat(dl)), a.steps, a.warmup, device, dl)
+    with CoreClock(cores) as clock:
+        fed = timed_steps(step, chain.from_iterable(repeat(dl)), a.steps, a.warmup, device, dl)
+    clocks["fed"] = clock.mhz
     after = dl.stats()
     beside = phase(before, after, after["samples"] - before["samples"])
     picker = getattr(dl._gpu_stage, "picker", None)
@@ -287,7 +297,7 @@ def main() -> None:
         "epoch_images": n // epochs, "loader_epochs": epochs,
         "warm_epochs": warm_epochs,
         "alone": alone, "beside": beside,
-        "cores": sorted(os.sched_getaffinity(0)), "stats": dl.stats(),
+        "cores": cores, "cpu_mhz": clocks, "stats": dl.stats(),
         # The DALI stage's last trials, oldest first (loader.pace).
         "trials": [trial.report() for trial in getattr(picker, "history", ())],
     }  # fmt: skip

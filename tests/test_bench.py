@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import io
 import json
 import os
 import statistics
@@ -20,9 +21,10 @@ import pytest
 import torch
 
 from ingest.synth import make_image_folder
-from loader.bench import chart, report, runner
+from loader.bench import chart, machine, report, runner
 from loader.bench import data as bench_data
 from loader.bench.cli import main
+from loader.bench.machine import CoreClock, cores_mhz
 from loader.bench.pipelines import Settings, Spec, build, share_variant, specs, unavailable
 from loader.bench.run import choose
 from loader.decode import decoders
@@ -545,6 +547,11 @@ def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
         assert r["stats"]["batches"] == (1 + r["loader_epochs"]) * per_epoch + 1 + 2
         # Both ranks may run on all of this machine's cores: each takes half as workers.
         assert r["cores"] == sorted(os.sched_getaffinity(0))
+        with open("/proc/cpuinfo") as f:  # each phase's clock, where the kernel gives one
+            told = cores_mhz(f.read(), r["cores"]) is not None
+        assert {k: v is not None for k, v in r["cpu_mhz"].items()} == dict.fromkeys(
+            ("ceiling", "alone", "fed"), told
+        )
         assert r["workers"] == max(1, len(r["cores"]) // 2)
         assert r["fed_img_s"] > 0 and r["ceiling_img_s"] > 0
         assert 0 < r["wait_share"] < 1 and r["ddp"] and r["cudnn_benchmark"]
@@ -560,3 +567,37 @@ def test_the_two_gpu_script_runs_two_ranks_on_the_cpu(tmp_path):
         # Epochs of 2 batches, 1 untimed step: the second timed step starts an epoch.
         starts = r["epoch_starts"]
         assert starts["steps"] == len(starts["wait_ms"]) == 1 and starts["starved"] == 0
+
+
+CPUINFO = """processor\t: 0
+model name\t: Some CPU
+cpu MHz\t\t: 2000.000
+
+processor\t: 1
+cpu MHz\t\t: 3000.500
+
+processor\t: 2
+"""
+
+
+def test_the_clock_of_some_cores_from_cpuinfo():
+    assert cores_mhz(CPUINFO, [0, 1]) == 2500.2  # the mean, rounded to 0.1 MHz
+    assert cores_mhz(CPUINFO, [1]) == 3000.5
+    assert cores_mhz(CPUINFO, [2, 7]) is None  # no clock given for these
+    assert cores_mhz("", [0]) is None
+
+
+def test_the_core_clock_samples_while_in_its_block(monkeypatch):
+    texts = iter([f"processor: 0\ncpu MHz: {mhz}" for mhz in (1800.0, 1000.0, 1200.0)])
+    monkeypatch.setattr(machine, "open", lambda path: io.StringIO(next(texts, "")), raising=False)
+    with CoreClock([0], every=0.001) as clock:
+        clock._thread.join(5)  # it stops by itself at the first text without a clock
+    assert clock.samples == [1800.0, 1000.0, 1200.0] and clock.mhz == 1200.0  # the median
+
+    def unreadable(path):
+        raise PermissionError(path)
+
+    monkeypatch.setattr(machine, "open", unreadable, raising=False)
+    with CoreClock([0]) as clock:
+        pass
+    assert clock.samples == [] and clock.mhz is None
