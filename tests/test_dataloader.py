@@ -316,6 +316,25 @@ def test_nothing_is_held_longer_epoch_after_epoch(store, persistent, abandon):
     assert held_resources() == before
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_a_bounded_loop_holds_nothing_more_epoch_after_epoch(store):
+    """zip-bounded epochs with persistent workers: the loader holds each one once its last
+    batch is out (to carry on from it), and nothing more accumulates; a loader dropped
+    while it holds one gives everything back."""
+    before = held_resources()
+    dl = make(store, num_workers=2, persistent_workers=True)
+    held = []
+    for _ in range(12):
+        for _step, _batch in zip(range(len(dl)), dl, strict=False):
+            pass
+        held.append(held_resources())
+    assert dl._read is not None and held[-1] == held[1], held
+    assert dl.stats()["epochs_carried"] == 11
+    del dl, _batch
+    gc.collect()
+    assert held_resources() == before
+
+
 def test_a_loop_bounded_by_len_moves_on_to_the_next_epoch(store):
     """zip(range(len(dl)), dl) reads every batch but never sees StopIteration."""
     dl = make(store, shuffle=True)
