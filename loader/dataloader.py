@@ -215,7 +215,8 @@ class DataLoader:
         self._carry: EpochIterator | None = None
         # The active iterator once its epoch's last batch is out, until the loop asks past
         # it: a loop bounded by len(loader) (zip, islice) drops it unended, and the next
-        # iteration ends it as StopIteration would (``_end_active``) and takes it on.
+        # iteration (or set_epoch, load_state_dict) ends it as StopIteration would
+        # (``_end_active``) and takes it on.
         self._read: EpochIterator | None = None
         self._resume = False  # a loaded state waits to be resumed by the next iteration
         self.bad_samples: dict[int, str] = {}
@@ -282,8 +283,9 @@ class DataLoader:
             self._resume = False
 
     def state_dict(self) -> dict:
-        """Progress (JSON-able): the epoch and the batches delivered so far."""
-        self._end_read()
+        """Progress (JSON-able): the epoch and the batches delivered so far (at an
+        epoch's last batch, that epoch with every batch delivered, as inside a ``for``
+        loop: a resume then reads what is left of it, nothing, and goes on)."""
         return self._plan.state_dict()
 
     def load_state_dict(self, state: dict) -> None:

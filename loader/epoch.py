@@ -40,9 +40,15 @@ def chunk_size(batch_size: int, num_workers: int) -> int:
 def tasks(plan: EpochPlan, seed: int) -> Iterator[tuple[int, np.ndarray, int]]:
     """Yield (global step, indices, augmentation seed) for the rest of ``plan``'s epoch.
 
-    Iterates a copy: the caller's plan is advanced separately, on delivery.
+    Iterates a copy, taken now (not at the first ``next``): the caller's plan is advanced
+    separately, on delivery, and moves to the next epoch at the end of this one, which may
+    come before the first task is asked for (an epoch with nothing left, as after loading
+    the state saved at its last batch).
     """
-    shadow = copy.copy(plan)
+    return _tasks_of(copy.copy(plan), seed)
+
+
+def _tasks_of(shadow: EpochPlan, seed: int) -> Iterator[tuple[int, np.ndarray, int]]:
     for indices in shadow.batches():
         step = shadow.step - 1
         yield step, indices, batch_seed(seed, shadow.epoch, step, rank=shadow.rank)

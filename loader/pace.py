@@ -121,7 +121,8 @@ class Trial(NamedTuple):
     """A trial's outcome: hand-offs before it ended, each way's pace by the gaps (seconds)
     between batches handed off and between batches finished, the way kept, and what
     started it ("first", "drift", "recheck"; "close": the trial after one too close to
-    call, its paces the mean of the two trials')."""
+    call, whose ``handed`` holds each way's pace over the two, the mean of its paces in
+    each, and ``made`` nothing)."""
 
     handoffs: int
     handed: dict
@@ -302,10 +303,10 @@ class WayPicker:
         """The trial as measured so far (the way kept: the one kept before it)."""
         handed = {w: self.statistic(g) for w, g in self._gaps.items() if len(g) >= 3}
         made = {w: self.statistic(g) for w, g in self._made.items() if len(g) >= 3}
-        if self._cause == "close":  # each way's pace: the mean of the two trials'
-            first = self.history[-1]
-            handed, made = _averaged(first.handed, handed), _averaged(first.made, made)
-        return Trial(self._handoffs, handed, made, self.way, self._cause)
+        trial = Trial(self._handoffs, handed, made, self.way, self._cause)
+        if self._cause == "close":  # each way's pace: the mean of its paces in the two
+            return trial._replace(handed=_averaged(self.history[-1].paces, trial.paces), made={})
+        return trial
 
     def _told_apart(self) -> bool:
         """Whether one window each way already sets a way's pace over ``decisive`` times

@@ -233,9 +233,10 @@ def test_a_loop_bounded_by_len_carries_on(store):
         got = [tuple(t.clone() for t in batch) for batch in bounded]
         del bounded
         assert same(got, epoch(want))
-        # Over, as if StopIteration had been asked for: a checkpoint here resumes the next.
+        # Every batch delivered: the next iteration reads the next epoch, and a checkpoint
+        # says so as it does at a `for` loop's last batch (the epoch, all of it consumed).
         assert dl.epoch == e + 1
-        assert (dl.state_dict()["epoch"], dl.state_dict()["consumed"]) == (e + 1, 0)
+        assert (dl.state_dict()["epoch"], dl.state_dict()["consumed"]) == (e, NUM_SAMPLES)
     assert dl.stats()["epochs_carried"] == 4  # 1, 2, then 3 and 4 after the zip and islice
     assert same(epoch(dl), epoch(want))  # epoch 5, carried on from 4
     assert (dl.stats()["epochs_carried"], dl.stats().get("carries_dropped", 0)) == (5, 0)
@@ -314,6 +315,33 @@ def test_nothing_is_held_longer_epoch_after_epoch(store, persistent, abandon):
     del dl
     gc.collect()
     assert held_resources() == before
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_checkpoint_at_an_epochs_last_batch_resumes_with_the_next(store, persistent):
+    # Saved inside the loop at the last batch: (epoch 0, all consumed), with or without
+    # persistent workers. Resumed as a script resumes, set_epoch(saved epoch) first, then
+    # the next: the rest of epoch 0 (nothing), then epoch 1 whole; or with plain loops
+    # (the loader's own epochs), the same. Epoch 1 was once read as nothing where an
+    # iterator's first task came after the plan had moved on to it.
+    dl = make(store, shuffle=True, num_workers=2, persistent_workers=persistent)
+    for _batch in dl:
+        state = dl.state_dict()
+    dl.close()
+    assert (state["epoch"], state["consumed"], state["step"]) == (0, NUM_SAMPLES, len(dl))
+    want = make(store, shuffle=True)
+    epoch(want)
+    want_1 = epoch(want)
+    for follow_epochs in (True, False):
+        resumed = make(store, shuffle=True, num_workers=2, persistent_workers=persistent)
+        resumed.load_state_dict(state)
+        got = []
+        for e in range(2):
+            if follow_epochs:
+                resumed.set_epoch(e)
+            got.append(epoch(resumed))
+        assert got[0] == [] and same(got[1], want_1) and resumed.epoch == 2
+        resumed.close()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")

@@ -739,14 +739,30 @@ def test_a_loop_bounded_by_len_carries_on(store):
         same_batches([tuple(t.cpu() for t in batch) for batch in bounded], epoch(want))
         del bounded
         assert sorted(gpu_threads()).count("imfeed-gpu-prefetch") == 1  # carrying on
-        state = dl.state_dict()  # over, as if StopIteration had been asked for
-        assert (dl.epoch, state["epoch"], state["consumed"]) == (e + 1, e + 1, 0)
+        state = dl.state_dict()  # as at a `for` loop's last batch: the epoch, all of it
+        assert (dl.epoch, state["epoch"], state["consumed"]) == (e + 1, e, NUM_SAMPLES)
     assert (dl.stats()["epochs_carried"], dl.stats().get("carries_dropped", 0)) == (2, 0)
     same_batches(epoch(dl), epoch(want))  # and read to its end as usual
     assert dl.stats()["epochs_carried"] == 3
     dl.close()
     wait_for_no_gpu_threads()
     assert not gpu_threads() and dl.worker_pids == []
+
+
+def test_a_checkpoint_at_an_epochs_last_batch_resumes_with_the_next(store):
+    dl = make(store, persistent_workers=True)
+    for _batch in dl:
+        state = dl.state_dict()  # at the last batch: epoch 0, all of it consumed
+    dl.close()
+    assert (state["epoch"], state["consumed"]) == (0, NUM_SAMPLES)
+    want = make(store)
+    epoch(want)
+    resumed = make(store, persistent_workers=True)
+    resumed.load_state_dict(state)
+    assert epoch(resumed) == []  # the rest of epoch 0
+    same_batches(epoch(resumed), epoch(want))  # then epoch 1, whole
+    assert resumed.epoch == 2
+    resumed.close()
 
 
 @pytest.mark.parametrize("how", ["set_epoch", "load_state_dict", "sampler-not-moved"])
