@@ -344,15 +344,8 @@ class DataLoader:
         if self._gpu_stage is not None:
             out["cpu_share"] = self._gpu_stage.cpu_share
             picker = self._gpu_stage.picker
-            if picker is not None:
-                paces = picker.history[-1].paces if picker.history else {}
-                out.update(
-                    dali_way=picker.way, dali_trials=picker.trials,
-                    dali_trialing=picker.trialing,
-                    dali_trial_causes=[trial.cause for trial in picker.history]
-                    + ([picker.cause] if picker.trialing else []),
-                    dali_paces_ms={w: round(p * 1e3, 2) for w, p in paces.items()},
-                )  # fmt: skip
+            if picker is not None:  # read under its lock: the prefetch thread decides
+                out.update({f"dali_{k}": v for k, v in picker.summary().items()})
         return out
 
     def cache_stats(self) -> dict[str, int] | None:

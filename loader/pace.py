@@ -208,6 +208,19 @@ class WayPicker:
         """What started the trial under way, or the last one."""
         return self._cause
 
+    def summary(self) -> dict:
+        """The way kept, the trials so far, whether one is under way, what started the
+        last ones (decided, then the one under way) and each way's pace in the last
+        decided (ms a batch): one consistent reading, whatever thread asks."""
+        with self._lock:
+            paces = self.history[-1].paces if self.history else {}
+            return {
+                "way": self.way, "trials": self.trials, "trialing": self._trialing,
+                "trial_causes": [trial.cause for trial in self.history]
+                + ([self._cause] if self._trialing else []),
+                "paces_ms": {w: round(p * 1e3, 2) for w, p in paces.items()},
+            }  # fmt: skip
+
     def next(self) -> str:
         """The way of the batch being started."""
         with self._lock:

@@ -134,6 +134,10 @@ def test_a_trial_keeps_the_way_the_loop_takes_batches_sooner_with():
     assert handoffs == 64 + 128 + 54 and kept == "cuda"
     assert made == {}  # never told of batches finished: not counted
     assert handed == pytest.approx({"engines": 0.010, "cuda": 0.008}, rel=0.03)
+    assert picker.summary() == {
+        "way": "cuda", "trials": 1, "trialing": False, "trial_causes": ["first"],
+        "paces_ms": pytest.approx({"engines": 10.0, "cuda": 8.0}, rel=0.03),
+    }  # fmt: skip
     assert picker.history[0].report() == {
         "cause": "first", "handoffs": 246, "kept": "cuda", "made_ms": {},
         "handed_ms": pytest.approx({"engines": 10.0, "cuda": 8.0}, rel=0.03),
@@ -290,6 +294,8 @@ def test_a_pause_of_the_loops_own_starts_no_trial_but_a_lasting_pace_does():
     # they make the median, and the new pace starts a trial.
     loop.run(40, {"engines": 0.36, "cuda": 0.36})
     assert picker.trials == 2 and picker.trialing and picker.cause == "drift"
+    summary = picker.summary()  # what dl.stats() reports: the trial under way comes last
+    assert summary["trial_causes"] == ["first", "drift"] and summary["trialing"]
 
 
 def test_a_new_trial_every_recheck_batches():
