@@ -61,6 +61,7 @@ from loader.augment import Transform, plan_crops
 from loader.augment_gpu import GpuAugment
 from loader.encoded import EncodedBatches
 from loader.options import resolve_decoder
+from loader.pace import WayPicker
 from loader.prefetch import GpuEpochIterator, _DecodeThreads, ring_slots
 from loader.sampler import batch_seed
 from loader.stats import LoaderStats
@@ -330,6 +331,17 @@ def test_the_picker_is_told_each_epochs_start_before_its_batches(store):
     epoch(dl)
     assert calls == (["epoch"] + ["finished"] * 3) * 2  # batches of 8, 8, 7
     assert len(handed) == (6 if CUDA else 0)  # hand-offs are counted on CUDA only
+
+
+def test_stats_report_the_picker_of_ways(store):
+    dl = make(store)
+    dl._gpu_stage.picker = WayPicker(("engines", "cuda"))  # a trial after 16 hand-offs
+    epoch(dl)  # 3 batches: none yet
+    picked = {k: v for k, v in dl.stats().items() if k.startswith("dali_")}
+    assert picked == {
+        "dali_way": "engines", "dali_trials": 0, "dali_trialing": False,
+        "dali_trial_causes": [], "dali_paces_ms": {},
+    }  # fmt: skip
 
 
 def test_an_image_the_gpu_decoder_rejects_is_decoded_on_the_cpu(store):
