@@ -8,9 +8,11 @@ device. Given any other Dataset it *is* torch's DataLoader, built with the same 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import threading
 import weakref
 
 import torch
@@ -208,6 +210,11 @@ class DataLoader:
             slots = ring_slots(self.batch_size, self.num_workers, self.prefetch_factor, on_gpu)
         self._ring = Ring(self._producer.buffers(), slots, shared=self.num_workers > 0)
         self._workers = _Workers()
+        # Iterations being closed (their workers' chunks drained), maybe on a prefetch
+        # thread that let go of its iterator last: a new iteration waits for them, or the
+        # chunks they drain would reach it.
+        self._closes = threading.Condition()
+        self._closing = 0
         self._finalizer = weakref.finalize(self, self._workers.stop, False)
         self._active: weakref.ref | None = None
         # A finished iterator that went on into the next epoch's first batches
@@ -232,6 +239,7 @@ class DataLoader:
         """The batches of the current epoch: the rest of it after ``load_state_dict``,
         otherwise all of it (a loop that stopped early starts that epoch again)."""
         self._end_active("a new iteration")
+        self._wait_for_closes()
         self._follow_sampler_epoch()
         if not self._resume and self._plan.consumed:
             self._plan.set_epoch(self._plan.epoch)
@@ -420,6 +428,26 @@ class DataLoader:
         keep = self.persistent_workers and not failed and (drained or it.drain(30.0))
         if not keep:
             self._workers.stop(graceful=finished)
+
+    @contextlib.contextmanager
+    def _closing_iteration(self):
+        """Around an iteration's close: counted while it runs (``_wait_for_closes``)."""
+        with self._closes:
+            self._closing += 1
+        try:
+            yield
+        finally:
+            with self._closes:
+                self._closing -= 1
+                self._closes.notify_all()
+
+    def _wait_for_closes(self, timeout: float = 120.0) -> None:
+        """Wait until no iteration is being closed on another thread; past ``timeout``
+        (a close that hangs), stop the workers: the next iteration starts new ones."""
+        with self._closes:
+            if self._closes.wait_for(lambda: self._closing == 0, timeout):
+                return
+        self._workers.stop(graceful=False)
 
     def _end_read(self) -> None:
         """An epoch read whole is over, whether or not the loop asked past its last batch."""

@@ -273,6 +273,10 @@ class GpuEpochIterator(EpochIterator):
             raise _Stopped
 
     def _close(self, finished: bool, failed: bool = False) -> None:
+        with self._loader._closing_iteration():  # counted from its first step
+            self._close_counted(finished, failed)
+
+    def _close_counted(self, finished: bool, failed: bool) -> None:
         self._closer = threading.current_thread()
         self._stop.set()
         if self._decoder is not None:

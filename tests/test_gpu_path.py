@@ -865,6 +865,45 @@ def test_an_iterator_dropped_while_its_thread_makes_a_batch(store, monkeypatch):
     dl.close()
 
 
+def test_a_new_iteration_waits_for_a_close_on_the_thread(store, monkeypatch):
+    # As above, but the loop starts its next iteration at once, while the thread that let
+    # go of the old iterator last still drains that one's chunks: the new iteration waits
+    # for that close (before, it took the old chunks: KeyError, or a hang).
+    dropped = threading.Event()
+    produce = GpuEpochIterator._produce_one
+    calls = []
+
+    def held(self):
+        out = produce(self)
+        calls.append(1)
+        if len(calls) == 2:
+            dropped.wait(10)
+        return out
+
+    fill = EncodedBatches.fill
+
+    def slow_fill(*args):
+        time.sleep(0.05)
+        return fill(*args)
+
+    monkeypatch.setattr(GpuEpochIterator, "_produce_one", held)
+    monkeypatch.setattr(EncodedBatches, "fill", slow_fill)
+    dl = make(store, persistent_workers=True, batch_size=2)
+    want = make(store, batch_size=2)
+    for e, pause in ((3, 0.005), (4, 0.02), (5, 0.05), (6, 0.1)):
+        calls.clear()
+        dropped.clear()
+        it = iter(dl)
+        next(it)
+        del it  # the thread, inside _produce_one, holds it: it lets go last
+        dropped.set()
+        time.sleep(pause)  # the thread is closing it now, draining chunks of 50 ms each
+        dl.set_epoch(e)
+        want.set_epoch(e)
+        same_batches(epoch(dl), epoch(want))
+    dl.close()
+
+
 def test_a_worker_that_dies_between_epochs_is_reported_and_replaced(store):
     # Batches of 2, 12 an epoch: the next epoch needs the workers again after its first.
     dl = make(store, persistent_workers=True, batch_size=2)
