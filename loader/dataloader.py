@@ -9,6 +9,7 @@ device. Given any other Dataset it *is* torch's DataLoader, built with the same 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import sys
@@ -298,9 +299,15 @@ class DataLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` output, possibly saved with another world size: the
-        next iteration yields the rest of that epoch, later ones continue from there."""
+        next iteration yields the rest of that epoch, later ones continue from there. A
+        state that does not fit raises ``ValueError`` and changes nothing."""
+        reseed = not self._seed_chosen and "seed" in state  # a drawn seed yields to it
+        probe = copy.copy(self._plan)
+        if reseed:
+            probe.reseed(state["seed"])
+        probe.load_state_dict(state)  # raises here, before the iteration under way ends
         self._end_active("load_state_dict()")
-        if not self._seed_chosen and "seed" in state:  # a drawn seed yields to the saved one
+        if reseed:
             self._plan.reseed(state["seed"])
             self.seed = self._plan.seed
         self._plan.load_state_dict(state)

@@ -317,6 +317,22 @@ def test_nothing_is_held_longer_epoch_after_epoch(store, persistent, abandon):
     assert held_resources() == before
 
 
+def test_a_state_that_does_not_fit_changes_nothing(store):
+    # Another store's checkpoint, with its own seed: refused before anything moves (the
+    # drawn seed once yielded to it first, and the epoch under way started again).
+    dl = make(store, shuffle=True, num_workers=2, seed=None)
+    want = make(store, shuffle=True, seed=dl.seed)
+    it = iter(dl)
+    head = [tuple(t.clone() for t in next(it)) for _ in range(3)]
+    before = dl.state_dict()
+    with pytest.raises(ValueError, match="num_samples=1000 but this plan has num_samples=63"):
+        dl.load_state_dict({**before, "seed": 123, "num_samples": 1000})
+    assert dl.state_dict() == before
+    rest = [tuple(t.clone() for t in batch) for batch in it]  # the iteration goes on
+    assert same(head + rest, epoch(want))
+    dl.close()
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_checkpoint_at_an_epochs_last_batch_resumes_with_the_next(store, persistent):
     # Saved inside the loop at the last batch: (epoch 0, all consumed), with or without
