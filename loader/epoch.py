@@ -305,13 +305,18 @@ class EpochIterator:
             self._close(finished=False)
 
     def _close(self, finished: bool, failed: bool = False) -> None:
+        """End the iteration (its workers drained or stopped), counted by the loader from
+        its first step to its last: a new iteration waits for it (``_wait_for_closes``)."""
         with self._loader._closing_iteration():
-            self._closed = True
-            # A failure found while refilling (a worker's error, read when a task was
-            # placed) means a chunk that will never come: no draining waits for it.
-            failed = failed or self._failure is not None
-            self._failure = None  # its traceback holds this iterator: let it go now
-            self._loader._iteration_ended(self, finished, drained=not self._pending, failed=failed)
+            self._close_counted(finished, failed)
+
+    def _close_counted(self, finished: bool, failed: bool) -> None:
+        self._closed = True
+        # A failure found while refilling (a worker's error, read when a task was placed)
+        # means a chunk that will never come: no draining waits for it.
+        failed = failed or self._failure is not None
+        self._failure = None  # its traceback holds this iterator: let it go now
+        self._loader._iteration_ended(self, finished, drained=not self._pending, failed=failed)
 
     def drain(self, timeout: float) -> bool:
         """Wait for batches still in the workers (to reuse the workers); False if it failed."""

@@ -272,10 +272,6 @@ class GpuEpochIterator(EpochIterator):
         if self._stop.is_set() and here is self._thread and here is not self._closer:
             raise _Stopped
 
-    def _close(self, finished: bool, failed: bool = False) -> None:
-        with self._loader._closing_iteration():  # counted from its first step
-            self._close_counted(finished, failed)
-
     def _close_counted(self, finished: bool, failed: bool) -> None:
         self._closer = threading.current_thread()
         self._stop.set()
@@ -293,7 +289,7 @@ class GpuEpochIterator(EpochIterator):
         if thread is None or not thread.is_alive() or thread is threading.current_thread():
             self._stage.settle()  # so must what the stage still holds (DALI's batches)
             self._give_back_slots(every=True)  # and the GPU work of the batches finished
-        super()._close(finished, failed)
+        super()._close_counted(finished, failed)
 
 
 def _named(e: RuntimeError, device) -> RuntimeError:
