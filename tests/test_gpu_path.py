@@ -825,10 +825,10 @@ def test_resume_in_an_epoch_that_was_carried_on(store):
     dl.close()
 
 
-def test_an_iterator_dropped_while_its_thread_makes_a_batch(store, monkeypatch):
-    # The loop leaves its epoch while the thread holds the iterator: the thread lets go
-    # last, and so closes it itself; the workers' chunks still out must be drained all the
-    # same (once, a stale one reached the next epoch: KeyError).
+def hold_the_second_batch(monkeypatch) -> tuple[threading.Event, list]:
+    """The prefetch thread waits inside its second ``_produce_one`` until the event is set
+    (it then holds the iterator); chunks come one by one (50 ms each), so draining them
+    takes several reads. Returns the event and the list of calls (clear both to repeat)."""
     dropped = threading.Event()
     produce = GpuEpochIterator._produce_one
     calls = []
@@ -842,12 +842,20 @@ def test_an_iterator_dropped_while_its_thread_makes_a_batch(store, monkeypatch):
 
     fill = EncodedBatches.fill
 
-    def slow_fill(*args):  # chunks come one by one: draining them takes several reads
+    def slow_fill(*args):
         time.sleep(0.05)
         return fill(*args)
 
     monkeypatch.setattr(GpuEpochIterator, "_produce_one", held)
     monkeypatch.setattr(EncodedBatches, "fill", slow_fill)
+    return dropped, calls
+
+
+def test_an_iterator_dropped_while_its_thread_makes_a_batch(store, monkeypatch):
+    # The loop leaves its epoch while the thread holds the iterator: the thread lets go
+    # last, and so closes it itself; the workers' chunks still out must be drained all the
+    # same (once, a stale one reached the next epoch: KeyError).
+    dropped, _ = hold_the_second_batch(monkeypatch)
     dl = make(store, persistent_workers=True, batch_size=2)  # 12 batches: many chunks out
     it = iter(dl)
     next(it)
@@ -869,25 +877,7 @@ def test_a_new_iteration_waits_for_a_close_on_the_thread(store, monkeypatch):
     # As above, but the loop starts its next iteration at once, while the thread that let
     # go of the old iterator last still drains that one's chunks: the new iteration waits
     # for that close (before, it took the old chunks: KeyError, or a hang).
-    dropped = threading.Event()
-    produce = GpuEpochIterator._produce_one
-    calls = []
-
-    def held(self):
-        out = produce(self)
-        calls.append(1)
-        if len(calls) == 2:
-            dropped.wait(10)
-        return out
-
-    fill = EncodedBatches.fill
-
-    def slow_fill(*args):
-        time.sleep(0.05)
-        return fill(*args)
-
-    monkeypatch.setattr(GpuEpochIterator, "_produce_one", held)
-    monkeypatch.setattr(EncodedBatches, "fill", slow_fill)
+    dropped, calls = hold_the_second_batch(monkeypatch)
     dl = make(store, persistent_workers=True, batch_size=2)
     want = make(store, batch_size=2)
     for e, pause in ((3, 0.005), (4, 0.02), (5, 0.05), (6, 0.1)):
