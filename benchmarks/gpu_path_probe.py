@@ -46,38 +46,30 @@ import loader
 from loader import augment_gpu, gpu_stage, prefetch
 from loader.augment import Transform
 from loader.augment_gpu import GpuAugment
+from loader.bench.machine import Sampling
 from loader.decode import get_decoder
 from loader.store import Store
 
 
-class StackSampler:
+class StackSampler(Sampling):
     """Counts, per thread name, where each sampled thread's Python stack is."""
 
+    name = "probe-sampler"
+
     def __init__(self, period_s: float = 0.001) -> None:
-        self.period_s = period_s
+        super().__init__(period_s)
         self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.samples: collections.Counter = collections.Counter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="probe-sampler", daemon=True)
 
-    def __enter__(self) -> StackSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
+    def sample(self) -> None:
         me = threading.get_ident()
-        while not self._stop.wait(self.period_s):
-            names = {t.ident: t.name for t in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
-                if ident == me:
-                    continue
-                name = names.get(ident, str(ident))
-                self.samples[name] += 1
-                self.counts[name][_site(frame)] += 1
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            name = names.get(ident, str(ident))
+            self.samples[name] += 1
+            self.counts[name][_site(frame)] += 1
 
     def report(self, top: int = 8) -> dict:
         out = {}

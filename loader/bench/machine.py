@@ -37,19 +37,18 @@ def cores_mhz(cpuinfo: str, cores) -> float | None:
     return round(statistics.fmean(got), 1) if got else None
 
 
-class CoreClock:
-    """While in a ``with`` block, the clock of ``cores`` sampled every ``every`` seconds
-    from /proc/cpuinfo; ``mhz``: the median of the samples (None where the kernel gives
-    none). All cores busy run at a lower clock than a few: what a figure measured on half
-    the machine does not show."""
+class Sampling:
+    """While in a ``with`` block, ``sample()`` every ``every`` seconds in a daemon thread,
+    from the block's start; a ``sample`` that returns False ends it early."""
 
-    def __init__(self, cores, every: float = 0.25) -> None:
-        self.cores, self.every = sorted(cores), every
-        self.samples: list[float] = []
+    name = "imfeed-sampling"
+
+    def __init__(self, every: float) -> None:
+        self.every = every
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="imfeed-core-clock", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
 
-    def __enter__(self) -> CoreClock:
+    def __enter__(self):
         self._thread.start()
         return self
 
@@ -57,18 +56,37 @@ class CoreClock:
         self._stop.set()
         self._thread.join()
 
+    def sample(self) -> bool | None:
+        raise NotImplementedError
+
     def _run(self) -> None:
-        while True:
-            try:
-                with open("/proc/cpuinfo") as f:
-                    mhz = cores_mhz(f.read(), self.cores)
-            except OSError:
-                return
-            if mhz is None:
-                return
-            self.samples.append(mhz)
-            if self._stop.wait(self.every):
-                return
+        while self.sample() is not False and not self._stop.wait(self.every):
+            pass
+
+
+class CoreClock(Sampling):
+    """While in a ``with`` block, the clock of ``cores`` sampled every ``every`` seconds
+    from /proc/cpuinfo; ``mhz``: the median of the samples (None where the kernel gives
+    none). All cores busy run at a lower clock than a few: what a figure measured on half
+    the machine does not show."""
+
+    name = "imfeed-core-clock"
+
+    def __init__(self, cores, every: float = 0.25) -> None:
+        super().__init__(every)
+        self.cores = sorted(cores)
+        self.samples: list[float] = []
+
+    def sample(self) -> bool:
+        try:
+            with open("/proc/cpuinfo") as f:
+                mhz = cores_mhz(f.read(), self.cores)
+        except OSError:
+            return False
+        if mhz is None:
+            return False
+        self.samples.append(mhz)
+        return True
 
     @property
     def mhz(self) -> float | None:
