@@ -425,13 +425,9 @@ def main() -> None:
             out[name]["starved"] = round(stats.get("starved_handoffs", 0) / stats["batches"], 3)
             out[name]["way"] = (stats.get("dali_way"), stats.get("dali_trials"))
             picker = dl._gpu_stage.picker
-            if picker is not None:  # each trial: hand-offs so far, the way kept, and by way
-                # the ms between batches handed off and between batches finished
-                out[name]["trials"] = [
-                    (t.handoffs, t.kept, *({w: round(p * 1e3, 2) for w, p in d.items()}
-                                           for d in (t.handed, t.made)))
-                    for t in picker.history
-                ]  # fmt: skip
+            if picker is not None:  # each trial: its cause, hand-offs so far, the way kept,
+                # and by way the ms between batches handed off and between batches finished
+                out[name]["trials"] = [t.report() for t in picker.history]
                 # each trial's counted gaps by way: handed off, then finished
                 out[name]["trial_gaps"] = [
                     {w: (spread(handed[w]), spread(made.get(w, []))) for w in handed}
