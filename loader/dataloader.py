@@ -88,9 +88,12 @@ class DataLoader:
         cpu_share: GPU path: fraction of the JPEGs the workers decode on the CPU beside the
             GPU decoder (default 0: all on the GPU, which measured fastest on an H200 with
             nothing else running, and gives bit-for-bit reproducible pixels); "auto" steers
-            it as it runs. Beside a model that keeps the GPU busy the GPU decoder slows far
-            more than the workers do: on an H200, 0.3 trained ResNet-50 at 97% of its
-            ceiling where 0 gave 92%, with about 5 more cores busy.
+            it as it runs: it grows the share while the training loop does not wait for
+            batches and the workers keep up, and shrinks it while the loop waits (the
+            loader is then the limit: ``loader.gpu_stage``). Beside a model that keeps
+            the GPU busy the GPU decoder slows far more than the workers do: on an H200,
+            0.3 trained ResNet-50 at 97% of its ceiling where 0 gave 92%, with about 5
+            more cores busy.
         cache, cache_limit, cache_root: a node-wide RAM copy of the shards, shared by all
             processes and workers (``cache="shm"`` or ``"shm:keep"``): as on ``LMDBDataset``.
         verbose: print which path was taken and why (it is always logged at INFO).
@@ -326,7 +329,10 @@ class DataLoader:
         image; ``augment_s``: GPU time of cropping, resizing and normalising (CUDA events);
         ``gpu_decoded``/``cpu_decoded`` and ``gpu_share``: samples decoded on each side;
         ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
-        ``cpu_share``: the workers' current share of the GPU-decodable samples;
+        ``cpu_share``: the workers' current share of the GPU-decodable samples,
+        ``loop_wait_share`` the share of the training loop's time spent waiting for
+        batches over its last 8 (what ``cpu_share="auto"`` steers by, with
+        ``stage_wait_s`` below; None before 8);
         ``epochs_carried``: epochs whose first batches were made while the loop finished
         the one before (``persistent_workers=True``), ``carries_dropped``: such batches
         dropped, the next iteration reading another epoch or place;
@@ -358,6 +364,7 @@ class DataLoader:
         out["decoder"] = self.decoder
         if self._gpu_stage is not None:
             out["cpu_share"] = self._gpu_stage.cpu_share
+            out["loop_wait_share"] = self._gpu_stage.loop.share()
             picker = self._gpu_stage.picker
             if picker is not None:  # read under its lock: the prefetch thread decides
                 out.update({f"dali_{k}": v for k, v in picker.summary().items()})

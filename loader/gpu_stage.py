@@ -20,6 +20,22 @@ epoch's first batch steers nothing: the thread waits for it while the workers st
 epoch (counted in ``stage_wait_s`` all the same). Steered by, a wait that is nearly all
 of the batch's time took up to 0.475 off the share at every epoch's start, which then grew
 back by at most 0.025 a batch.
+
+The share moves only once the training loop is seen not to wait for batches: under
+``_LOOP_WAIT`` of its time over its last ``_LOOP_WINDOW`` hand-offs (an epoch's first left
+out). A loop that waits more has the loader for its limit, and the share then shrinks by
+``_GAIN`` times the share of the loop's time spent waiting, each batch. Steered by the
+workers' wait alone, the share grew to 11-30% with the loader alone on the H200, which then
+fed 12.7-19.7k img/s, against 27.3-32.2k with no share, in each of the 7 bench runs that
+had both (``gpu-h200-picker7`` to ``carry2``, ``loader-dali-auto`` against ``loader-dali``):
+there the prefetch thread is the limit, the share's rows cost it more than the GPU decode
+they save, and the workers keep up with it. Beside ResNet-18 (the loop waiting 16-33% of
+its time with no share) the share cost the model too: 71-83% of its ceiling against
+77-87%. Beside ResNet-50 the loop waited 1% of its time with no share; with one, the model
+trained at 99% of its ceiling in the 3 runs where the loop's wait stayed at 1% (97-98.6%
+with none), at 95-97% in the 4 where it rose to 5-9%. A loader whose limit is the GPU
+decoder itself (a GPU without hardware JPEG engines, with nothing else running) would gain
+from a share that "auto" then keeps at 0: a fixed ``cpu_share`` serves there.
 """
 
 from __future__ import annotations
@@ -45,6 +61,8 @@ from loader.stats import LoaderStats
 _TARGET_IDLE = 0.05  # share of the prefetch thread's time spent waiting for the workers
 _GAIN = 0.5  # share change per batch for each unit of idle-time error
 _MAX_AUTO_SHARE = 0.9
+_LOOP_WAIT = 0.05  # share of the training loop's time spent waiting for batches
+_LOOP_WINDOW = 8  # hand-offs over which that share is measured
 
 
 class Started(NamedTuple):
@@ -98,6 +116,7 @@ class GpuStage:
         self.stream = torch.cuda.Stream(device, priority=-1) if cuda else None
         self.auto = cpu_share == "auto" and num_workers > 0  # no workers: nothing to share
         self._starting = False  # the next batch finished is an epoch's first
+        self.loop = LoopWaits(_LOOP_WINDOW)
         producer.cpu_share = 0.0 if cpu_share == "auto" else cpu_share
         self._labels = producer.store.labels
         self._index = producer.store.index
@@ -268,8 +287,14 @@ class GpuStage:
         starting, self._starting = self._starting, False
         if not self.auto or starting:
             return
-        idle = waited / max(waited + busy, 1e-9)
-        share = self.producer.cpu_share + _GAIN * (_TARGET_IDLE - idle)
+        loop_waits = self.loop.share()
+        if loop_waits is None:  # too few hand-offs yet to tell whether the loop waits
+            return
+        if loop_waits > _LOOP_WAIT:  # the loader is the loop's limit
+            share = self.producer.cpu_share - _GAIN * loop_waits
+        else:
+            idle = waited / max(waited + busy, 1e-9)
+            share = self.producer.cpu_share + _GAIN * (_TARGET_IDLE - idle)
         self.producer.cpu_share = min(max(share, 0.0), _MAX_AUTO_SHARE)
 
     def epoch_started(self) -> None:
@@ -277,6 +302,7 @@ class GpuStage:
         plan dispatched, the first records read), not their pace, and steers nothing; the
         picker leaves out the burst of batches that follows."""
         self._starting = True
+        self.loop.epoch_started()
         if self.picker is not None:
             self.picker.epoch_started()
 
@@ -290,10 +316,13 @@ class GpuStage:
         if self.picker is not None:
             self.picker.finished(time.perf_counter())
 
-    def note_handoff(self) -> None:
-        """A batch was handed to the training loop: the picker's measure of the loop's."""
+    def note_handoff(self, waited: float) -> None:
+        """A batch was handed to the training loop, which ``waited`` seconds for it: the
+        picker's measure of the loop's pace, and the CPU share's of whether the loop waits."""
+        now = time.perf_counter()
+        self.loop.handed(waited, now)
         if self.picker is not None:
-            self.picker.handed(time.perf_counter())
+            self.picker.handed(now)
 
     @property
     def cpu_share(self) -> float:
@@ -307,6 +336,37 @@ def read_slot(slot: dict[str, torch.Tensor], n: int) -> tuple[dict, np.ndarray, 
     lengths, starts = views["lengths"][:n], views["starts"][:n]
     gpu_rows = np.flatnonzero(lengths >= 0)
     return views, gpu_rows, (starts[gpu_rows].tolist(), lengths[gpu_rows].tolist())
+
+
+class LoopWaits:
+    """The share of the training loop's time spent waiting for batches over its last
+    ``window`` hand-offs, each gap from the hand-off before; the first after an epoch began
+    is left out (the loop's own work between epochs, the workers' start). Any thread."""
+
+    def __init__(self, window: int) -> None:
+        self._gaps: collections.deque = collections.deque(maxlen=window)  # (gap, waited)
+        self._last: float | None = None
+        self._skip = False
+        self._lock = threading.Lock()
+
+    def handed(self, waited: float, now: float) -> None:
+        with self._lock:
+            last, self._last = self._last, now
+            if last is not None and not self._skip:
+                self._gaps.append((now - last, waited))
+            self._skip = False
+
+    def epoch_started(self) -> None:
+        with self._lock:
+            self._skip = True
+
+    def share(self) -> float | None:
+        """None until ``window`` gaps are in."""
+        with self._lock:
+            if len(self._gaps) < self._gaps.maxlen:
+                return None
+            gaps, waits = map(sum, zip(*self._gaps, strict=True))
+        return min(waits / max(gaps, 1e-9), 1.0)
 
 
 class _Done:

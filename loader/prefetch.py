@@ -117,7 +117,8 @@ class GpuEpochIterator(EpochIterator):
         except BaseException:  # Ctrl-C while waiting: stop the thread and the workers now
             self._close(finished=False, failed=True)
             raise
-        self._stats.add(wait_s=time.perf_counter() - t0)
+        waited = time.perf_counter() - t0
+        self._stats.add(wait_s=waited)
         if kind == "end":
             self._epoch_over(carrying=payload)  # payload: the thread went on into the next
             raise StopIteration
@@ -125,6 +126,7 @@ class GpuEpochIterator(EpochIterator):
             self._close(finished=False, failed=True)
             raise payload
         images, labels, indices, event, bad = payload
+        self._stage.note_handoff(waited)
         if images.device.type == "cuda":
             try:
                 self._hand_over(images, labels, event)
@@ -149,7 +151,6 @@ class GpuEpochIterator(EpochIterator):
         # training loop may then take up to a switch interval (5 ms) to get it back.
         pending = not event.query()
         self._stats.add(starved_handoffs=int(starved), pending_handoffs=int(pending))
-        self._stage.note_handoff()
         if pending:
             stream.wait_event(event)
         images.record_stream(stream)

@@ -39,6 +39,7 @@ from gpu_path_data import (
     BACKEND,
     CUDA,
     DEVICE,
+    EXTRA,
     NUM_SAMPLES,
     SHORT_SIDE,
     SIZE,
@@ -281,13 +282,17 @@ def test_a_cpu_share_decodes_each_sample_on_one_side(store):
 
 def test_auto_share_adapts_and_keeps_the_samples(store):
     dl = make(store, cpu_share="auto")
+    dl._gpu_stage.producer.cpu_share = 0.5  # as if steered there beside a busy model
+    for k in range(9):  # which the loop kept up with: 8 batches a second apart, no wait
+        dl._gpu_stage.loop.handed(0.0, k - 10.0)
     reference = epoch(make(store, cpu_share=0.0))
     got = epoch(dl)
     assert torch.equal(flat(got, 2), flat(reference, 2))
     sides = same_as_one_of(got, reference, epoch(make(store, cpu_share=1.0)))
     assert "none" not in sides
-    share = dl.stats()["cpu_share"]
-    assert 0.0 <= share <= 0.9
+    stats = dl.stats()
+    assert stats["cpu_decoded"] > EXTRA  # more than the images only the workers decode
+    assert 0.0 <= stats["cpu_share"] <= 0.9
 
 
 def test_an_epochs_first_batch_does_not_steer_the_auto_share(store):
@@ -302,6 +307,8 @@ def test_an_epochs_first_batch_does_not_steer_the_auto_share(store):
 
     stage._steer = steer
     stage.producer.cpu_share = 0.5  # as if steered there
+    for k in range(9):  # as if the loop had taken 8 batches a second apart, never waiting
+        stage.loop.handed(0.0, k - 10.0)
     epoch(dl)
     assert len(steered) == 3
     (wait, _, share), *rest = steered
@@ -309,6 +316,56 @@ def test_an_epochs_first_batch_does_not_steer_the_auto_share(store):
     for waited, busy, after in rest:  # the others steer it: gain 0.5, target 5% idle
         share = min(max(share + 0.5 * (0.05 - waited / (waited + busy)), 0.0), 0.9)
         assert after == pytest.approx(share)
+
+
+def test_the_auto_share_shrinks_while_the_loop_waits_for_batches(store):
+    # A loop that waits for its batches has the loader for its limit: the share does not
+    # grow, whatever the workers' wait, and shrinks by half the share of its time waiting.
+    dl = make(store, cpu_share="auto")
+    stage = dl._gpu_stage
+    stage.producer.cpu_share = 0.5
+    for k in range(8):  # gaps of 10 ms, 4 of them waiting for the batch
+        stage.loop.handed(0.004, 0.01 * (k + 1))
+    assert stage.loop.share() is None  # 7 gaps: too few
+    stage.loop.handed(0.004, 0.09)
+    assert stage.loop.share() == pytest.approx(0.4)
+    stage._steer(waited=0.0, busy=0.01)  # the thread never waited for the workers
+    assert stage.cpu_share == pytest.approx(0.5 - 0.5 * 0.4)
+    for _ in range(2):
+        stage._steer(waited=0.0, busy=0.01)
+    assert stage.cpu_share == 0.0
+    # Once it stops waiting (under 5% of its time), the share grows again by the workers'.
+    for k in range(8):
+        stage.loop.handed(0.0004, 0.09 + 0.01 * (k + 1))
+    assert stage.loop.share() == pytest.approx(0.04)
+    stage._steer(waited=0.0, busy=0.01)
+    assert stage.cpu_share == pytest.approx(0.5 * 0.05)
+    # An epoch's start: the gap to its first hand-off is the loop's own, left out.
+    stage.epoch_started()
+    stage.loop.handed(5.0, 10.0)
+    assert stage.loop.share() == pytest.approx(0.04)
+    stage.loop.handed(0.01, 10.01)  # the window's oldest gap gives way to this one
+    assert stage.loop.share() == pytest.approx((7 * 0.0004 + 0.01) / 0.08)
+
+
+def test_an_auto_share_fed_to_a_loop_that_waits_stays_at_zero(store):
+    # Iterated with nothing to do, the loop waits for its batches: the share stays at 0,
+    # unmoved until 8 hand-offs tell whether the loop waits, then held there. Each sample
+    # is still the GPU-only run's.
+    dl = make(store, cpu_share="auto", batch_size=1)
+    shares = []
+    stage = dl._gpu_stage
+
+    def steer(waited, busy, real=stage._steer):
+        real(waited, busy)
+        shares.append((stage.loop.share(), stage.cpu_share))
+
+    stage._steer = steer
+    got = epoch(dl)
+    assert len(shares) == NUM_SAMPLES
+    assert sum(loop is not None and loop > 0.05 for loop, _ in shares) > NUM_SAMPLES // 2
+    assert all(share == 0.0 for _, share in shares)
+    assert torch.equal(flat(got, 2), flat(epoch(make(store, cpu_share=0.0, batch_size=1)), 2))
 
 
 def test_the_picker_is_told_each_epochs_start_before_its_batches(store):
@@ -330,7 +387,7 @@ def test_the_picker_is_told_each_epochs_start_before_its_batches(store):
     epoch(dl)
     epoch(dl)
     assert calls == (["epoch"] + ["finished"] * 3) * 2  # batches of 8, 8, 7
-    assert len(handed) == (6 if CUDA else 0)  # hand-offs are counted on CUDA only
+    assert len(handed) == 6
 
 
 def test_stats_report_the_picker_of_ways(store):
@@ -1015,17 +1072,16 @@ def test_a_handoff_waits_only_for_gpu_work_still_running(monkeypatch):
     # marked as used by the training stream, for the allocator.
     stream = _TrainingStream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    stats, handed = LoaderStats(), []
+    stats = LoaderStats()
     it = type("It", (), {})()
     it._stats = stats
-    it._stage = type("Stage", (), {"note_handoff": lambda self: handed.append(1)})()
     events = [_QueriedEvent(True), _QueriedEvent(False), _QueriedEvent(True)]
     tensors = []
     for event in events:
         images, labels = _Used(), _Used()
         GpuEpochIterator._hand_over(it, images, labels, event)
         tensors += [images, labels]
-    assert stream.waited == [events[1]] and len(handed) == 3
+    assert stream.waited == [events[1]]
     assert all(t.streams == [stream] for t in tensors)
     totals = stats.snapshot()
     assert totals["pending_handoffs"] == 1 and totals["starved_handoffs"] == 0

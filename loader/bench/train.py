@@ -122,10 +122,12 @@ def loader_times(pipe) -> dict | None:
 
 def dali_way(pipe) -> dict:
     """``{"dali_way": way, "dali_trials": n, "dali_paces_ms": {way: ms}}``: how our DALI
-    stage decodes after its trials, and each way's pace in the last (``loader.pace``); empty
-    for any other pipeline."""
+    stage decodes after its trials, and each way's pace in the last (``loader.pace``); the
+    workers' ``cpu_share`` and what steers it with "auto" (``loop_wait_share``); empty for
+    any other pipeline."""
     stats = _stats(getattr(pipe, "dl", None))
-    keys = ("dali_way", "dali_trials", "dali_trial_causes", "dali_paces_ms")
+    keys = ("dali_way", "dali_trials", "dali_trial_causes", "dali_paces_ms", "cpu_share",
+            "loop_wait_share")  # fmt: skip
     return {k: stats[k] for k in keys if k in stats}
 
 
