@@ -185,7 +185,7 @@ def one_run(store: Path, seed: int, device: str, name: str) -> dict:
             bad.append({"epoch": e, "batch": k, "rows": rows.nonzero().flatten().tolist(),
                         "samples": indices, **seen})  # fmt: skip
     dali_bad = [b for b in dali_log if b]
-    keys = ("dali_way", "dali_trials", "dali_cuda_batches", "dali_batches_redone", "batches")
+    keys = ("way", "way_trials", "dali_cuda_batches", "dali_batches_redone", "batches")
     return {"seed": seed, "bad": bad, "dali_outputs_not_finite": dali_bad,
             **{k: stats.get(k) for k in keys}}  # fmt: skip
 

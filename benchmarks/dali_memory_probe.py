@@ -92,7 +92,7 @@ def main() -> None:
             ReleaseUnusedMemory()
         free, total = torch.cuda.mem_get_info()
         used.append(round((total - free) / (1 << 20), 1))
-    way = dl.stats().get("dali_way")
+    way = dl.stats().get("way")
     dl.close()
     time.sleep(0.5)
     lines = [f"{t:9.4f} {w}" for t, w in EVENTS]

@@ -158,7 +158,7 @@ def phase(before: dict, after: dict, images: int) -> dict:
         for k, v in after.items()
         if k.endswith("_s") and isinstance(v, float)
     }
-    keys = ("dali_way", "dali_trials", "dali_trial_causes", "dali_paces_ms")
+    keys = ("way", "way_trials", "way_trial_causes", "way_paces_ms")
     out.update({k: after[k] for k in keys if k in after})
     return out
 
@@ -246,8 +246,7 @@ def main() -> None:
         cpu_share=a.cpu_share if a.cpu_share == "auto" else float(a.cpu_share),
     )  # fmt: skip
     if a.dali_way and getattr(dl._gpu_stage, "picker", None) is not None:
-        dl._gpu_stage.picker = None  # as diagnose_training.py's "engines" / "cuda"
-        dl._gpu_stage._choose = lambda: a.dali_way
+        dl._gpu_stage.fix_way(a.dali_way)  # as diagnose_training.py's "engines" / "cuda"
     elif a.cuda_first and getattr(dl._gpu_stage, "picker", None) is not None:
         dl._gpu_stage.picker = WayPicker(tuple(reversed(dl._gpu_stage.picker.ways)))
     # Untimed epochs: the first starts the workers and fills the cache; more until the DALI

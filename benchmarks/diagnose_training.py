@@ -169,8 +169,7 @@ def dali_fed(store: str, workers: int, setting: str):
     if depth is not None:
         stage.depth = depth
     if fixed is not None:
-        stage.picker = None
-        stage._choose = lambda: fixed
+        stage.fix_way(fixed)
     for w in words:
         if w.startswith("prio"):
             stage.stream = torch.cuda.Stream(priority=-int(w[4:]))
@@ -423,7 +422,7 @@ def main() -> None:
                 stats.get("dali_cuda_batches", 0) / stats["batches"], 3
             )
             out[name]["starved"] = round(stats.get("starved_handoffs", 0) / stats["batches"], 3)
-            out[name]["way"] = (stats.get("dali_way"), stats.get("dali_trials"))
+            out[name]["way"] = (stats.get("way"), stats.get("way_trials"))
             picker = dl._gpu_stage.picker
             if picker is not None:  # each trial: its cause, hand-offs so far, the way kept,
                 # and by way the ms between batches handed off and between batches finished

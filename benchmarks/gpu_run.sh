@@ -53,7 +53,7 @@ for stage in "$@"; do
         # One log for every run (at most 8 files come back from the machine), a JSON each.
         echo "== $run${DDP_TAG:-} $(date -u +%T)" >> $OUT/ddp.log
         timeout 200 $pre python3 -m torch.distributed.run $args benchmarks/ddp_two_gpus.py "$STORE" ${DDP_ARGS:-} > $OUT/ddp-$run${DDP_TAG:-}.json 2>> $OUT/ddp.log
-        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(sys.argv[2], {k: v for k, v in r.items() if k not in ('stats', 'cores', 'alone', 'beside', 'trials')}, 'starved', r.get('beside', {}).get('starved_handoffs'), 'pending', r.get('beside', {}).get('pending_handoffs'), len(r['cores']), 'cores', r['stats'].get('dali_way'), [(t['cause'], t['kept']) for t in r.get('trials', [])], r['stats'].get('dali_paces_ms')) for r in d['ranks']]" $OUT/ddp-$run${DDP_TAG:-}.json "$run${DDP_TAG:-}" 2>/dev/null || tail -5 $OUT/ddp.log
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(sys.argv[2], {k: v for k, v in r.items() if k not in ('stats', 'cores', 'alone', 'beside', 'trials')}, 'starved', r.get('beside', {}).get('starved_handoffs'), 'pending', r.get('beside', {}).get('pending_handoffs'), len(r['cores']), 'cores', r['stats'].get('way'), r['stats'].get('cpu_share'), [(t['cause'], t['kept']) for t in r.get('trials', [])], r['stats'].get('way_paces_ms')) for r in d['ranks']]" $OUT/ddp-$run${DDP_TAG:-}.json "$run${DDP_TAG:-}" 2>/dev/null || tail -5 $OUT/ddp.log
       done ;;
   esac
 done

@@ -24,7 +24,8 @@ beside it train faster depends on the model, and even on the loan of the machine
 H200, ResNet-50 at 98.1-98.3% of its ceiling the CUDA way against 95.8-96.0%; ResNet-18 at
 71.9-72.1% against 82.9-84.3%, then 89.7% against 79.6% on the next loan,
 ``gpu-h200-diagnose3/4-*.log``), so a ``WayPicker`` tries both and keeps the one with which
-the training loop takes batches sooner (``loader.pace``); ``note_finished`` and
+the training loop takes batches sooner (``loader.pace``; with ``cpu_share="auto"``, each
+also with the workers' share and without: ``loader.gpu_stage``); ``note_finished`` and
 ``note_handoff`` tell it.
 
 A batch the pipeline fails on (a stream no decoder takes, a window outside its image) is
@@ -53,8 +54,7 @@ from ingest.cstderr import filtered
 from loader.augment_gpu import Rows, cut, upload
 from loader.decode_dali import _LIBRARY_LINES, HW_DECODER_LOAD, copy_into, jpeg_batch
 from loader.decode_nvjpeg import raise_if_not_the_data
-from loader.gpu_stage import GpuStage, Started, _event, read_slot
-from loader.pace import WayPicker
+from loader.gpu_stage import WITH_SHARE, GpuStage, Started, _event, read_slot
 
 MAX_THREADS = 8  # DALI's CPU threads (parsing; Huffman decode of what the engines skip)
 # The pipelines, by the share of the JPEGs DALI's mixed decoder gives the hardware engines
@@ -82,6 +82,7 @@ class DaliStarted(NamedTuple):
     report: object
     ticket: object  # what the pipeline will return its output for (``_Ticket``)
     busy: float  # seconds start took
+    way: str  # the picker's (``GpuStage.start``)
 
 
 class _Ticket:
@@ -114,29 +115,31 @@ class DaliStage(GpuStage):
         self.depth = 1 + self.concurrent_calls
         self._pipelines: dict[str, _Pipeline] = {}  # by kind, built when first needed
         self._out_dtype = self._dali_dtype()
-        # On the CPU, DALI's one way: nothing to pick.
-        self.picker = WayPicker((ENGINES, CUDA)) if self.device.type == "cuda" else None
 
-    def start(self, slot: dict[str, torch.Tensor], report, submit=None):
+    def decode_ways(self) -> tuple[str, ...]:
+        """The engines or CUDA kernels on CUDA; on the CPU, DALI's one way."""
+        return (ENGINES, CUDA) if self.device.type == "cuda" else (ENGINES,)
+
+    def start(self, slot: dict[str, torch.Tensor], report, submit=None, way=None):
         """Feed the slot's JPEGs, their windows and flips to the pipeline and let it run."""
         t0 = time.perf_counter()
-        way = self._choose()  # for every batch started: the picker counts them
+        way = self._next_way() if way is None else way
         n = report.n
         views, gpu_rows, spans = read_slot(slot, n)
         if not len(gpu_rows):  # every row decoded by the workers: nothing for DALI
-            return super().start(slot, report)
+            return super().start(slot, report, way=way)
         encoded = cut(views["data"], *spans)
-        ticket = _Ticket(encoded, self._arguments(views["crops"][gpu_rows]), way)
+        ticket = _Ticket(encoded, self._arguments(views["crops"][gpu_rows]), self._kind(way))
         t_feed = time.perf_counter()
         try:
             self._feed(ticket)
         except RuntimeError as e:
             raise_if_not_the_data(e)
             self._pipelines.pop(ticket.kind, None)
-            return super().start(slot, report)
+            return super().start(slot, report, way=way)
         self.stats.add(dali_feed_s=time.perf_counter() - t_feed,
                        dali_cuda_batches=int(ticket.kind == CUDA))  # fmt: skip
-        return DaliStarted(slot, views, gpu_rows, report, ticket, time.perf_counter() - t0)
+        return DaliStarted(slot, views, gpu_rows, report, ticket, time.perf_counter() - t0, way)
 
     def finish(self, started, waited: float = 0.0) -> tuple:
         """Copy the pipeline's output for ``started`` into the batch, with the workers'
@@ -152,7 +155,7 @@ class DaliStage(GpuStage):
             result = None
         if result is None:  # the pipeline failed on this batch
             self.stats.add(dali_batches_redone=1)
-            again = super().start(started.slot, started.report)
+            again = super().start(started.slot, started.report, way=started.way)
             return super().finish(again._replace(busy=again.busy + started.busy), waited)
         decode_s = time.perf_counter() - t0
         views, gpu_rows, report = started.views, started.gpu_rows, started.report
@@ -177,14 +180,13 @@ class DaliStage(GpuStage):
                 self._copy_out(result, n, into=out)
             done = _event(self.device)
         self._account(report, len(gpu_rows), len(cpu_rows), decode_s)
-        self._steer(waited, time.perf_counter() - t0 + started.busy)
+        self._steer(waited, time.perf_counter() - t0 + started.busy, started.way)
         return out, labels, indices, done
 
     def settle(self) -> None:
         """Wait for the batches still in the pipelines (their outputs dropped): they read
         their JPEGs in the ring's slots, which the workers refill once the epoch is closed."""
-        if self.picker is not None:
-            self.picker.forget()
+        super().settle()
         for kind, own in list(self._pipelines.items()):
             while own.queue:
                 try:
@@ -193,16 +195,13 @@ class DaliStage(GpuStage):
                     del self._pipelines[kind]
                     break
 
-    def _choose(self) -> str:
-        """The pipeline of the batch being started; on a trial's first batch, both are
-        built (so that building one does not slow the other's batches being measured)."""
-        if self.picker is None:
-            return ENGINES
-        way = self.picker.next()
-        if self.picker.trialing:
-            for kind in self.picker.ways:
+    def _kind(self, way: str) -> str:
+        """The pipeline of a batch of ``way``; in a trial, every one is built first (so
+        that building one does not slow another's batches being measured)."""
+        if self.picker is not None and self.picker.trialing:
+            for kind in dict.fromkeys(w.removesuffix(WITH_SHARE) for w in self.picker.ways):
                 self._built(kind)
-        return way
+        return way.removesuffix(WITH_SHARE)
 
     # -- the pipeline -------------------------------------------------------------------
 

@@ -329,7 +329,8 @@ class DataLoader:
         image; ``augment_s``: GPU time of cropping, resizing and normalising (CUDA events);
         ``gpu_decoded``/``cpu_decoded`` and ``gpu_share``: samples decoded on each side;
         ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
-        ``cpu_share``: the workers' current share of the GPU-decodable samples,
+        ``cpu_share``: the workers' current share of the GPU-decodable samples (with
+        ``cpu_share="auto"``: of the batches of a way with it, "+cpu"),
         ``loop_wait_share`` the share of the training loop's time spent waiting for
         batches over its last 8 (what ``cpu_share="auto"`` steers by, with
         ``stage_wait_s`` below; None before 8);
@@ -339,14 +340,15 @@ class DataLoader:
         ``starved_handoffs``: batches handed to a training stream with no work left queued
         (the model waited for data; on CUDA); ``pending_handoffs``: batches handed off
         with their GPU work still running (the training stream waits for it; on CUDA);
-        with ``decoder="dali"`` on CUDA, ``dali_way``: how DALI decodes between trials
-        ("engines" or "cuda", ``loader.pace``),
-        ``dali_trials`` the trials so far, ``dali_trialing`` whether one is under way,
-        ``dali_trial_causes`` what started the last trials ("first", "drift": the loop's
+        where the loader picks among ways of making batches (``decoder="dali"`` on CUDA:
+        the engines or CUDA kernels; ``cpu_share="auto"``: each with the workers' share
+        or without, "+cpu"), ``way``: the way kept between trials (``loader.pace``),
+        ``way_trials`` the trials so far, ``way_trialing`` whether one is under way,
+        ``way_trial_causes`` what started the last trials ("first", "drift": the loop's
         pace moved, "recheck", "close": the trial before could not tell the ways apart; up
         to 8 decided, oldest first, then the one under way if any),
-        ``dali_paces_ms`` each way's pace in the last trial (milliseconds a batch, the
-        faster is kept: ``loader.pace``) and
+        ``way_paces_ms`` each way's pace in the last trial (milliseconds a batch, the
+        faster is kept: ``loader.pace``); with ``decoder="dali"``,
         ``dali_cuda_batches`` the batches it decoded with CUDA kernels instead of the
         hardware engines;
         ``prefetch_cpu_s``: the GPU path's prefetch thread's own CPU time, and
@@ -367,7 +369,9 @@ class DataLoader:
             out["loop_wait_share"] = self._gpu_stage.loop.share()
             picker = self._gpu_stage.picker
             if picker is not None:  # read under its lock: the prefetch thread decides
-                out.update({f"dali_{k}": v for k, v in picker.summary().items()})
+                summary = picker.summary()
+                out["way"] = summary.pop("way")
+                out.update({f"way_{k}": v for k, v in summary.items()})
         return out
 
     def cache_stats(self) -> dict[str, int] | None:

@@ -13,6 +13,7 @@ tensor per sample.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import simplejpeg
@@ -53,6 +54,9 @@ class EncodedBatches(PixelBatches):
         sizes = np.asarray(index["nbytes"], dtype=np.int64)
         self.capacity = int(batch_size * float(sizes.mean()) * _SLACK) + int(sizes.max())
         self.cpu_share = float(cpu_share)
+        # Where set, the share of each batch as it is planned (called once a batch, in the
+        # order batches are planned): the GPU stage's, which tries the share or none.
+        self.share_of_next: Callable[[], float] | None = None
 
     def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
         h, w = self.spec.size
@@ -73,7 +77,8 @@ class EncodedBatches(PixelBatches):
         rows = np.zeros((len(indices), ROOM + 1), dtype=np.int64)
         rows[:, : len(CROP_COLUMNS)] = crops
         gpu = self._gpu_ok[indices].copy()
-        gpu[self._cpu_share(crops, gpu)] = False
+        share = self.cpu_share if self.share_of_next is None else self.share_of_next()
+        gpu[self._cpu_share(crops, gpu, share)] = False
         room = np.where(gpu, self.store.index["nbytes"][indices], 0).astype(np.int64)
         ends = np.cumsum(room)
         room[ends > self.capacity] = 0  # the rest of a heavy batch decodes on the CPU
@@ -81,10 +86,12 @@ class EncodedBatches(PixelBatches):
         rows[:, ROOM] = room
         return rows
 
-    def _cpu_share(self, crops: np.ndarray, gpu: np.ndarray) -> np.ndarray:
-        """Positions of the GPU-decodable samples sent to the CPU instead: those whose
-        DCT-domain reduction saves the CPU the most (small windows of large images)."""
-        k = round(self.cpu_share * int(gpu.sum()))
+    @staticmethod
+    def _cpu_share(crops: np.ndarray, gpu: np.ndarray, share: float) -> np.ndarray:
+        """Positions of the ``share`` of the GPU-decodable samples sent to the CPU instead:
+        those whose DCT-domain reduction saves the CPU the most (small windows of large
+        images)."""
+        k = round(share * int(gpu.sum()))
         if k <= 0:
             return np.zeros(0, dtype=np.int64)
         candidates = np.flatnonzero(gpu)

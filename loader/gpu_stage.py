@@ -29,13 +29,16 @@ workers' wait alone, the share grew to 11-30% with the loader alone on the H200,
 fed 12.7-19.7k img/s, against 27.3-32.2k with no share, in each of the 7 bench runs that
 had both (``gpu-h200-picker7`` to ``carry2``, ``loader-dali-auto`` against ``loader-dali``):
 there the prefetch thread is the limit, the share's rows cost it more than the GPU decode
-they save, and the workers keep up with it. Beside ResNet-18 (the loop waiting 16-33% of
-its time with no share) the share cost the model too: 71-83% of its ceiling against
-77-87%. Beside ResNet-50 the loop waited 1% of its time with no share; with one, the model
-trained at 99% of its ceiling in the 3 runs where the loop's wait stayed at 1% (97-98.6%
-with none), at 95-97% in the 4 where it rose to 5-9%. A loader whose limit is the GPU
-decoder itself (a GPU without hardware JPEG engines, with nothing else running) would gain
-from a share that "auto" then keeps at 0: a fixed ``cpu_share`` serves there.
+they save, and the workers keep up with it. With the loop's wait steering too, the share
+stayed at 0 alone (27.5k img/s against 27.4k, ``gpu-h200-autogate``).
+
+Whether a share pays at all is then measured, not inferred: with "auto", the picker
+(``loader.pace``) tries each of the decoder's ways with the share and without ("+cpu"),
+and keeps the one with which the training loop takes batches soonest; only the batches
+of a way with the share steer it. The loop's wait does not show what a share costs the
+loop's own steps: beside ResNet-18 in the same run it stopped waiting (5% of its step
+time, 23% with no share) as the share grew to 0.9, and trained at 72% of its ceiling
+against 80% (10 cores busy against 3.5; ResNet-50 98.9% against 98.4%). Its pace shows it.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from loader.augment_gpu import GpuAugment, Rows, cut, upload
 from loader.decode import get_decoder
 from loader.decode_nvjpeg import check_decoded
 from loader.encoded import EncodedBatches
+from loader.pace import WayPicker
 from loader.stats import LoaderStats
 
 _TARGET_IDLE = 0.05  # share of the prefetch thread's time spent waiting for the workers
@@ -63,6 +67,8 @@ _GAIN = 0.5  # share change per batch for each unit of idle-time error
 _MAX_AUTO_SHARE = 0.9
 _LOOP_WAIT = 0.05  # share of the training loop's time spent waiting for batches
 _LOOP_WINDOW = 8  # hand-offs over which that share is measured
+_START_SHARE = 0.25  # of the ways with a share (cpu_share="auto"), before any steering
+WITH_SHARE = "+cpu"  # the name of a way whose batches the workers take a share of
 
 
 class Started(NamedTuple):
@@ -73,6 +79,7 @@ class Started(NamedTuple):
     report: object
     future: Future  # of _decode's result
     busy: float  # seconds start took
+    way: str = ""  # the picker's way of the batch (WITH_SHARE: with the workers' share)
 
 
 class GpuStage:
@@ -89,8 +96,6 @@ class GpuStage:
         num_workers: worker processes (without any, "auto" keeps everything on the GPU).
         stats: where stage timings go.
     """
-
-    picker = None  # which way a stage decodes, where it has several (``DaliStage``)
 
     def __init__(
         self,
@@ -117,7 +122,9 @@ class GpuStage:
         self.auto = cpu_share == "auto" and num_workers > 0  # no workers: nothing to share
         self._starting = False  # the next batch finished is an epoch's first
         self.loop = LoopWaits(_LOOP_WINDOW)
-        producer.cpu_share = 0.0 if cpu_share == "auto" else cpu_share
+        if cpu_share == "auto":  # the share of the ways with one (none without workers)
+            cpu_share = _START_SHARE if self.auto else 0.0
+        producer.cpu_share = cpu_share
         self._labels = producer.store.labels
         self._index = producer.store.index
         # Decoded images stay referenced until the kernels reading them are done (see
@@ -128,6 +135,42 @@ class GpuStage:
         self._in_flight_lock = threading.Lock()  # decode threads release, finish appends
         # Threads that may decode at once (see ``loader.decode.Decoder``).
         self.concurrent_calls = int(getattr(self.decoder, "concurrent_calls", 1))
+        # The ways to make batches, of which the picker keeps the one with which the
+        # training loop takes them soonest (``loader.pace``): the decoder's, each also with
+        # the workers' share where it is "auto". Chosen as each batch is planned (the share
+        # is the workers'), remembered until it is started (how it is decoded).
+        ways = self.decode_ways()
+        if self.auto:
+            ways += tuple(way + WITH_SHARE for way in ways)
+        self.picker = WayPicker(ways) if len(ways) > 1 else None
+        self._fixed_way = ways[0]  # the way of every batch, where there is no picker
+        self._planned: collections.deque = collections.deque()  # ways planned, not started
+        producer.share_of_next = self._plan_way
+
+    def decode_ways(self) -> tuple[str, ...]:
+        """The ways this stage decodes (one here; ``DaliStage``: the engines or CUDA)."""
+        return ("gpu",)
+
+    def fix_way(self, way: str) -> None:
+        """Make every batch planned from now on ``way`` (one of the picker's), without
+        trials: to measure each way alone (``benchmarks/diagnose_training.py``)."""
+        self.picker, self._fixed_way = None, way
+
+    def _plan_way(self) -> float:
+        """The picker's way for the batch being planned (remembered for its start), and the
+        share of it the workers decode (with "auto", none on a way without it)."""
+        way = self.picker.next() if self.picker is not None else self._fixed_way
+        self._planned.append(way)
+        if self.auto and not way.endswith(WITH_SHARE):
+            return 0.0
+        return self.producer.cpu_share
+
+    def _next_way(self) -> str:
+        """The way planned for the batch being started (without one, as for the batches
+        planned before a picker was given: the way kept)."""
+        if self._planned:
+            return self._planned.popleft()
+        return self.picker.way if self.picker is not None else self._fixed_way
 
     def process(self, slot: dict[str, torch.Tensor], report, waited: float = 0.0) -> tuple:
         """The batch in ``slot`` (``report.n`` samples) as (images, labels, indices, event).
@@ -138,11 +181,13 @@ class GpuStage:
         """
         return self.finish(self.start(slot, report), waited)
 
-    def start(self, slot: dict[str, torch.Tensor], report, submit=None) -> Started:
+    def start(self, slot: dict[str, torch.Tensor], report, submit=None, way=None) -> Started:
         """First half of ``process``: hand the slot's JPEGs to the GPU decoder, through
         ``submit(fn) -> Future`` (a decode thread: the caller goes on meanwhile) or here.
-        The slot must stay untouched until ``finish`` returns."""
+        The slot must stay untouched until ``finish`` returns. ``way``: the batch's, where
+        the caller has taken it already."""
         t0 = time.perf_counter()
+        way = self._next_way() if way is None else way
         n = report.n
         views, gpu_rows, spans = read_slot(slot, n)
         # A decoder fed numpy arrays (DALI) gets numpy slices: a torch tensor's .numpy()
@@ -154,7 +199,7 @@ class GpuStage:
             future.set_result(decode())
         else:
             future = submit(decode)
-        return Started(views, gpu_rows, report, future, time.perf_counter() - t0)
+        return Started(views, gpu_rows, report, future, time.perf_counter() - t0, way)
 
     def finish(self, started: Started, waited: float = 0.0) -> tuple:
         """Second half of ``process``: wait for the decode, then crop, resize and normalise
@@ -192,7 +237,7 @@ class GpuStage:
             self._in_flight.append(((images, early), done))
         self.stats.add_gpu_time("augment", begin, done)
         self._account(report, len(images), len(cpu_rows), decode_s)
-        self._steer(waited, time.perf_counter() - t0 + started.busy)
+        self._steer(waited, time.perf_counter() - t0 + started.busy, started.way)
         return out, labels, indices, done
 
     def _decode(self, views, gpu_rows, data, spans: tuple[list, list], n: int) -> tuple:
@@ -281,11 +326,12 @@ class GpuStage:
             worker_read_s=max(0.0, report.worker_s - report.decode_s),
         )  # fmt: skip
 
-    def _steer(self, waited: float, busy: float) -> None:
-        """Move the workers' share towards the point where the thread barely waits."""
+    def _steer(self, waited: float, busy: float, way: str) -> None:
+        """Move the workers' share towards the point where the thread barely waits (by a
+        batch of a way with the share: one without tells nothing of it)."""
         self.stats.add(stage_wait_s=waited, stage_busy_s=busy)
         starting, self._starting = self._starting, False
-        if not self.auto or starting:
+        if not self.auto or starting or not way.endswith(WITH_SHARE):
             return
         loop_waits = self.loop.share()
         if loop_waits is None:  # too few hand-offs yet to tell whether the loop waits
@@ -307,8 +353,12 @@ class GpuStage:
             self.picker.epoch_started()
 
     def settle(self) -> None:
-        """Wait for work of a closed epoch that still reads its ring slots (none here:
-        ``finish`` has read every slot it was given)."""
+        """An iteration closed: the batches planned and not handed off never will be
+        (their ways are forgotten); wait for its work that still reads its ring slots
+        (none here: ``finish`` has read every slot it was given)."""
+        if self.picker is not None:
+            self.picker.forget()
+        self._planned.clear()
 
     def note_finished(self) -> None:
         """A batch was finished, ready to be handed off: the picker's measure of the

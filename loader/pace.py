@@ -93,7 +93,10 @@ the slower of the two: what the loop settles to once the queue has run dry or fi
 The ways of the batches started and not yet finished, and not yet handed off, are
 remembered in order (batches are finished and handed off in the order they were started),
 so each gap is counted for the way of its batch, whatever the lag between starting a
-batch and finishing or handing it off.
+batch and finishing or handing it off. (The GPU stage asks for a batch's way as it plans
+it, some batches ahead of its decode: with ``cpu_share="auto"`` each way is tried with
+the workers' share and without, and the workers decode the share as the batch is
+gathered.)
 """
 
 from __future__ import annotations

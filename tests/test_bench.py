@@ -430,7 +430,7 @@ def test_short_side_makes_larger_images_that_max_size_caps(tmp_path, capsys):
 
 class Settling:
     """A pipeline of ours whose DALI stage is trying its ways (``dl.stats()``'s
-    ``dali_trialing``) until it has served ``until`` batches; epochs of ``per_epoch``."""
+    ``way_trialing``) until it has served ``until`` batches; epochs of ``per_epoch``."""
 
     def __init__(self, until: int, per_epoch: int = 3) -> None:
         self.until, self.per_epoch, self.served = until, per_epoch, 0
@@ -438,7 +438,7 @@ class Settling:
         self.batch = torch.zeros(2, 3, 64, 64), torch.tensor([0, 1])
 
     def stats(self) -> dict:
-        return {"dali_trials": 1, "dali_trialing": self.served < self.until}
+        return {"way_trials": 1, "way_trialing": self.served < self.until}
 
     def epoch(self):
         for _ in range(self.per_epoch):

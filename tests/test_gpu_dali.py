@@ -59,6 +59,7 @@ from loader.augment import Transform
 from loader.dali_stage import CUDA as CUDA_WAY
 from loader.dali_stage import ENGINES
 from loader.decode_dali import _LIBRARY_LINES, copy_into
+from loader.gpu_stage import LoopWaits
 from loader.pace import WayPicker
 from loader.store import Store
 
@@ -259,9 +260,9 @@ def test_batches_split_between_the_two_pipelines_keep_samples_and_pixels(store):
     got = epoch(dl)
     stats = dl.stats()
     assert set(stage._pipelines) == {ENGINES, CUDA_WAY} and stats["dali_cuda_batches"] == 6
-    assert stats["dali_trials"] == 1 and stats.get("dali_batches_redone", 0) == 0
-    assert stats["dali_trialing"] is False  # decided on the epoch's last batch
-    assert stats["dali_trial_causes"] == ["first"]
+    assert stats["way_trials"] == 1 and stats.get("dali_batches_redone", 0) == 0
+    assert stats["way_trialing"] is False  # decided on the epoch's last batch
+    assert stats["way_trial_causes"] == ["first"]
     assert len(finished) == 12 and finished == sorted(finished)
     assert torch.equal(flat(got, 2), flat(expected, 2))
     assert torch.equal(flat(got, 1), flat(expected, 1))
@@ -271,6 +272,51 @@ def test_batches_split_between_the_two_pipelines_keep_samples_and_pixels(store):
         else:  # the same decoder (without CUDA both pipelines are DALI's CPU one)
             assert torch.equal(a, b)
     assert sorted(flat(epoch(dl), 2).tolist()) == list(range(NUM_SAMPLES))  # and again
+
+
+@needs_dali
+def test_auto_share_ways_take_the_pipeline_of_their_way_and_keep_the_samples(store):
+    # With cpu_share="auto", each of DALI's ways is tried with the workers' share and
+    # without: a batch planned "cuda+cpu" goes to the CUDA pipeline with its share
+    # decoded by the workers. Every sample is the one the run without a share delivers.
+    ways = (ENGINES, CUDA_WAY) if CUDA else (ENGINES,)
+    dl = make(store, batch_size=2, cpu_share="auto")
+    stage = dl._gpu_stage
+    assert stage.picker.ways == ways + tuple(f"{w}+cpu" for w in ways)
+    # Windows of 3 (A B B A; on CUDA A B C D D C B A), the share held at 0.5 of 2: one.
+    stage.picker = WayPicker(stage.picker.ways, window=3, skip=0, warmup=0, decisive=None)
+    stage.loop = LoopWaits(10**6)  # never told whether the loop waits: never steered
+    stage.producer.cpu_share = 0.5
+    batches = []  # [workers' rows, way], as each batch is finished
+
+    def account(report, on_gpu, on_cpu, decode_s, real=stage._account):
+        real(report, on_gpu, on_cpu, decode_s)
+        batches.append([on_cpu])
+
+    def steer(waited, busy, way, real=stage._steer):
+        real(waited, busy, way)
+        batches[-1].append(way)
+
+    stage._account, stage._steer = account, steer
+    got = epoch(dl)  # 12 batches
+    reference = make(store, batch_size=2)
+    if CUDA:  # all on the engines
+        reference._gpu_stage.fix_way(ENGINES)
+    expected = epoch(reference)
+    order = stage.picker.ways + stage.picker.ways[::-1]
+    planned = [way for way in order for _ in range(3)][:12]
+    assert [way for _, way in batches] == planned
+    gpu_ok = stage.producer._gpu_ok
+    for (on_cpu, way), batch in zip(batches, got, strict=True):
+        gpu = int(gpu_ok[batch[2].numpy()].sum())
+        assert on_cpu == len(batch[2]) - gpu + (round(0.5 * gpu) if "+" in way else 0)
+    assert dl.stats()["dali_cuda_batches"] == sum(w.startswith(CUDA_WAY) for w in planned)
+    assert torch.equal(flat(got, 2), flat(expected, 2))
+    assert torch.equal(flat(got, 1), flat(expected, 1))
+    workers = flat(epoch(make(store, batch_size=2, cpu_share=1.0)), 0)  # all theirs
+    for a, b, c in zip(flat(got, 0), flat(expected, 0), workers, strict=True):
+        # The workers' decode exactly, or DALI's: the engines' (CUDA kernels: within TOL).
+        assert torch.equal(a, c) or (mean_diff(a, b) <= TOL if CUDA else torch.equal(a, b))
 
 
 @needs_dali
@@ -346,7 +392,7 @@ def test_auto_on_cuda_is_the_dali_stage(store):
     batches = epoch(dl)
     assert sorted(flat(batches, 2).tolist()) == list(range(NUM_SAMPLES))
     stats = dl.stats()
-    assert stats["dali_way"] in (ENGINES, CUDA_WAY)
+    assert stats["way"] in (ENGINES, CUDA_WAY)
     assert type(dl._gpu_stage).__name__ == "DaliStage"
     assert stats["gpu_decoded"] == NUM_SAMPLES - 2  # the PNG and the progressive JPEG: CPU
     dl.close()

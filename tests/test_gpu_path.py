@@ -39,7 +39,6 @@ from gpu_path_data import (
     BACKEND,
     CUDA,
     DEVICE,
-    EXTRA,
     NUM_SAMPLES,
     SHORT_SIDE,
     SIZE,
@@ -61,6 +60,7 @@ from ingest.synth import random_view, sample_photos
 from loader.augment import Transform, plan_crops
 from loader.augment_gpu import GpuAugment
 from loader.encoded import EncodedBatches
+from loader.gpu_stage import LoopWaits
 from loader.options import resolve_decoder
 from loader.pace import WayPicker
 from loader.prefetch import GpuEpochIterator, _DecodeThreads, ring_slots
@@ -280,29 +280,54 @@ def test_a_cpu_share_decodes_each_sample_on_one_side(store):
     assert "none" not in same_as_one_of(batches, gpu_side, cpu_side)
 
 
-def test_auto_share_adapts_and_keeps_the_samples(store):
-    dl = make(store, cpu_share="auto")
-    dl._gpu_stage.producer.cpu_share = 0.5  # as if steered there beside a busy model
-    for k in range(9):  # which the loop kept up with: 8 batches a second apart, no wait
-        dl._gpu_stage.loop.handed(0.0, k - 10.0)
-    reference = epoch(make(store, cpu_share=0.0))
-    got = epoch(dl)
-    assert torch.equal(flat(got, 2), flat(reference, 2))
-    sides = same_as_one_of(got, reference, epoch(make(store, cpu_share=1.0)))
-    assert "none" not in sides
-    stats = dl.stats()
-    assert stats["cpu_decoded"] > EXTRA  # more than the images only the workers decode
-    assert 0.0 <= stats["cpu_share"] <= 0.9
+def test_auto_share_is_tried_as_a_way_and_keeps_the_samples(store):
+    # With cpu_share="auto" every way is tried with the workers' share and without: each
+    # batch planned "+cpu" has its share decoded by the workers, the others none, and
+    # every sample is the one the GPU-only run delivers, from one side or the other.
+    dl = make(store, cpu_share="auto", batch_size=4)
+    stage = dl._gpu_stage
+    assert stage.picker.ways == ("gpu", "gpu+cpu")
+    # A trial at once, windows of 5: A B B A from the first of the 18 batches of 3 epochs.
+    stage.picker = WayPicker(stage.picker.ways, window=5, skip=1, warmup=0)
+    stage.loop = LoopWaits(10**6)  # never told whether the loop waits: never steered,
+    stage.producer.cpu_share = 0.5  # the share stays at 0.5, and the counts below are exact
+    batches = []  # [workers' rows, way], as each batch is finished
+
+    def account(report, on_gpu, on_cpu, decode_s, real=stage._account):
+        real(report, on_gpu, on_cpu, decode_s)
+        batches.append([on_cpu])
+
+    def steer(waited, busy, way, real=stage._steer):
+        real(waited, busy, way)
+        batches[-1].append(way)
+
+    stage._account, stage._steer = account, steer
+    got = [epoch(dl) for _ in range(3)]
+    gpu_only, cpu_only = (make(store, cpu_share=share, batch_size=4) for share in (0.0, 1.0))
+    reference = [epoch(gpu_only) for _ in range(3)]
+    cpu_side = [epoch(cpu_only) for _ in range(3)]
+    gpu_ok = stage.producer._gpu_ok
+    ways = []
+    for (on_cpu, way), batch in zip(batches, itertools.chain(*got), strict=True):
+        gpu = int(gpu_ok[batch[2].numpy()].sum())  # the others are the workers' anyway
+        share = round(0.5 * gpu) if way == "gpu+cpu" else 0
+        assert on_cpu == len(batch[2]) - gpu + share
+        ways.append(way)
+    assert ways == ["gpu"] * 5 + ["gpu+cpu"] * 10 + ["gpu"] * 3  # the trial's A B B A so far
+    for mine, gpu_side, cpu_made in zip(got, reference, cpu_side, strict=True):
+        assert torch.equal(flat(mine, 2), flat(gpu_side, 2))
+        assert "none" not in same_as_one_of(mine, gpu_side, cpu_made)
 
 
 def test_an_epochs_first_batch_does_not_steer_the_auto_share(store):
     # The workers take 0.3 s to start: the first batch's wait is theirs, not their pace.
     dl = make(store, cpu_share="auto", worker_init_fn=lambda _: time.sleep(0.3))
     stage = dl._gpu_stage
+    stage.fix_way("gpu+cpu")  # every batch with the share
     steered = []  # (wait, busy, the share after them), batch by batch
 
-    def steer(waited, busy, real=stage._steer):
-        real(waited, busy)
+    def steer(waited, busy, way, real=stage._steer):
+        real(waited, busy, way)
         steered.append((waited, busy, stage.cpu_share))
 
     stage._steer = steer
@@ -321,24 +346,26 @@ def test_an_epochs_first_batch_does_not_steer_the_auto_share(store):
 def test_the_auto_share_shrinks_while_the_loop_waits_for_batches(store):
     # A loop that waits for its batches has the loader for its limit: the share does not
     # grow, whatever the workers' wait, and shrinks by half the share of its time waiting.
-    dl = make(store, cpu_share="auto")
-    stage = dl._gpu_stage
+    # Only the batches of a way with the share steer it.
+    stage = make(store, cpu_share="auto")._gpu_stage
     stage.producer.cpu_share = 0.5
     for k in range(8):  # gaps of 10 ms, 4 of them waiting for the batch
         stage.loop.handed(0.004, 0.01 * (k + 1))
     assert stage.loop.share() is None  # 7 gaps: too few
     stage.loop.handed(0.004, 0.09)
     assert stage.loop.share() == pytest.approx(0.4)
-    stage._steer(waited=0.0, busy=0.01)  # the thread never waited for the workers
+    stage._steer(waited=0.0, busy=0.01, way="gpu")  # a batch without the share: unmoved
+    assert stage.cpu_share == 0.5
+    stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")  # the workers kept up
     assert stage.cpu_share == pytest.approx(0.5 - 0.5 * 0.4)
     for _ in range(2):
-        stage._steer(waited=0.0, busy=0.01)
+        stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")
     assert stage.cpu_share == 0.0
     # Once it stops waiting (under 5% of its time), the share grows again by the workers'.
     for k in range(8):
         stage.loop.handed(0.0004, 0.09 + 0.01 * (k + 1))
     assert stage.loop.share() == pytest.approx(0.04)
-    stage._steer(waited=0.0, busy=0.01)
+    stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")
     assert stage.cpu_share == pytest.approx(0.5 * 0.05)
     # An epoch's start: the gap to its first hand-off is the loop's own, left out.
     stage.epoch_started()
@@ -348,23 +375,27 @@ def test_the_auto_share_shrinks_while_the_loop_waits_for_batches(store):
     assert stage.loop.share() == pytest.approx((7 * 0.0004 + 0.01) / 0.08)
 
 
-def test_an_auto_share_fed_to_a_loop_that_waits_stays_at_zero(store):
-    # Iterated with nothing to do, the loop waits for its batches: the share stays at 0,
-    # unmoved until 8 hand-offs tell whether the loop waits, then held there. Each sample
-    # is still the GPU-only run's.
+def test_an_auto_share_beside_a_loop_that_waits_goes_to_zero(store):
+    # Iterated with nothing to do, the loop waits for its batches: the share, unmoved
+    # until 8 hand-offs tell whether the loop waits, then goes to 0 and stays there.
+    # (Batches of one sample: a share of 0.25 of one rounds to none, so each sample is
+    # the GPU-only run's.)
     dl = make(store, cpu_share="auto", batch_size=1)
-    shares = []
     stage = dl._gpu_stage
+    stage.fix_way("gpu+cpu")
+    shares = []
 
-    def steer(waited, busy, real=stage._steer):
-        real(waited, busy)
+    def steer(waited, busy, way, real=stage._steer):
+        real(waited, busy, way)
         shares.append((stage.loop.share(), stage.cpu_share))
 
     stage._steer = steer
     got = epoch(dl)
     assert len(shares) == NUM_SAMPLES
-    assert sum(loop is not None and loop > 0.05 for loop, _ in shares) > NUM_SAMPLES // 2
-    assert all(share == 0.0 for _, share in shares)
+    told = [k for k, (loop, _) in enumerate(shares) if loop is not None]
+    assert all(share == 0.25 for _, share in shares[: told[0]])  # where it starts
+    assert sum(shares[k][0] > 0.05 for k in told) > NUM_SAMPLES // 2
+    assert shares[-1][1] == 0.0
     assert torch.equal(flat(got, 2), flat(epoch(make(store, cpu_share=0.0, batch_size=1)), 2))
 
 
@@ -373,6 +404,12 @@ def test_the_picker_is_told_each_epochs_start_before_its_batches(store):
     calls = []
 
     class Told:  # what a WayPicker is told by the stage, recorded
+        way = "gpu"
+
+        def next(self):  # as each batch is planned
+            planned.append(1)
+            return self.way
+
         def epoch_started(self):
             calls.append("epoch")
 
@@ -382,22 +419,25 @@ def test_the_picker_is_told_each_epochs_start_before_its_batches(store):
         def handed(self, now):
             handed.append(now)
 
-    handed = []
+        def forget(self):  # as the iteration closes, with nothing left in flight
+            calls.append("forget")
+
+    handed, planned = [], []
     dl._gpu_stage.picker = Told()
     epoch(dl)
     epoch(dl)
-    assert calls == (["epoch"] + ["finished"] * 3) * 2  # batches of 8, 8, 7
-    assert len(handed) == 6
+    assert calls == (["epoch"] + ["finished"] * 3 + ["forget"]) * 2  # batches of 8, 8, 7
+    assert len(handed) == len(planned) == 6
 
 
 def test_stats_report_the_picker_of_ways(store):
     dl = make(store)
     dl._gpu_stage.picker = WayPicker(("engines", "cuda"))  # a trial after 16 hand-offs
     epoch(dl)  # 3 batches: none yet
-    picked = {k: v for k, v in dl.stats().items() if k.startswith("dali_")}
+    picked = {k: v for k, v in dl.stats().items() if k.startswith("way")}
     assert picked == {
-        "dali_way": "engines", "dali_trials": 0, "dali_trialing": False,
-        "dali_trial_causes": [], "dali_paces_ms": {},
+        "way": "engines", "way_trials": 0, "way_trialing": False,
+        "way_trial_causes": [], "way_paces_ms": {},
     }  # fmt: skip
 
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 from loader.bench.pipelines import Settings, build
 from loader.bench.train import (
-    dali_way,
     decoded_between,
     decoded_counts,
     forever,
     loader_times,
     per_image,
+    picked_way,
     settling,
     train_check,
 )
@@ -105,7 +105,7 @@ def timed_pass(pipe, s: Settings) -> dict:
         }
         | per_image(before, loader_times(pipe), n)
         | decoded_between(counted, decoded_counts(pipe))
-        | dali_way(pipe)  # how our DALI stage decoded by the pass's end, and why
+        | picked_way(pipe)  # how our DALI stage decoded by the pass's end, and why
     )
 
 

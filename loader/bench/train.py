@@ -39,8 +39,9 @@ def forever(pipe) -> Iterator:
         yield from pipe.epoch()
 
 
-SETTLE_STEPS = 600  # untimed steps past the warm-up, at most, while our loader settles:
-# its first trial, and a second where the ways are close (two of about 250 batches each)
+SETTLE_STEPS = 1100  # untimed steps past the warm-up, at most, while our loader settles:
+# its first trial, and a second where the ways are close (two of about 250 batches each,
+# with two ways; 520 each with four: DALI's two, each with cpu_share="auto" and without)
 
 
 def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> dict:
@@ -95,16 +96,16 @@ def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> d
             "gpu_utilization": st.gpu_utilization,
         }
         | per_image(before, loader_times(pipe), (untimed + st.steps) * s.batch_size)
-        | dali_way(pipe)
+        | picked_way(pipe)
     )
 
 
 def settling(dl) -> bool:
-    """Whether ``dl`` (our loader with ``decoder="dali"`` on CUDA) has yet to finish a
-    trial of its ways, its first or one under way (``loader.pace``); False for any other
-    (None: a peer's pipeline)."""
+    """Whether ``dl`` (our loader where it picks among ways: ``decoder="dali"`` on CUDA,
+    ``cpu_share="auto"``) has yet to finish a trial of its ways, its first or one under
+    way (``loader.pace``); False for any other (None: a peer's pipeline)."""
     stats = _stats(dl)
-    return stats.get("dali_trials") == 0 or bool(stats.get("dali_trialing"))
+    return stats.get("way_trials") == 0 or bool(stats.get("way_trialing"))
 
 
 def _stats(dl) -> dict:
@@ -120,13 +121,13 @@ def loader_times(pipe) -> dict | None:
     return {k: v for k, v in dl.stats().items() if k.endswith("_s") and isinstance(v, float)}
 
 
-def dali_way(pipe) -> dict:
-    """``{"dali_way": way, "dali_trials": n, "dali_paces_ms": {way: ms}}``: how our DALI
-    stage decodes after its trials, and each way's pace in the last (``loader.pace``); the
+def picked_way(pipe) -> dict:
+    """``{"way": way, "way_trials": n, "way_paces_ms": {way: ms}}``: how our loader makes
+    batches after its trials, and each way's pace in the last (``loader.pace``); the
     workers' ``cpu_share`` and what steers it with "auto" (``loop_wait_share``); empty for
     any other pipeline."""
     stats = _stats(getattr(pipe, "dl", None))
-    keys = ("dali_way", "dali_trials", "dali_trial_causes", "dali_paces_ms", "cpu_share",
+    keys = ("way", "way_trials", "way_trial_causes", "way_paces_ms", "cpu_share",
             "loop_wait_share")  # fmt: skip
     return {k: stats[k] for k in keys if k in stats}
 
