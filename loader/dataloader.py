@@ -87,13 +87,14 @@ class DataLoader:
             take batches sooner (measured by trials, ``loader.pace``).
         cpu_share: GPU path: fraction of the JPEGs the workers decode on the CPU beside the
             GPU decoder (default 0: all on the GPU, which measured fastest on an H200 with
-            nothing else running, and gives bit-for-bit reproducible pixels); "auto" steers
-            it as it runs: it grows the share while the training loop does not wait for
-            batches and the workers keep up, and shrinks it while the loop waits (the
-            loader is then the limit: ``loader.gpu_stage``). Beside a model that keeps
-            the GPU busy the GPU decoder slows far more than the workers do: on an H200,
-            0.3 trained ResNet-50 at 97% of its ceiling where 0 gave 92%, with about 5
-            more cores busy.
+            nothing else running, and gives bit-for-bit reproducible pixels); "auto" tries
+            each way of decoding with a share and without, keeps the one with which the
+            training loop takes batches soonest (``loader.pace``), and steers the share
+            as it runs: it grows while the loop does not wait for batches and the workers
+            keep up, and shrinks while either waits (``loader.gpu_stage``). Beside a
+            model that keeps the GPU busy the GPU decoder slows far more than the workers
+            do: on an H200, 0.3 trained ResNet-50 at 97% of its ceiling where 0 gave 92%,
+            with about 5 more cores busy.
         cache, cache_limit, cache_root: a node-wide RAM copy of the shards, shared by all
             processes and workers (``cache="shm"`` or ``"shm:keep"``): as on ``LMDBDataset``.
         verbose: print which path was taken and why (it is always logged at INFO).

@@ -105,7 +105,7 @@ def timed_pass(pipe, s: Settings) -> dict:
         }
         | per_image(before, loader_times(pipe), n)
         | decoded_between(counted, decoded_counts(pipe))
-        | picked_way(pipe)  # how our DALI stage decoded by the pass's end, and why
+        | picked_way(pipe)  # how our loader made batches by the pass's end, and why
     )
 
 
