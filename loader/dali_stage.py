@@ -123,9 +123,9 @@ class DaliStage(GpuStage):
     def start(self, slot: dict[str, torch.Tensor], report, submit=None, way=None):
         """Feed the slot's JPEGs, their windows and flips to the pipeline and let it run."""
         t0 = time.perf_counter()
-        way = self._next_way() if way is None else way
         n = report.n
         views, gpu_rows, spans = read_slot(slot, n)
+        way = self._next_way(views) if way is None else way
         if not len(gpu_rows):  # every row decoded by the workers: nothing for DALI
             return super().start(slot, report, way=way)
         encoded = cut(views["data"], *spans)

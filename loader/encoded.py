@@ -54,9 +54,9 @@ class EncodedBatches(PixelBatches):
         sizes = np.asarray(index["nbytes"], dtype=np.int64)
         self.capacity = int(batch_size * float(sizes.mean()) * _SLACK) + int(sizes.max())
         self.cpu_share = float(cpu_share)
-        # Where set, the share of each batch as it is planned (called once a batch, in the
-        # order batches are planned): the GPU stage's, which tries the share or none.
-        self.share_of_next: Callable[[], float] | None = None
+        # Where set, the share of each batch as it is planned, given the batch's seed: the
+        # GPU stage's, which tries the share or none.
+        self.share_of_next: Callable[[int], float] | None = None
 
     def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
         h, w = self.spec.size
@@ -77,7 +77,7 @@ class EncodedBatches(PixelBatches):
         rows = np.zeros((len(indices), ROOM + 1), dtype=np.int64)
         rows[:, : len(CROP_COLUMNS)] = crops
         gpu = self._gpu_ok[indices].copy()
-        share = self.cpu_share if self.share_of_next is None else self.share_of_next()
+        share = self.cpu_share if self.share_of_next is None else self.share_of_next(seed)
         gpu[self._cpu_share(crops, gpu, share)] = False
         room = np.where(gpu, self.store.index["nbytes"][indices], 0).astype(np.int64)
         ends = np.cumsum(room)

@@ -69,6 +69,7 @@ _LOOP_WAIT = 0.05  # share of the training loop's time spent waiting for batches
 _LOOP_WINDOW = 8  # hand-offs over which that share is measured
 _START_SHARE = 0.25  # of the ways with a share (cpu_share="auto"), before any steering
 WITH_SHARE = "+cpu"  # the name of a way whose batches the workers take a share of
+_MAX_PLANNED = 4096  # ways remembered for batches planned and not started, at most
 
 
 class Started(NamedTuple):
@@ -138,13 +139,15 @@ class GpuStage:
         # The ways to make batches, of which the picker keeps the one with which the
         # training loop takes them soonest (``loader.pace``): the decoder's, each also with
         # the workers' share where it is "auto". Chosen as each batch is planned (the share
-        # is the workers'), remembered until it is started (how it is decoded).
+        # is the workers'), remembered by the batch's seed (in its slot) until it is
+        # started: however many batches planned are dropped, none takes another's way.
         ways = self.decode_ways()
         if self.auto:
             ways += tuple(way + WITH_SHARE for way in ways)
         self.picker = WayPicker(ways) if len(ways) > 1 else None
         self._fixed_way = ways[0]  # the way of every batch, where there is no picker
-        self._planned: collections.deque = collections.deque()  # ways planned, not started
+        self._planned: dict[int, str] = {}  # by seed: the ways planned, not yet started
+        self._planned_lock = threading.Lock()  # the batches are planned on two threads
         producer.share_of_next = self._plan_way
 
     def decode_ways(self) -> tuple[str, ...]:
@@ -156,20 +159,26 @@ class GpuStage:
         trials: to measure each way alone (``benchmarks/diagnose_training.py``)."""
         self.picker, self._fixed_way = None, way
 
-    def _plan_way(self) -> float:
-        """The picker's way for the batch being planned (remembered for its start), and the
-        share of it the workers decode (with "auto", none on a way without it)."""
+    def _plan_way(self, seed: int) -> float:
+        """The picker's way for the batch of ``seed`` being planned (remembered for its
+        start), and the share of it the workers decode (with "auto", none on a way
+        without it)."""
         way = self.picker.next() if self.picker is not None else self._fixed_way
-        self._planned.append(way)
+        with self._planned_lock:
+            self._planned[seed] = way
+            if len(self._planned) > _MAX_PLANNED:  # dropped without ``settle``: let go
+                del self._planned[next(iter(self._planned))]
         if self.auto and not way.endswith(WITH_SHARE):
             return 0.0
         return self.producer.cpu_share
 
-    def _next_way(self) -> str:
+    def _next_way(self, views: dict) -> str:
         """The way planned for the batch being started (without one, as for the batches
         planned before a picker was given: the way kept)."""
-        if self._planned:
-            return self._planned.popleft()
+        with self._planned_lock:
+            way = self._planned.pop(int(views["seed"][0]), None)
+        if way is not None:
+            return way
         return self.picker.way if self.picker is not None else self._fixed_way
 
     def process(self, slot: dict[str, torch.Tensor], report, waited: float = 0.0) -> tuple:
@@ -187,9 +196,9 @@ class GpuStage:
         The slot must stay untouched until ``finish`` returns. ``way``: the batch's, where
         the caller has taken it already."""
         t0 = time.perf_counter()
-        way = self._next_way() if way is None else way
         n = report.n
         views, gpu_rows, spans = read_slot(slot, n)
+        way = self._next_way(views) if way is None else way
         # A decoder fed numpy arrays (DALI) gets numpy slices: a torch tensor's .numpy()
         # per image would be 256 torch calls a batch, each letting the GIL go.
         data = views["data"] if getattr(self.decoder, "takes_numpy", False) else slot["data"]
@@ -358,7 +367,8 @@ class GpuStage:
         (none here: ``finish`` has read every slot it was given)."""
         if self.picker is not None:
             self.picker.forget()
-        self._planned.clear()
+        with self._planned_lock:
+            self._planned.clear()
 
     def note_finished(self) -> None:
         """A batch was finished, ready to be handed off: the picker's measure of the

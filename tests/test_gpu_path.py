@@ -302,6 +302,8 @@ def test_auto_share_is_tried_as_a_way_and_keeps_the_samples(store):
         batches[-1].append(way)
 
     stage._account, stage._steer = account, steer
+    stage._plan_way(seed=12345)  # a batch planned, then dropped unstarted: it takes the
+    # trial's first batch, and no other batch's way
     got = [epoch(dl) for _ in range(3)]
     gpu_only, cpu_only = (make(store, cpu_share=share, batch_size=4) for share in (0.0, 1.0))
     reference = [epoch(gpu_only) for _ in range(3)]
@@ -313,7 +315,7 @@ def test_auto_share_is_tried_as_a_way_and_keeps_the_samples(store):
         share = round(0.5 * gpu) if way == "gpu+cpu" else 0
         assert on_cpu == len(batch[2]) - gpu + share
         ways.append(way)
-    assert ways == ["gpu"] * 5 + ["gpu+cpu"] * 10 + ["gpu"] * 3  # the trial's A B B A so far
+    assert ways == ["gpu"] * 4 + ["gpu+cpu"] * 10 + ["gpu"] * 4  # the trial's A B B A so far
     for mine, gpu_side, cpu_made in zip(got, reference, cpu_side, strict=True):
         assert torch.equal(flat(mine, 2), flat(gpu_side, 2))
         assert "none" not in same_as_one_of(mine, gpu_side, cpu_made)
