@@ -330,8 +330,8 @@ class DataLoader:
         image; ``augment_s``: GPU time of cropping, resizing and normalising (CUDA events);
         ``gpu_decoded``/``cpu_decoded`` and ``gpu_share``: samples decoded on each side;
         ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
-        ``cpu_share``: the workers' current share of the GPU-decodable samples (with
-        ``cpu_share="auto"``: of the batches of a way with it, "+cpu"),
+        ``cpu_share``: the workers' current share of the GPU-decodable samples of the
+        batches of the way kept (with ``cpu_share="auto"``, 0 on a way without it),
         ``loop_wait_share`` the share of the training loop's time spent waiting for
         batches over its last 8 (what ``cpu_share="auto"`` steers by, with
         ``stage_wait_s`` below; None before 8);

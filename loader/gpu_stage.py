@@ -386,6 +386,11 @@ class GpuStage:
 
     @property
     def cpu_share(self) -> float:
+        """The workers' share of the batches of the way kept (with "auto": none on a way
+        without it; the share its ways with one get is ``producer.cpu_share``)."""
+        way = self.picker.way if self.picker is not None else self._fixed_way
+        if self.auto and not way.endswith(WITH_SHARE):
+            return 0.0
         return self.producer.cpu_share
 
 

@@ -49,7 +49,9 @@ below, 98 of 100 seeded loops kept the faster way, against 91 with one trial
 The first trial starts once ``warmup`` batches have been handed off (the workers and
 pipelines started); a new one when the kept way's pace moves by more than ``drift``
 (another model, evaluation, the loader left alone; the median of the last ``track`` gaps,
-so that one pause does not start one) and every ``recheck`` batches. The ``skip`` gaps
+so that one pause does not start one) and every ``recheck`` batches (by default 16
+times a whole trial's batches: 4,096 with two ways, 8,192 with four, so that rechecks take
+the same share of the batches however many ways there are). The ``skip`` gaps
 after a pause of the loop's own (a gap over ``PAUSE`` times the median of the last ones)
 and after an epoch began (``epoch_started``) are left out of everything: the batches made
 meanwhile come out at once. Counted, five such gaps out of eight halve the median and start
@@ -109,6 +111,7 @@ from itertools import groupby
 from typing import NamedTuple
 
 PAUSE = 10  # a gap this many times a window's median is the loop's pause, not a stall
+_RECHECK = 16  # whole trials' batches between two trials, by default
 # Where a batch stands in a trial (None: started between trials).
 _SKIPPED, _COUNTED, _LAST = 0, 1, 2  # _LAST: the trial's last counted gap; it then decides
 _HALF = 3  # counted, the end of the first window of the last way: each way has had one
@@ -164,7 +167,7 @@ class WayPicker:
         skip: int = 10,
         track: int = 8,
         drift: float = 0.5,
-        recheck: int = 4096,
+        recheck: int | None = None,
         warmup: int = 16,
         statistic=steady_mean,
         decisive: float | None = 1.25,
@@ -174,7 +177,8 @@ class WayPicker:
             raise ValueError("WayPicker needs two ways or more and window >= 2 * skip + 3")
         self.ways = tuple(ways)
         self.way = self.ways[0]  # the way kept between trials
-        self.window, self.skip, self.drift, self.recheck = window, skip, drift, recheck
+        self.window, self.skip, self.drift = window, skip, drift
+        self.recheck = _RECHECK * 2 * len(self.ways) * window if recheck is None else recheck
         self.warmup, self.statistic, self.decisive = warmup, statistic, decisive
         self.close = close
         self.trials = 0

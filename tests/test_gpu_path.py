@@ -349,7 +349,8 @@ def test_the_auto_share_shrinks_while_the_loop_waits_for_batches(store):
     # A loop that waits for its batches has the loader for its limit: the share does not
     # grow, whatever the workers' wait, and shrinks by half the share of its time waiting.
     # Only the batches of a way with the share steer it.
-    stage = make(store, cpu_share="auto")._gpu_stage
+    dl = make(store, cpu_share="auto")
+    stage = dl._gpu_stage  # its ways with the share get producer.cpu_share
     stage.producer.cpu_share = 0.5
     for k in range(8):  # gaps of 10 ms, 4 of them waiting for the batch
         stage.loop.handed(0.004, 0.01 * (k + 1))
@@ -357,18 +358,23 @@ def test_the_auto_share_shrinks_while_the_loop_waits_for_batches(store):
     stage.loop.handed(0.004, 0.09)
     assert stage.loop.share() == pytest.approx(0.4)
     stage._steer(waited=0.0, busy=0.01, way="gpu")  # a batch without the share: unmoved
-    assert stage.cpu_share == 0.5
+    assert stage.producer.cpu_share == 0.5
     stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")  # the workers kept up
-    assert stage.cpu_share == pytest.approx(0.5 - 0.5 * 0.4)
+    assert stage.producer.cpu_share == pytest.approx(0.5 - 0.5 * 0.4)
     for _ in range(2):
         stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")
-    assert stage.cpu_share == 0.0
+    assert stage.producer.cpu_share == 0.0
+    stage.producer.cpu_share = 0.3  # dl.stats() reports the share of the way kept: none
+    assert (stage.picker.way, dl.stats()["cpu_share"]) == ("gpu", 0.0)
+    stage.fix_way("gpu+cpu")
+    assert dl.stats()["cpu_share"] == 0.3
+    stage.producer.cpu_share = 0.0
     # Once it stops waiting (under 5% of its time), the share grows again by the workers'.
     for k in range(8):
         stage.loop.handed(0.0004, 0.09 + 0.01 * (k + 1))
     assert stage.loop.share() == pytest.approx(0.04)
     stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")
-    assert stage.cpu_share == pytest.approx(0.5 * 0.05)
+    assert stage.producer.cpu_share == pytest.approx(0.5 * 0.05)
     # An epoch's start: the gap to its first hand-off is the loop's own, left out.
     stage.epoch_started()
     stage.loop.handed(5.0, 10.0)

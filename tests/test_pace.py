@@ -298,6 +298,12 @@ def test_a_pause_of_the_loops_own_starts_no_trial_but_a_lasting_pace_does():
     assert summary["trial_causes"] == ["first", "drift"] and summary["trialing"]
 
 
+def test_rechecks_come_every_16_whole_trials_however_many_ways():
+    assert WayPicker(("engines", "cuda")).recheck == 4096  # trials of 2 x 2 x 64 batches
+    assert WayPicker(("engines", "cuda", "engines+cpu", "cuda+cpu")).recheck == 8192
+    assert WayPicker(("a", "b"), window=32, recheck=100).recheck == 100
+
+
 def test_a_new_trial_every_recheck_batches():
     picker = WayPicker(("engines", "cuda"), recheck=100, warmup=0)
     loop = Loop(picker)
