@@ -44,7 +44,10 @@ second has the cause "close". With it, all 5 runs kept CUDA, at 98.2-98.3%
 (``gpu-h200-ddp5.json``): the trial opened by CUDA measured the engines 1.9-2.6 ms a
 batch slower, the one opened by the engines -0.4 to +0.9 ms. Over the stalls simulated
 below, 98 of 100 seeded loops kept the faster way, against 91 with one trial
-(``tests/test_pace.py``). The second trial costs little: the ways are close.
+(``tests/test_pace.py``). With four ways (``cpu_share="auto"``) as close as beside
+ResNet-50 on the H200 (55.0-57.7 ms a batch) and the opener 4.5% faster, two trials kept
+the fastest in 100 simulated loops of 100, one trial in 61. The second trial costs
+little: the ways are close.
 
 The first trial starts once ``warmup`` batches have been handed off (the workers and
 pipelines started); a new one when the kept way's pace moves by more than ``drift``
