@@ -349,9 +349,8 @@ def test_the_auto_share_shrinks_while_the_loop_waits_for_batches(store):
     # A loop that waits for its batches has the loader for its limit: the share does not
     # grow, whatever the workers' wait, and shrinks by half the share of its time waiting.
     # Only the batches of a way with the share steer it.
-    dl = make(store, cpu_share="auto")
-    stage = dl._gpu_stage  # its ways with the share get producer.cpu_share
-    stage.producer.cpu_share = 0.5
+    stage = make(store, cpu_share="auto")._gpu_stage
+    stage.producer.cpu_share = 0.5  # what its ways with the share get
     for k in range(8):  # gaps of 10 ms, 4 of them waiting for the batch
         stage.loop.handed(0.004, 0.01 * (k + 1))
     assert stage.loop.share() is None  # 7 gaps: too few
@@ -364,11 +363,6 @@ def test_the_auto_share_shrinks_while_the_loop_waits_for_batches(store):
     for _ in range(2):
         stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")
     assert stage.producer.cpu_share == 0.0
-    stage.producer.cpu_share = 0.3  # dl.stats() reports the share of the way kept: none
-    assert (stage.picker.way, dl.stats()["cpu_share"]) == ("gpu", 0.0)
-    stage.fix_way("gpu+cpu")
-    assert dl.stats()["cpu_share"] == 0.3
-    stage.producer.cpu_share = 0.0
     # Once it stops waiting (under 5% of its time), the share grows again by the workers'.
     for k in range(8):
         stage.loop.handed(0.0004, 0.09 + 0.01 * (k + 1))
@@ -381,6 +375,17 @@ def test_the_auto_share_shrinks_while_the_loop_waits_for_batches(store):
     assert stage.loop.share() == pytest.approx(0.04)
     stage.loop.handed(0.01, 10.01)  # the window's oldest gap gives way to this one
     assert stage.loop.share() == pytest.approx((7 * 0.0004 + 0.01) / 0.08)
+
+
+def test_stats_report_the_share_of_the_way_kept(store):
+    dl = make(store, cpu_share="auto")
+    stage = dl._gpu_stage
+    stage.producer.cpu_share = 0.3  # what the ways with the share get
+    assert (stage.picker.way, dl.stats()["cpu_share"]) == ("gpu", 0.0)
+    stage.fix_way("gpu+cpu")
+    assert dl.stats()["cpu_share"] == 0.3
+    fixed = make(store, cpu_share=0.2)  # a fixed share: every batch's, no ways tried
+    assert (fixed._gpu_stage.picker, fixed.stats()["cpu_share"]) == (None, 0.2)
 
 
 def test_an_auto_share_beside_a_loop_that_waits_goes_to_zero(store):
