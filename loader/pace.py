@@ -34,20 +34,24 @@ ResNet-50 on the H200, with each way fixed (``gpu-h200-ddp4.json``), the model t
 the trial the faster: CUDA opened in the 5 runs whose order is known (``ddp3``, ``ddp4``,
 trial causes "first" then "drift") and measured 2.6-3.2 ms a batch under the engines; the
 engines opened once and measured 2.1 ms under CUDA, were kept, and the model trained at
-97.6%. So where a whole trial finds every way within ``close`` (10%) of the fastest, the
-next trial starts at once in the other order (B A A B), and each way's pace is the mean of
-its two: whatever favours the way that opens a trial then favours each way once, and each
-pace rests on twice the gaps. (The mean of the two paces, not of the gaps pooled: each
-way's longer run falls in a different trial, so pooled gaps would weigh a drift
-unevenly.) The first of the two keeps the way kept before it (its ``Trial.kept``), the
-second has the cause "close". With it, all 5 runs kept CUDA, at 98.2-98.3%
-(``gpu-h200-ddp5.json``): the trial opened by CUDA measured the engines 1.9-2.6 ms a
-batch slower, the one opened by the engines -0.4 to +0.9 ms. Over the stalls simulated
-below, 98 of 100 seeded loops kept the faster way, against 91 with one trial
-(``tests/test_pace.py``). With four ways (``cpu_share="auto"``) as close as beside
-ResNet-50 on the H200 (55.0-57.7 ms a batch) and the opener 4.5% faster, two trials kept
-the fastest in 100 simulated loops of 100, one trial in 61. The second trial costs
-little: the ways are close.
+97.6%. So where a trial finds the fastest two ways within ``close`` (10%) of each other,
+the next trial starts at once in the other order (B A A B), and each way's pace is the mean
+of its two: whatever favours the way that opens a trial then favours each way once, and
+each pace rests on twice the gaps. (The mean of the two paces, not of the gaps pooled:
+each way's longer run falls in a different trial, so pooled gaps would weigh a drift
+unevenly.) With more ways (``cpu_share="auto"``: four), the second trial is opened by
+whichever of the fastest two did not open the first (by the same way where neither did:
+its favour then goes to a way out of the running), the rest in the first trial's order
+reversed, so that the two ways in the running each open one trial. The first of the two
+keeps the way kept before it (its ``Trial.kept``), the second has the cause "close". With
+it, all 5 runs kept CUDA, at 98.2-98.3% (``gpu-h200-ddp5.json``): the trial opened by CUDA
+measured the engines 1.9-2.6 ms a batch slower, the one opened by the engines -0.4 to +0.9
+ms. Over the stalls simulated below, 98 of 100 seeded loops kept the faster way, against 91
+with one trial (``tests/test_pace.py``). With four ways as close as beside ResNet-50 on the
+H200 (55.0-57.7 ms a batch) and the opener 4.5% faster, two trials kept the fastest in 100
+simulated loops of 100, one trial in 61; with four spread wider than 10% (as beside
+ResNet-18) but the fastest two 2% apart, and the fastest not first in the default order,
+100 of 100 against none. The second trial costs little: the ways are close.
 
 The first trial starts once ``warmup`` batches have been handed off (the workers and
 pipelines started); a new one when the kept way's pace moves by more than ``drift``
@@ -206,6 +210,7 @@ class WayPicker:
         self._quiet_handed = self._quiet_made = 0
         self._trialing = False
         self._cause = "first"
+        self._order: tuple[str, ...] = self.ways  # the ways in the order of the last trial
         if warmup == 0:
             self._start_trial("first")
 
@@ -303,8 +308,11 @@ class WayPicker:
         the ``skip`` at either end of a run, beside another way's batches)."""
         return place is not None and place != _SKIPPED
 
-    def _start_trial(self, cause: str) -> None:
+    def _start_trial(self, cause: str, opener: str | None = None) -> None:
         order = self.ways if self.trials % 2 == 0 else self.ways[::-1]
+        if opener is not None:  # the last trial's order reversed, ``opener`` first
+            order = (opener, *(w for w in self._order[::-1] if w != opener))
+        self._order = order
         # A B ... B A, a window each; the same way twice in a row is one run.
         runs = [(way, len(list(same)) * self.window) for way, same in groupby(order + order[::-1])]
         self._plan = [
@@ -340,14 +348,23 @@ class WayPicker:
         return max(paces.values()) > self.decisive * min(paces.values())
 
     def _too_close(self, paces: dict) -> bool:
-        """Whether a whole trial (not itself the second of two) found every way within
-        ``close`` of the fastest: nearer than one trial tells apart, so another decides
-        with it."""
-        return (
-            self.close is not None and self._cause != "close"
-            and len(paces) == len(self.ways)
-            and max(paces.values()) < (1 + self.close) * min(paces.values())
-        )  # fmt: skip
+        """Whether a trial (not itself the second of two) found the fastest two ways
+        within ``close`` of each other: nearer than one trial tells apart, so another
+        decides with it."""
+        if self.close is None or self._cause == "close" or len(paces) < len(self.ways):
+            return False
+        fastest, second = sorted(paces.values())[:2]
+        return second < (1 + self.close) * fastest
+
+    def _next_opener(self, paces: dict) -> str:
+        """The way to open the second of two trials: of the fastest two, the one that did
+        not open the first (each of them then opens one); the same opener where it was
+        neither (its favour then goes to a way out of the running)."""
+        contenders = sorted(paces, key=paces.__getitem__)[:2]
+        opener = self._order[0]
+        if opener not in contenders:
+            return opener
+        return next(w for w in contenders if w != opener)
 
     def _decide(self) -> None:
         self._plan = []
@@ -355,7 +372,7 @@ class WayPicker:
         paces = trial.paces
         if self._too_close(paces):  # the next trial, in the other order, decides on both
             self.history.append(trial)
-            self._start_trial("close")
+            self._start_trial("close", opener=self._next_opener(paces))
             return
         if paces:  # otherwise (too few batches in a row) the way kept stays
             self.way = min(paces, key=paces.__getitem__)
