@@ -199,7 +199,7 @@ class DaliStage(GpuStage):
         """The pipeline of a batch of ``way``; in a trial, every one is built first (so
         that building one does not slow another's batches being measured)."""
         if self.picker is not None and self.picker.trialing:
-            for kind in dict.fromkeys(w.removesuffix(WITH_SHARE) for w in self.picker.ways):
+            for kind in self.decode_ways():
                 self._built(kind)
         return way.removesuffix(WITH_SHARE)
 

@@ -164,25 +164,30 @@ class GpuStage:
 
     def _plan_way(self, seed: int) -> float:
         """The picker's way for the batch of ``seed`` being planned (remembered for its
-        start), and the share of it the workers decode (with "auto", none on a way
-        without it)."""
+        start), and the workers' share of it."""
         way = self.picker.next() if self.picker is not None else self._fixed_way
         with self._planned_lock:
             self._planned[seed] = way
             if len(self._planned) > _MAX_PLANNED:  # dropped without ``settle``: let go
                 del self._planned[next(iter(self._planned))]
+        return self._share_of(way)
+
+    def _share_of(self, way: str) -> float:
+        """The workers' share of a batch of ``way`` (with "auto": none on a way without it)."""
         if self.auto and not way.endswith(WITH_SHARE):
             return 0.0
         return self.producer.cpu_share
+
+    def _kept_way(self) -> str:
+        """The picker's way between trials, or the one fixed where there is no picker."""
+        return self.picker.way if self.picker is not None else self._fixed_way
 
     def _next_way(self, views: dict) -> str:
         """The way planned for the batch being started (without one, as for the batches
         planned before a picker was given: the way kept)."""
         with self._planned_lock:
             way = self._planned.pop(int(views["seed"][0]), None)
-        if way is not None:
-            return way
-        return self.picker.way if self.picker is not None else self._fixed_way
+        return way if way is not None else self._kept_way()
 
     def process(self, slot: dict[str, torch.Tensor], report, waited: float = 0.0) -> tuple:
         """The batch in ``slot`` (``report.n`` samples) as (images, labels, indices, event).
@@ -391,10 +396,7 @@ class GpuStage:
     def cpu_share(self) -> float:
         """The workers' share of the batches of the way kept (with "auto": none on a way
         without it; the share its ways with one get is ``producer.cpu_share``)."""
-        way = self.picker.way if self.picker is not None else self._fixed_way
-        if self.auto and not way.endswith(WITH_SHARE):
-            return 0.0
-        return self.producer.cpu_share
+        return self._share_of(self._kept_way())
 
 
 def read_slot(slot: dict[str, torch.Tensor], n: int) -> tuple[dict, np.ndarray, tuple]:

@@ -39,6 +39,7 @@ if not CUDA:  # before Triton is first imported: run the kernels in its CPU inte
 from test_gpu_path import (
     SIZE,
     B,
+    assert_half_shared_by_way,
     assert_holds_nothing_more,
     assert_never_overwritten,
     assert_slots_kept_until_done,
@@ -49,6 +50,7 @@ from test_gpu_path import (
     gpu_threads,
     mean_diff,
     pil_reference,
+    record_ways_and_shares,
 )
 from test_gpu_path import make as make_loader
 
@@ -59,7 +61,6 @@ from loader.augment import Transform
 from loader.dali_stage import CUDA as CUDA_WAY
 from loader.dali_stage import ENGINES
 from loader.decode_dali import _LIBRARY_LINES, copy_into
-from loader.gpu_stage import LoopWaits
 from loader.pace import WayPicker
 from loader.store import Store
 
@@ -285,19 +286,7 @@ def test_auto_share_ways_take_the_pipeline_of_their_way_and_keep_the_samples(sto
     assert stage.picker.ways == ways + tuple(f"{w}+cpu" for w in ways)
     # Windows of 3 (A B B A; on CUDA A B C D D C B A), the share held at 0.5 of 2: one.
     stage.picker = WayPicker(stage.picker.ways, window=3, skip=0, warmup=0, decisive=None)
-    stage.loop = LoopWaits(10**6)  # never told whether the loop waits: never steered
-    stage.producer.cpu_share = 0.5
-    batches = []  # [workers' rows, way], as each batch is finished
-
-    def account(report, on_gpu, on_cpu, decode_s, real=stage._account):
-        real(report, on_gpu, on_cpu, decode_s)
-        batches.append([on_cpu])
-
-    def steer(waited, busy, way, real=stage._steer):
-        real(waited, busy, way)
-        batches[-1].append(way)
-
-    stage._account, stage._steer = account, steer
+    finished = record_ways_and_shares(stage)
     got = epoch(dl)  # 12 batches
     reference = make(store, batch_size=2)
     if CUDA:  # all on the engines
@@ -305,11 +294,7 @@ def test_auto_share_ways_take_the_pipeline_of_their_way_and_keep_the_samples(sto
     expected = epoch(reference)
     order = stage.picker.ways + stage.picker.ways[::-1]
     planned = [way for way in order for _ in range(3)][:12]
-    assert [way for _, way in batches] == planned
-    gpu_ok = stage.producer._gpu_ok
-    for (on_cpu, way), batch in zip(batches, got, strict=True):
-        gpu = int(gpu_ok[batch[2].numpy()].sum())
-        assert on_cpu == len(batch[2]) - gpu + (round(0.5 * gpu) if "+" in way else 0)
+    assert assert_half_shared_by_way(stage, finished, got) == planned
     assert dl.stats()["dali_cuda_batches"] == sum(w.startswith(CUDA_WAY) for w in planned)
     assert torch.equal(flat(got, 2), flat(expected, 2))
     assert torch.equal(flat(got, 1), flat(expected, 1))

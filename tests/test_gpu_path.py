@@ -280,6 +280,36 @@ def test_a_cpu_share_decodes_each_sample_on_one_side(store):
     assert "none" not in same_as_one_of(batches, gpu_side, cpu_side)
 
 
+def record_ways_and_shares(stage) -> list[list]:
+    """Hold ``stage``'s share at 0.5, never steered (never told whether the loop waits),
+    and record [the workers' rows, the way] of each batch as it is finished."""
+    stage.loop = LoopWaits(10**6)
+    stage.producer.cpu_share = 0.5
+    finished: list[list] = []
+
+    def account(report, on_gpu, on_cpu, decode_s, real=stage._account):
+        real(report, on_gpu, on_cpu, decode_s)
+        finished.append([on_cpu])
+
+    def steer(waited, busy, way, real=stage._steer):
+        real(waited, busy, way)
+        finished[-1].append(way)
+
+    stage._account, stage._steer = account, steer
+    return finished
+
+
+def assert_half_shared_by_way(stage, finished: list[list], batches: list) -> list[str]:
+    """Each batch of a way "+cpu" had half its GPU-decodable samples (rounded) decoded by
+    the workers, the others none of them (``finished``: ``record_ways_and_shares``'s, in
+    the order of ``batches``); the ways, batch by batch."""
+    for (on_cpu, way), batch in zip(finished, batches, strict=True):
+        gpu = int(stage.producer._gpu_ok[batch[2].numpy()].sum())  # the rest: the workers'
+        share = round(0.5 * gpu) if way.endswith("+cpu") else 0
+        assert on_cpu == len(batch[2]) - gpu + share
+    return [way for _, way in finished]
+
+
 def test_auto_share_is_tried_as_a_way_and_keeps_the_samples(store):
     # With cpu_share="auto" every way is tried with the workers' share and without: each
     # batch planned "+cpu" has its share decoded by the workers, the others none, and
@@ -289,32 +319,14 @@ def test_auto_share_is_tried_as_a_way_and_keeps_the_samples(store):
     assert stage.picker.ways == ("gpu", "gpu+cpu")
     # A trial at once, windows of 5: A B B A from the first of the 18 batches of 3 epochs.
     stage.picker = WayPicker(stage.picker.ways, window=5, skip=1, warmup=0)
-    stage.loop = LoopWaits(10**6)  # never told whether the loop waits: never steered,
-    stage.producer.cpu_share = 0.5  # the share stays at 0.5, and the counts below are exact
-    batches = []  # [workers' rows, way], as each batch is finished
-
-    def account(report, on_gpu, on_cpu, decode_s, real=stage._account):
-        real(report, on_gpu, on_cpu, decode_s)
-        batches.append([on_cpu])
-
-    def steer(waited, busy, way, real=stage._steer):
-        real(waited, busy, way)
-        batches[-1].append(way)
-
-    stage._account, stage._steer = account, steer
+    finished = record_ways_and_shares(stage)
     stage._plan_way(seed=12345)  # a batch planned, then dropped unstarted: it takes the
     # trial's first batch, and no other batch's way
     got = [epoch(dl) for _ in range(3)]
     gpu_only, cpu_only = (make(store, cpu_share=share, batch_size=4) for share in (0.0, 1.0))
     reference = [epoch(gpu_only) for _ in range(3)]
     cpu_side = [epoch(cpu_only) for _ in range(3)]
-    gpu_ok = stage.producer._gpu_ok
-    ways = []
-    for (on_cpu, way), batch in zip(batches, itertools.chain(*got), strict=True):
-        gpu = int(gpu_ok[batch[2].numpy()].sum())  # the others are the workers' anyway
-        share = round(0.5 * gpu) if way == "gpu+cpu" else 0
-        assert on_cpu == len(batch[2]) - gpu + share
-        ways.append(way)
+    ways = assert_half_shared_by_way(stage, finished, list(itertools.chain(*got)))
     assert ways == ["gpu"] * 4 + ["gpu+cpu"] * 10 + ["gpu"] * 4  # the trial's A B B A so far
     for mine, gpu_side, cpu_made in zip(got, reference, cpu_side, strict=True):
         assert torch.equal(flat(mine, 2), flat(gpu_side, 2))
