@@ -2,7 +2,7 @@
 # The H200 runs behind benchmarks/results/gpu-h200-*: run from the repository root on the
 # GPU machine, after the wheels are installed in /tmp/site (../shared/GPU.md), with the
 # photographs in .photos. Usage: benchmarks/gpu_run.sh STAGE... (prepare, tests, probe, daliprobe,
-# split, decoders, bench, diagnose, profile, memory, delivery, ingest, ddp); logs and JSON go to $OUT. MAX_SIZE=512
+# split, decoders, bench, diagnose, profile, memory, delivery, ingest, ddp, soak); logs and JSON go to $OUT. MAX_SIZE=512
 # makes "bench" compare every pipeline on images capped at 512 px (imfeed-bench --max-size);
 # SHORT_SIDE=800-1000 makes camera-sized images instead of ImageNet-shaped ones
 # (--short-side). PROBE_ARGS go to the probe (e.g. "--busy-thread --gather-chunk 256");
@@ -11,6 +11,7 @@
 # checks (30; TRAIN=0: none),
 # TRAIN_WARMUP the untimed ones before (at least the bench's own minimum);
 # TESTS_K a -k expression for the GPU tests (TESTS: files or node ids, split on spaces);
+# SOAK_S the seconds of the soak (benchmarks/soak.py; SOAK_ARGS to it, e.g. "--cache shm");
 # MODELS, STEPS and DIAG_ARGS go to diagnose_training.py (e.g. "--only synthetic --dali base,prime1"); DALI_SETTINGS to dali_stage_probe.py.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -38,6 +39,7 @@ for stage in "$@"; do
     profile) prepare; timeout 300 python3 benchmarks/profile_example.py "$FOLDER" "$STORE" > $OUT/profile.log 2>&1; cat $OUT/profile.log | tail -20 ;;
     memory) for r in "" --release; do timeout 200 python3 benchmarks/dali_memory_probe.py --epochs ${EPOCHS:-150} $r > $OUT/memory$r.log 2>&1; cut -c1-400 $OUT/memory$r.log | tail -40; done ;;
     ingest) timeout ${INGEST_S:-300} python3 benchmarks/bench_ingest.py --images 20000 --workdir /tmp/bi --out $OUT > $OUT/ingest.log 2>&1; tail -25 $OUT/ingest.log ;;
+    soak) prepare; timeout $(( ${SOAK_S:-300} + 90 )) python3 benchmarks/soak.py "$STORE" --seconds ${SOAK_S:-300} --device cuda --workers 16 ${SOAK_ARGS:-} --out $OUT/soak.json > $OUT/soak.log 2>&1; tail -c 1500 $OUT/soak.log ;;
     delivery) timeout ${DELIVERY_S:-240} python3 benchmarks/dali_delivery_probe.py --runs ${RUNS:-12} ${VARIANTS:+--variants $VARIANTS} --out $OUT/dali-delivery.json > $OUT/dali-delivery.log 2>&1; grep "runs delivered" $OUT/dali-delivery.log ;;
     ddp) prepare; (echo "== topology"; nproc; lscpu | grep -i "numa\|thread\|socket"; nvidia-smi topo -m) >> $OUT/ddp.log 2>&1; echo "$(nproc) cores, $(nvidia-smi -L | wc -l) GPU(s)"
       # 1: one rank on the first half of the cores (the single-GPU figure); 1all: one rank on

@@ -601,3 +601,65 @@ def test_the_core_clock_samples_while_in_its_block(monkeypatch):
     with CoreClock([0]) as clock:
         pass
     assert clock.samples == [] and clock.mhz is None
+
+
+def soak_module():
+    spec = importlib.util.spec_from_file_location("soak", REPO / "benchmarks" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_soak_script_checks_every_epoch_across_a_preemption(tmp_path):
+    """``benchmarks/soak.py``: 3 epochs of the small store (PNG, progressive, grayscale
+    among them) with a model trained on each batch, the second epoch cut halfway by a
+    preemption (checkpoint through JSON, a new loader, resumed): every sample once, with
+    its label, in every epoch, and nothing on fd 2."""
+    from gpu_path_data import NUM_SAMPLES, make_small_store
+
+    store = make_small_store(tmp_path)
+    out = tmp_path / "soak.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "soak.py"), str(store), "--epochs", "3",
+         "--device", "cpu", "--model", "resnet18", "--batch-size", "4", "--workers", "2",
+         "--resume-every", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert (s["epochs"], s["resumes"], s["bad_epochs"], s["stderr_lines"]) == (3, 1, [], 0)
+    assert s["ok"] and s["stderr"] == [] and json.loads(done.stdout) == s
+    assert report["images"] == NUM_SAMPLES
+    assert [e["preempted"] for e in report["epochs"]] == [False, True, False]
+    for e in report["epochs"]:
+        assert e["exactly_once"] and e["missing"] == e["repeated"] == 0
+        assert e["mislabelled"] == e["nonfinite"] == 0 and e["pss_mib"] > 0
+
+
+def test_the_soak_verdict_names_the_bad_epochs_and_the_trend():
+    """A sample repeated fails the run and names its epoch; memory growth is the median of
+    the last quarter of the epochs less that of the first past the warm ones."""
+    soak = soak_module()
+    ok = {"missing": 0, "repeated": 0, "mislabelled": 0, "nonfinite": 0}
+    pss = [500, 600, 610, 640, 600, 620, 630, 700, 660, 650]  # 8 past the 2 warm epochs
+    epochs = [{"epoch": i, "pss_mib": p, "device_mib": None, "way": None, "way_trials": None,
+               "stderr_lines": 0} | ok for i, p in enumerate(pss)]  # fmt: skip
+    epochs[5]["repeated"] = 1
+    s = soak.summary({"epochs": epochs}, resumes=2, seconds=1.0)
+    assert (s["bad_epochs"], s["ok"], s["epochs"], s["resumes"]) == ([5], False, 10, 2)
+    assert s["pss_growth_mib"] == 655 - 625 and s["device_growth_mib"] is None
+    epochs[5]["repeated"] = 0
+    assert soak.summary({"epochs": epochs}, resumes=2, seconds=1.0)["ok"]
+    epochs[-1]["stderr_lines"] = 1  # a line reached fd 2
+    assert not soak.summary({"epochs": epochs}, resumes=2, seconds=1.0)["ok"]
+
+
+def test_the_soak_counts_the_lines_that_reach_fd_2():
+    soak = soak_module()
+    err = soak.Stderr()
+    try:
+        os.write(2, b"Corrupt JPEG data: 12 extraneous bytes\nsecond\n")
+    finally:
+        err.close()
+    assert (err.count, err.lines) == (2, ["Corrupt JPEG data: 12 extraneous bytes", "second"])

@@ -1,0 +1,269 @@
+"""A long run of the loader as a training job meets it, to catch what only time shows.
+
+Epochs back to back, a model trained on every batch (``--model``), and every
+``--resume-every`` epochs a preemption halfway through one: ``state_dict()`` through JSON,
+the loader closed, a new one built, ``load_state_dict()``, the rest of the epoch. After
+every epoch: whether each sample came exactly once with its stored label (across the
+preemption too), images not finite (float outputs), host memory (PSS of this process and
+its workers, so that pages shared with the workers or the cache count once), device
+memory, the way kept and the trials so far (``loader.pace``), and the lines that reached
+fd 2 (none should: the loader turns C libraries' output into counts). Written to ``--out``
+after each epoch, so that a run cut short keeps what it saw.
+
+Usage (the GPU machine: ``benchmarks/gpu_run.sh soak``):
+    python3 benchmarks/soak.py STORE --seconds 300 --device cuda --cpu-share auto \\
+        --model resnet18 --batch-size 64 --workers 16 --out soak.json
+
+Exits 1 when a sample was lost, repeated or mislabelled, an image was not finite, or a
+line reached fd 2; memory growth is reported, not judged (a cache filling is growth too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import loader
+
+WARM_EPOCHS = 2  # memory growth is counted from the end of this epoch (pools, cache filled)
+
+
+class Stderr:
+    """fd 2 becomes a pipe whose lines are counted (the first few kept)."""
+
+    def __init__(self) -> None:
+        read, write = os.pipe()
+        self.saved = os.dup(2)
+        os.dup2(write, 2)
+        os.close(write)
+        self.lines: list[str] = []
+        self.count = 0
+        self.thread = threading.Thread(target=self._read, args=(read,), daemon=True)
+        self.thread.start()
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd, "rb") as f:
+            for line in f:
+                self.count += 1
+                if len(self.lines) < 20:
+                    self.lines.append(line.decode("utf-8", "replace").rstrip()[:200])
+
+    def close(self) -> None:
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)  # the pipe's last writer goes: the reader sees its end
+        os.close(self.saved)
+        self.thread.join(timeout=5)
+
+
+def pss_mib(pid: int) -> float:
+    """PSS of ``pid`` and its descendants (MiB); those gone meanwhile count 0."""
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            total += sum(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024
+        children = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children += [int(c) for c in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return total
+    return total + sum(pss_mib(c) for c in children)
+
+
+def device_mib(device: torch.device) -> float | None:
+    """Device memory in use (MiB), everything this process holds (DALI's pools too)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return round((total - free) / (1 << 20), 1)
+
+
+def trainer(name: str, device: torch.device):
+    """A step of ``name`` (a torchvision model, bf16 autocast, channels_last) on a batch;
+    ``None``: the batches are only read."""
+    if name == "none":
+        return None
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    model = getattr(torchvision.models, name)(num_classes=1000)
+    model = model.to(device, memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(images, labels) -> None:
+        images = images.float() if not images.is_floating_point() else images
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = loss_fn(model(images), labels.to(device, non_blocking=True))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("store")
+    ap.add_argument("--seconds", type=float, default=300, help="run until then (whole epochs)")
+    ap.add_argument("--epochs", type=int, default=0, help="at most this many (0: no bound)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--decoder", default="auto")
+    ap.add_argument("--cpu-share", default="auto")
+    ap.add_argument("--model", default="resnet18", help="a torchvision model, or none")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cache", default=None, help="the loader's cache (shm), none by default")
+    ap.add_argument("--resume-every", type=int, default=5, help="0: no preemption")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    err = Stderr()
+    try:
+        report, resumes, seconds = soak(a, device, err)
+    finally:
+        err.close()  # a traceback reaches the terminal
+    result = summary(report, resumes, seconds) | {"stderr": err.lines}
+    write(a.out, report, result)
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict, int, float]:
+    """The run: its report (written to ``a.out`` after each epoch), the preemptions, and
+    its seconds."""
+    share = a.cpu_share if a.cpu_share == "auto" else float(a.cpu_share)
+
+    def make() -> loader.DataLoader:
+        return loader.DataLoader(
+            a.store, batch_size=a.batch_size, shuffle=True, num_workers=a.workers,
+            persistent_workers=a.workers > 0, transform="train", dtype=a.dtype,
+            channels_last=True, device=device, decoder=a.decoder, cpu_share=share,
+            cache=a.cache, with_indices=True, seed=0,
+        )  # fmt: skip
+
+    step = trainer(a.model, device)
+    dl = make()
+    n = len(dl.store)
+    stored = torch.as_tensor(np.asarray(dl.store.labels), device=device)
+    report = {
+        "what": __doc__.splitlines()[0],
+        "settings": vars(a),
+        "images": n,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "cores": len(os.sched_getaffinity(0)),
+        "epochs": [],
+    }
+    t0 = time.perf_counter()
+    deadline = t0 + a.seconds
+    epoch, resumes = 0, 0
+    while time.perf_counter() < deadline and not (a.epochs and epoch >= a.epochs):
+        start = time.perf_counter()
+        seen = np.zeros(n, np.int64)
+        images = 0
+        # Counted on the device: no wait for the GPU at each step, as in a training loop.
+        mislabelled = torch.zeros((), dtype=torch.int64, device=device)
+        nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        preempt = a.resume_every and epoch % a.resume_every == a.resume_every - 1
+        dl.set_epoch(epoch)
+        it, taken, resumed = iter(dl), 0, False
+        while True:
+            if preempt and not resumed and taken == len(dl) // 2:
+                state = json.loads(json.dumps(dl.state_dict()))  # as a checkpoint keeps it
+                dl.close()
+                dl = make()
+                dl.load_state_dict(state)
+                dl.set_epoch(epoch)
+                it, resumed = iter(dl), True
+                resumes += 1
+            batch = next(it, None)
+            if batch is None:
+                break
+            x, y, idx = batch
+            np.add.at(seen, idx.numpy(), 1)
+            mislabelled += (y != stored[idx.to(device)]).sum()
+            if x.is_floating_point():
+                nonfinite += (~torch.isfinite(x)).sum()
+            if step is not None:
+                step(x, y)
+            images += len(idx)
+            taken += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stats = dl.stats()
+        planned = getattr(dl._gpu_stage, "_planned", None)
+        report["epochs"].append(
+            {
+                "epoch": epoch,
+                "seconds": round(time.perf_counter() - start, 3),
+                "img_s": round(images / (time.perf_counter() - start), 1),
+                "exactly_once": bool((seen == 1).all()),
+                "missing": int((seen == 0).sum()),
+                "repeated": int((seen > 1).sum()),
+                "mislabelled": int(mislabelled),
+                "nonfinite": int(nonfinite),
+                "preempted": bool(preempt),
+                "pss_mib": round(pss_mib(os.getpid()), 1),
+                "device_mib": device_mib(device),
+                "stderr_lines": err.count,
+                "way": stats.get("way"),
+                "cpu_share": stats.get("cpu_share"),
+                "way_trials": stats.get("way_trials"),
+                "planned": None if planned is None else len(planned),
+            }
+        )
+        epoch += 1
+        write(a.out, report, summary(report, resumes, time.perf_counter() - t0))
+    dl.close()
+    return report, resumes, time.perf_counter() - t0
+
+
+def summary(report: dict, resumes: int, seconds: float) -> dict:
+    """The run's verdict: correctness (every epoch) and memory growth past the warm epochs."""
+    epochs = report["epochs"]
+    quarter = max(1, (len(epochs) - WARM_EPOCHS) // 4)
+    early, late = epochs[WARM_EPOCHS : WARM_EPOCHS + quarter], epochs[-quarter:]
+
+    def growth(key: str) -> float | None:
+        """The median of the last quarter of the epochs less that of the first past the
+        warm ones: a trend, not the ups and downs of workers' pages and pools."""
+        if not early or early[0][key] is None:
+            return None
+        med = [float(np.median([e[key] for e in part])) for part in (early, late)]
+        return round(med[1] - med[0], 1)
+
+    wrong = ("missing", "repeated", "mislabelled", "nonfinite")
+    bad = [e["epoch"] for e in epochs if any(e[k] for k in wrong)]
+    last = epochs[-1] if epochs else {}
+    stderr = last.get("stderr_lines", 0)
+    return {
+        "epochs": len(epochs),
+        "seconds": round(seconds, 1),
+        "resumes": resumes,
+        "bad_epochs": bad,
+        "stderr_lines": stderr,
+        "pss_growth_mib": growth("pss_mib"),
+        "device_growth_mib": growth("device_mib"),
+        "ways": sorted({e["way"] for e in epochs if e["way"]}),
+        "way_trials": last.get("way_trials"),
+        "ok": bool(epochs) and not bad and stderr == 0,
+    }
+
+
+def write(path: str, report: dict, result: dict) -> None:
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(report | {"summary": result}, indent=1))
+    tmp.replace(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
