@@ -190,7 +190,7 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
                 break
             x, y, idx = batch
             np.add.at(seen, idx.numpy(), 1)
-            mislabelled += (y != stored[idx.to(device)]).sum()
+            mislabelled += (y.to(device) != stored[idx.to(device)]).sum()
             if x.is_floating_point():
                 nonfinite += (~torch.isfinite(x)).sum()
             if step is not None:
