@@ -195,6 +195,13 @@ class DaliStage(GpuStage):
                     del self._pipelines[kind]
                     break
 
+    def release(self) -> None:
+        """As ``GpuStage.release``, and the pipelines go (their device memory to DALI's
+        pools); a later iteration builds them again."""
+        super().release()
+        if not self.abandoned:
+            self._pipelines.clear()
+
     def _kind(self, way: str) -> str:
         """The pipeline of a batch of ``way``; in a trial, every one is built first (so
         that building one does not slow another's batches being measured)."""

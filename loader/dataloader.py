@@ -386,11 +386,16 @@ class DataLoader:
         return self._pool.pids if self._pool is not None else []
 
     def close(self) -> None:
-        """Stop the workers now (a later iteration starts new ones)."""
+        """Stop the workers now and let go of the GPU stage's pipelines and buffers (a later
+        iteration starts and builds them again)."""
         self._end_active("close()", stopping=True)
         self._drop_carry()
         self._workers.stop()
         self._output.close()
+        with self._closes:
+            closing = self._closing  # an iteration closing on its prefetch thread
+        if self._gpu_stage is not None and not closing:
+            self._gpu_stage.release()
 
     def __enter__(self) -> DataLoader:
         return self

@@ -26,6 +26,7 @@ loader's threads behind one another for the GIL. Hence the whole-stage pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import math
@@ -107,6 +108,16 @@ class DaliDecoder:
         self.hw_decoder_load = float(hw_decoder_load)
         self._idle: queue.SimpleQueue = queue.SimpleQueue()  # pipelines no call is using
         for _ in range(self.concurrent_calls):
+            self._idle.put(_Pipeline())
+
+    def release(self) -> None:
+        """Let go of the pipelines built that no call is using: built again when next
+        needed."""
+        idle = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                idle.append(self._idle.get_nowait())
+        for _ in idle:
             self._idle.put(_Pipeline())
 
     def _build(self):

@@ -55,8 +55,10 @@ class EncodedBatches(PixelBatches):
         self.capacity = int(batch_size * float(sizes.mean()) * _SLACK) + int(sizes.max())
         self.cpu_share = float(cpu_share)
         # Where set, the share of each batch as it is planned, given the batch's seed: the
-        # GPU stage's, which tries the share or none.
-        self.share_of_next: Callable[[int], float] | None = None
+        # GPU stage's, which tries the share or none. Held weakly (``weakref.WeakMethod``):
+        # the stage holds this producer, and a cycle would keep the stage, its pipelines
+        # and their device memory alive after its loader is gone, until a full collection.
+        self.share_of_next: Callable[[], Callable[[int], float] | None] | None = None
 
     def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
         h, w = self.spec.size
@@ -77,7 +79,8 @@ class EncodedBatches(PixelBatches):
         rows = np.zeros((len(indices), ROOM + 1), dtype=np.int64)
         rows[:, : len(CROP_COLUMNS)] = crops
         gpu = self._gpu_ok[indices].copy()
-        share = self.cpu_share if self.share_of_next is None else self.share_of_next(seed)
+        share_of = self.share_of_next() if self.share_of_next is not None else None
+        share = self.cpu_share if share_of is None else share_of(seed)
         gpu[self._cpu_share(crops, gpu, share)] = False
         room = np.where(gpu, self.store.index["nbytes"][indices], 0).astype(np.int64)
         ends = np.cumsum(room)

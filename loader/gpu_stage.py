@@ -51,6 +51,7 @@ import contextlib
 import functools
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import NamedTuple
 
@@ -151,7 +152,10 @@ class GpuStage:
         self._fixed_way = ways[0]  # the way of every batch, where there is no picker
         self._planned: dict[int, str] = {}  # by seed: the ways planned, not yet started
         self._planned_lock = threading.Lock()  # the batches are planned on two threads
-        producer.share_of_next = self._plan_way
+        # A thread that would not stop at an iteration's close may still be in the stage:
+        # then ``release`` leaves it as it is.
+        self.abandoned = False
+        producer.share_of_next = weakref.WeakMethod(self._plan_way)
 
     def decode_ways(self) -> tuple[str, ...]:
         """The ways this stage decodes (one here; ``DaliStage``: the engines or CUDA)."""
@@ -377,6 +381,22 @@ class GpuStage:
             self.picker.forget()
         with self._planned_lock:
             self._planned.clear()
+
+    def release(self) -> None:
+        """The loader was closed: let go of what the stage holds on the device (the images
+        of the last batches kept for their kernels; the decoder's pipelines, where it has
+        any), made again as a later iteration needs them; what the picker measured stays.
+        Not where a thread that would not stop may still be in the stage (``abandoned``)."""
+        if self.abandoned:
+            return
+        self.settle()
+        with self._in_flight_lock:
+            held, self._in_flight = self._in_flight, collections.deque()
+        for _, event in held:
+            event.synchronize()
+        release = getattr(self.decoder, "release", None)
+        if release is not None:
+            release()
 
     def note_finished(self) -> None:
         """A batch was finished, ready to be handed off: the picker's measure of the

@@ -284,12 +284,17 @@ class GpuEpochIterator(EpochIterator):
             # A thread still inside a hung call must not share the workers' pipes with a
             # drain: stop the workers without waiting for them.
             failed = failed or thread.is_alive() or self._thread_failed
+        stopped = True
         if self._decoder is not None:
             # A decode still reading a slot's bytes must end before the ring may go.
-            failed = not self._decoder.stop(_JOIN_S) or failed
+            stopped = self._decoder.stop(_JOIN_S)
+            failed = not stopped or failed
         if thread is None or not thread.is_alive() or thread is threading.current_thread():
             self._stage.settle()  # so must what the stage still holds (DALI's batches)
             self._give_back_slots(every=True)  # and the GPU work of the batches finished
+        else:
+            stopped = False
+        self._stage.abandoned |= not stopped
         super()._close_counted(finished, failed)
 
 
@@ -389,18 +394,31 @@ def _run(ref: weakref.ref, out: queue.Queue, stop: threading.Event, device) -> N
         except StopIteration:
             item = ("end", False)
         except BaseException as e:  # reaches the training loop, raised there
+            if stop.is_set():  # what fails once told to stop (``_Stopped``, a decode
+                return  # cancelled by the close) is the stop's doing: nothing to hand on
             item = ("error", e)
             # A chunk that failed will never come: closing must not wait for it (a flag,
-            # not the exception: its traceback would hold the iterator in a cycle). Once
-            # told to stop, what fails (a decode cancelled by the close) is the stop's doing.
-            it._thread_failed = not stop.is_set()
+            # not the exception: its traceback would hold the iterator in a cycle).
+            it._thread_failed = True
         del it  # wait without keeping the iterator alive
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=_PUT_POLL_S)
-                break
-            except queue.Full:
-                if ref() is None:
-                    return
-        if item[0] == "error" or item == ("end", False):
+        last = item[0] == "error" or item == ("end", False)
+        handed = _hand(out, item, stop, ref)
+        # An error's traceback holds this frame: were the frame to hold the error, the
+        # cycle would keep the iterator, its loader and the GPU stage (DALI's pipelines,
+        # their device memory) alive after the loader is gone, until a full collection.
+        del item
+        if last or not handed:
             return
+
+
+def _hand(out: queue.Queue, item: tuple, stop: threading.Event, ref: weakref.ref) -> bool:
+    """Put ``item`` into ``out``; False where the thread is to end instead: told to stop,
+    or its iterator gone while ``out`` was full."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=_PUT_POLL_S)
+            return True
+        except queue.Full:
+            if ref() is None:
+                return False
+    return False
