@@ -352,6 +352,7 @@ class _DecodeThreads:
 def _serve(calls: queue.SimpleQueue, stopping: threading.Event) -> None:
     while (call := calls.get()) is not None:
         future, fn = call
+        del call
         if stopping.is_set():
             future.cancel()
         elif future.set_running_or_notify_cancel():
@@ -359,6 +360,9 @@ def _serve(calls: queue.SimpleQueue, stopping: threading.Event) -> None:
                 future.set_result(fn())
             except BaseException as e:  # the prefetch thread raises it, naming the stage
                 future.set_exception(e)
+        # An error's traceback holds this frame: were the frame to hold its future (the
+        # error) and call (the stage) until the next call, the cycle would outlive them.
+        del future, fn
 
 
 class _Stopped(Exception):

@@ -552,6 +552,31 @@ def test_a_stopped_decoder_runs_nothing_more():
     assert threads.stop(1)  # no thread was started for it
 
 
+
+def test_a_decode_thread_lets_go_of_a_failed_call_at_once():
+    """A call that raised is let go of once its caller has the error (the thread alive,
+    waiting for the next call), with the cyclic collector off: the thread's frame, which
+    the error's traceback holds, no longer holds the call (the stage, in the loader)."""
+
+    class Stage:
+        def start(self):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    threads = _DecodeThreads(1)
+    stage = Stage()
+    ref = weakref.ref(stage)
+    gc.collect()
+    gc.disable()
+    try:
+        future = threads.submit(stage.start)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            future.result(timeout=10)
+        del stage, future
+        assert all_freed([ref])
+    finally:
+        gc.enable()
+        assert threads.stop(10)
+
 def test_a_slow_batch_holds_up_none_of_those_before_it(store, monkeypatch):
     """The prefetch thread finishes the batches it has while the workers are still on a
     slow one (a huge PNG, a stalled read), instead of waiting for it first."""
