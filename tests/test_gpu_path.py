@@ -552,7 +552,6 @@ def test_a_stopped_decoder_runs_nothing_more():
     assert threads.stop(1)  # no thread was started for it
 
 
-
 def test_a_decode_thread_lets_go_of_a_failed_call_at_once():
     """A call that raised is let go of once its caller has the error (the thread alive,
     waiting for the next call), with the cyclic collector off: the thread's frame, which
@@ -576,6 +575,7 @@ def test_a_decode_thread_lets_go_of_a_failed_call_at_once():
     finally:
         gc.enable()
         assert threads.stop(10)
+
 
 def test_a_slow_batch_holds_up_none_of_those_before_it(store, monkeypatch):
     """The prefetch thread finishes the batches it has while the workers are still on a
