@@ -390,6 +390,9 @@ class GpuStage:
         if self.abandoned:
             return
         self.settle()
+        for stream in (self.stream, self.decode_stream):  # its copies out of what goes
+            if stream is not None:
+                stream.synchronize()
         with self._in_flight_lock:
             held, self._in_flight = self._in_flight, collections.deque()
         for _, event in held:
