@@ -6,16 +6,18 @@ the loader closed, a new one built, ``load_state_dict()``, the rest of the epoch
 every epoch: whether each sample came exactly once with its stored label (across the
 preemption too), images not finite (float outputs), host memory (PSS of this process and
 its workers, so that pages shared with the workers or the cache count once), device
-memory, the way kept and the trials so far (``loader.pace``), and the lines that reached
-fd 2 (none should: the loader turns C libraries' output into counts). Written to ``--out``
-after each epoch, so that a run cut short keeps what it saw.
+memory, open file descriptors, threads and child processes, the way kept and the trials
+so far (``loader.pace``), and the lines that reached fd 2 (none should: the loader turns
+C libraries' output into counts). Written to ``--out`` after each epoch, so that a run
+cut short keeps what it saw.
 
 Usage (the GPU machine: ``benchmarks/gpu_run.sh soak``):
     python3 benchmarks/soak.py STORE --seconds 300 --device cuda --cpu-share auto \\
         --model resnet18 --batch-size 64 --workers 16 --out soak.json
 
 Exits 1 when a sample was lost, repeated or mislabelled, an image was not finite, or a
-line reached fd 2; memory growth is reported, not judged (a cache filling is growth too).
+line reached fd 2; growth (memory, descriptors, threads) is reported, not judged (a cache
+filling is growth too).
 """
 
 from __future__ import annotations
@@ -76,6 +78,18 @@ def pss_mib(pid: int) -> float:
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return total
     return total + sum(pss_mib(c) for c in children)
+
+
+def held() -> dict[str, int]:
+    """What this process holds that a leak would pile up: open file descriptors, threads,
+    and child processes (the workers, alive or not yet reaped)."""
+    me = os.getpid()
+    children = 0
+    for tid in os.listdir(f"/proc/{me}/task"):
+        with open(f"/proc/{me}/task/{tid}/children") as f:
+            children += len(f.read().split())
+    return {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
+            "children": children}  # fmt: skip
 
 
 def device_mib(device: torch.device) -> float | None:
@@ -213,6 +227,7 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
                 "nonfinite": int(nonfinite),
                 "preempted": bool(preempt),
                 "pss_mib": round(pss_mib(os.getpid()), 1),
+                **held(),
                 "device_mib": device_mib(device),
                 "stderr_lines": err.count,
                 "way": stats.get("way"),
@@ -236,7 +251,7 @@ def summary(report: dict, resumes: int, seconds: float) -> dict:
     def growth(key: str) -> float | None:
         """The median of the last quarter of the epochs less that of the first past the
         warm ones: a trend, not the ups and downs of workers' pages and pools."""
-        if not early or early[0][key] is None:
+        if not early or early[0].get(key) is None:
             return None
         med = [float(np.median([e[key] for e in part])) for part in (early, late)]
         return round(med[1] - med[0], 1)
@@ -253,6 +268,8 @@ def summary(report: dict, resumes: int, seconds: float) -> dict:
         "stderr_lines": stderr,
         "pss_growth_mib": growth("pss_mib"),
         "device_growth_mib": growth("device_mib"),
+        "fds_growth": growth("fds"),
+        "threads_growth": growth("threads"),
         "ways": sorted({e["way"] for e in epochs if e["way"]}),
         "way_trials": last.get("way_trials"),
         "ok": bool(epochs) and not bad and stderr == 0,

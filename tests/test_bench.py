@@ -635,6 +635,7 @@ def test_the_soak_script_checks_every_epoch_across_a_preemption(tmp_path):
     for e in report["epochs"]:
         assert e["exactly_once"] and e["missing"] == e["repeated"] == 0
         assert e["mislabelled"] == e["nonfinite"] == 0 and e["pss_mib"] > 0
+        assert e["children"] == 2  # the workers; those of the loader closed are gone
 
 
 def test_the_soak_verdict_names_the_bad_epochs_and_the_trend():
@@ -648,7 +649,7 @@ def test_the_soak_verdict_names_the_bad_epochs_and_the_trend():
     epochs[5]["repeated"] = 1
     s = soak.summary({"epochs": epochs}, resumes=2, seconds=1.0)
     assert (s["bad_epochs"], s["ok"], s["epochs"], s["resumes"]) == ([5], False, 10, 2)
-    assert s["pss_growth_mib"] == 655 - 625 and s["device_growth_mib"] is None
+    assert s["pss_growth_mib"] == 655 - 625 and s["device_growth_mib"] is s["fds_growth"] is None
     epochs[5]["repeated"] = 0
     assert soak.summary({"epochs": epochs}, resumes=2, seconds=1.0)["ok"]
     epochs[-1]["stderr_lines"] = 1  # a line reached fd 2
