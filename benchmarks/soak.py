@@ -215,6 +215,7 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
             torch.cuda.synchronize(device)
         stats = dl.stats()
         planned = getattr(dl._gpu_stage, "_planned", None)
+        picker = getattr(dl._gpu_stage, "picker", None)
         report["epochs"].append(
             {
                 "epoch": epoch,
@@ -233,7 +234,9 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
                 "way": stats.get("way"),
                 "cpu_share": stats.get("cpu_share"),
                 "way_trials": stats.get("way_trials"),
+                # Ways remembered for batches planned, not started; not handed off.
                 "planned": None if planned is None else len(planned),
+                "picker_in_flight": None if picker is None else len(picker._in_flight),
             }
         )
         epoch += 1
