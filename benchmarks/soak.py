@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--size", type=int, default=224, help="the output's side")
     ap.add_argument("--cache", default=None, help="the loader's cache (shm), none by default")
     ap.add_argument("--resume-every", type=int, default=5, help="0: no preemption")
     ap.add_argument("--out", required=True)
@@ -160,8 +161,9 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
     def make() -> loader.DataLoader:
         return loader.DataLoader(
             a.store, batch_size=a.batch_size, shuffle=True, num_workers=a.workers,
-            persistent_workers=a.workers > 0, transform="train", dtype=a.dtype,
-            channels_last=True, device=device, decoder=a.decoder, cpu_share=share,
+            persistent_workers=a.workers > 0, transform=loader.Transform("train", a.size),
+            dtype=a.dtype, channels_last=True, device=device, decoder=a.decoder,
+            cpu_share=share,
             cache=a.cache, with_indices=True, seed=0,
         )  # fmt: skip
 

@@ -664,3 +664,27 @@ def test_the_soak_counts_the_lines_that_reach_fd_2():
     finally:
         err.close()
     assert (err.count, err.lines) == (2, ["Corrupt JPEG data: 12 extraneous bytes", "second"])
+
+
+def test_the_soak_runs_the_gpu_path_on_its_cpu_stand_ins(tmp_path):
+    """``benchmarks/soak_stand_ins.py``: the GPU path's own code (prefetch thread, stage,
+    the picker with ``cpu_share="auto"``, close and rebuild) under the soak on the CPU."""
+    from gpu_path_data import NUM_SAMPLES, make_small_store
+
+    store = make_small_store(tmp_path)
+    out = tmp_path / "soak.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "soak_stand_ins.py"), str(store),
+         "--epochs", "4", "--device", "cpu", "--decoder", "tvcpu", "--cpu-share", "auto",
+         "--model", "none", "--batch-size", "8", "--workers", "2", "--size", "16",
+         "--dtype", "float16", "--resume-every", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert (s["epochs"], s["resumes"], s["bad_epochs"], s["stderr_lines"]) == (4, 2, [], 0)
+    assert s["ways"] == ["gpu"] and report["images"] == NUM_SAMPLES
+    for e in report["epochs"]:
+        assert e["exactly_once"] and e["mislabelled"] == e["nonfinite"] == 0
+        assert e["children"] == 2 and e["planned"] is not None
