@@ -8,6 +8,7 @@ device. Given any other Dataset it *is* torch's DataLoader, built with the same 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import logging
@@ -212,6 +213,7 @@ class DataLoader:
             )  # fmt: skip
             # and one finished, whose slot waits for its GPU work (GpuEpochIterator)
             on_gpu = batches_on_gpu(self._gpu_stage.concurrent_calls) + 1
+            _close_at_exit_first(self)
             slots = ring_slots(self.batch_size, self.num_workers, self.prefetch_factor, on_gpu)
         self._ring = Ring(self._producer.buffers(), slots, shared=self.num_workers > 0)
         self._workers = _Workers()
@@ -515,6 +517,29 @@ class DataLoader:
             f"shuffle={self._plan.shuffle}, num_workers={self.num_workers}, "
             f"transform={self.transform}, device={str(self.device)!r})"
         )
+
+
+_ON_GPU: weakref.WeakSet = weakref.WeakSet()  # the loaders with a GPU stage
+
+
+def _close_at_exit_first(loader: DataLoader) -> None:
+    """Have ``loader`` closed at the interpreter's exit before the exit hooks registered
+    so far run (those run last to first): DALI's shuts every pipeline down, and a prefetch
+    thread still making the next epoch's batches would meet a pipeline shut down under it
+    and build another, which then aborted the process at its end (exit status 134, with
+    DALI's AssertionError and "terminate called without an active exception" on the
+    terminal, where the script had not closed its loader)."""
+    _ON_GPU.add(loader)
+    atexit.unregister(_close_at_exit)
+    atexit.register(_close_at_exit)
+
+
+def _close_at_exit() -> None:
+    for loader in list(_ON_GPU):
+        try:
+            loader.close()
+        except Exception as e:  # the others are closed all the same
+            log.warning("DataLoader: closing %r at exit failed: %s", loader, e)
 
 
 def _say(message: str, verbose: bool) -> None:

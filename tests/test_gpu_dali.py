@@ -48,6 +48,7 @@ from test_gpu_path import (
     assert_slots_kept_until_done,
     cpu_rows,
     epoch,
+    exits_without_closing,
     flat,
     gpu_only,
     gpu_threads,
@@ -527,3 +528,15 @@ def test_the_fallback_decoder_lets_go_of_the_pipelines_no_call_is_using():
     assert decoder._idle.empty() and all(own.pipe is None for own in after)
     assert not any(own is old for own in after for old in idle)
     assert in_use.pipe is not None  # the call's own, left to it
+
+
+@needs_dali
+def test_a_script_that_leaves_its_loader_open_exits_cleanly(store):
+    """DALI's exit hook shuts its pipelines down; a prefetch thread still making the next
+    epoch's batches met one shut down under it and built another, and the process then
+    aborted (status 134, DALI's AssertionError and "terminate called without an active
+    exception" on stderr). The loader is now closed first."""
+    done = exits_without_closing(store, DALI)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Error" not in done.stderr and "terminate" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["read", "workers at the earlier hook: None"]

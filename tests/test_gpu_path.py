@@ -26,10 +26,12 @@ import io
 import itertools
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 import weakref
+from pathlib import Path
 
 import cv2
 import numpy as np
@@ -1295,6 +1297,43 @@ def test_close_leaves_a_stage_a_hung_thread_may_still_be_in(store, monkeypatch):
     held = list(stage._in_flight)
     dl.close()
     assert stage.abandoned and list(stage._in_flight) == held
+
+
+AT_EXIT = """
+import atexit, sys
+sys.path.insert(0, {tests!r})
+import pytest, torch, loader
+from gpu_path_data import use_stand_ins
+from test_gpu_path import make, TRAIN
+import loader.decode as registry
+mp = pytest.MonkeyPatch()
+use_stand_ins(mp)
+mp.setitem(registry._BACKENDS, "dalicpu", "gpu_path_data:DaliCpuDecoder")
+seen = []
+atexit.register(lambda: print("workers at the earlier hook:", seen[0]._workers.pool))
+dl = make({store!r}, transform=TRAIN, decoder={decoder!r}, persistent_workers=True)
+seen.append(dl)
+for _ in dl:  # the prefetch thread goes on into the next epoch
+    pass
+print("read")
+"""
+
+
+def exits_without_closing(store, decoder: str) -> subprocess.CompletedProcess:
+    """A script that reads an epoch and exits without closing its loader."""
+    code = AT_EXIT.format(tests=str(Path(__file__).parent), store=str(store), decoder=decoder)
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if not CUDA else None
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_a_loader_left_open_is_closed_at_exit_before_earlier_exit_hooks(store):
+    """Before the hooks registered before it (DALI's shuts its pipelines down): the
+    workers are stopped when an earlier hook runs."""
+    done = exits_without_closing(store, BACKEND)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["read", "workers at the earlier hook: None"]
 
 
 @pytest.mark.parametrize(
