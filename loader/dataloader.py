@@ -213,7 +213,6 @@ class DataLoader:
             )  # fmt: skip
             # and one finished, whose slot waits for its GPU work (GpuEpochIterator)
             on_gpu = batches_on_gpu(self._gpu_stage.concurrent_calls) + 1
-            _close_at_exit_first(self)
             slots = ring_slots(self.batch_size, self.num_workers, self.prefetch_factor, on_gpu)
         self._ring = Ring(self._producer.buffers(), slots, shared=self.num_workers > 0)
         self._workers = _Workers()
@@ -235,6 +234,8 @@ class DataLoader:
         self._resume = False  # a loaded state waits to be resumed by the next iteration
         self.bad_samples: dict[int, str] = {}
         self.num_replaced = 0
+        if self._gpu_stage is not None:
+            _close_at_exit_first(self)
 
     # -- the torch-like surface ---------------------------------------------------------
 
