@@ -8,8 +8,8 @@ preemption too), images not finite (float outputs), host memory (PSS of this pro
 its workers, so that pages shared with the workers or the cache count once), device
 memory, open file descriptors, threads and child processes, the way kept and the trials
 so far (``loader.pace``), and the lines that reached fd 2 (none should: the loader turns
-C libraries' output into counts). Written to ``--out`` after each epoch, so that a run
-cut short keeps what it saw.
+C libraries' output into counts). Written to ``--out`` every ``WRITE_EVERY_S`` seconds,
+so that a run cut short keeps what it saw.
 
 Usage (the GPU machine: ``benchmarks/gpu_run.sh soak``):
     python3 benchmarks/soak.py STORE --seconds 300 --device cuda --cpu-share auto \\
@@ -34,7 +34,10 @@ import numpy as np
 import torch
 
 import loader
+from loader.bench.train import model_step
+from loader.proctree import descendants
 
+WRITE_EVERY_S = 10.0  # the report is written at most this often while it runs, and at the end
 WARM_EPOCHS = 2  # memory growth is counted from the end of this epoch (pools, cache filled)
 
 
@@ -65,31 +68,23 @@ class Stderr:
         self.thread.join(timeout=5)
 
 
-def pss_mib(pid: int) -> float:
-    """PSS of ``pid`` and its descendants (MiB); those gone meanwhile count 0."""
+def pss_mib() -> float:
+    """PSS of this process and its descendants (MiB); those gone meanwhile count 0."""
     total = 0.0
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            total += sum(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024
-        children = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                children += [int(c) for c in f.read().split()]
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return total
-    return total + sum(pss_mib(c) for c in children)
+    for pid in (os.getpid(), *descendants()):
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except OSError:
+            continue
+    return total / 1024
 
 
 def held() -> dict[str, int]:
     """What this process holds that a leak would pile up: open file descriptors, threads,
-    and child processes (the workers, alive or not yet reaped)."""
-    me = os.getpid()
-    children = 0
-    for tid in os.listdir(f"/proc/{me}/task"):
-        with open(f"/proc/{me}/task/{tid}/children") as f:
-            children += len(f.read().split())
+    and descendant processes (the workers, alive or not yet reaped)."""
     return {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
-            "children": children}  # fmt: skip
+            "children": len(descendants())}  # fmt: skip
 
 
 def device_mib(device: torch.device) -> float | None:
@@ -101,27 +96,9 @@ def device_mib(device: torch.device) -> float | None:
 
 
 def trainer(name: str, device: torch.device):
-    """A step of ``name`` (a torchvision model, bf16 autocast, channels_last) on a batch;
+    """The training checks' step of ``name`` on a batch (``loader.bench.train``);
     ``None``: the batches are only read."""
-    if name == "none":
-        return None
-    import torchvision
-
-    torch.backends.cudnn.benchmark = True
-    model = getattr(torchvision.models, name)(num_classes=1000)
-    model = model.to(device, memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def step(images, labels) -> None:
-        images = images.float() if not images.is_floating_point() else images
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = loss_fn(model(images), labels.to(device, non_blocking=True))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    return step
+    return None if name == "none" else model_step(name, device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict, int, float]:
-    """The run: its report (written to ``a.out`` after each epoch), the preemptions, and
-    its seconds."""
+    """The run: its report (written to ``a.out`` as it goes), the preemptions, and its
+    seconds."""
     share = a.cpu_share if a.cpu_share == "auto" else float(a.cpu_share)
 
     def make() -> loader.DataLoader:
@@ -181,6 +158,7 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
     }
     t0 = time.perf_counter()
     deadline = t0 + a.seconds
+    written = t0
     epoch, resumes = 0, 0
     while time.perf_counter() < deadline and not (a.epochs and epoch >= a.epochs):
         start = time.perf_counter()
@@ -215,21 +193,22 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
             taken += 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        took = time.perf_counter() - start
         stats = dl.stats()
         planned = getattr(dl._gpu_stage, "_planned", None)
         picker = getattr(dl._gpu_stage, "picker", None)
         report["epochs"].append(
             {
                 "epoch": epoch,
-                "seconds": round(time.perf_counter() - start, 3),
-                "img_s": round(images / (time.perf_counter() - start), 1),
+                "seconds": round(took, 3),
+                "img_s": round(images / took, 1),
                 "exactly_once": bool((seen == 1).all()),
                 "missing": int((seen == 0).sum()),
                 "repeated": int((seen > 1).sum()),
                 "mislabelled": int(mislabelled),
                 "nonfinite": int(nonfinite),
                 "preempted": bool(preempt),
-                "pss_mib": round(pss_mib(os.getpid()), 1),
+                "pss_mib": round(pss_mib(), 1),
                 **held(),
                 "device_mib": device_mib(device),
                 "stderr_lines": err.count,
@@ -242,7 +221,9 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
             }
         )
         epoch += 1
-        write(a.out, report, summary(report, resumes, time.perf_counter() - t0))
+        if time.perf_counter() - written > WRITE_EVERY_S:  # the whole report: not each epoch
+            write(a.out, report, summary(report, resumes, time.perf_counter() - t0))
+            written = time.perf_counter()
     dl.close()
     return report, resumes, time.perf_counter() - t0
 

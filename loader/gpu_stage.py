@@ -390,13 +390,11 @@ class GpuStage:
         if self.abandoned:
             return
         self.settle()
-        for stream in (self.stream, self.decode_stream):  # its copies out of what goes
+        for stream in (self.stream, self.decode_stream):  # the kernels reading what goes
             if stream is not None:
                 stream.synchronize()
         with self._in_flight_lock:
-            held, self._in_flight = self._in_flight, collections.deque()
-        for _, event in held:
-            event.synchronize()
+            self._in_flight.clear()
         release = getattr(self.decoder, "release", None)
         if release is not None:
             release()

@@ -284,17 +284,14 @@ class GpuEpochIterator(EpochIterator):
             # A thread still inside a hung call must not share the workers' pipes with a
             # drain: stop the workers without waiting for them.
             failed = failed or thread.is_alive() or self._thread_failed
-        stopped = True
-        if self._decoder is not None:
-            # A decode still reading a slot's bytes must end before the ring may go.
-            stopped = self._decoder.stop(_JOIN_S)
-            failed = not stopped or failed
-        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+        # A decode still reading a slot's bytes must end before the ring may go.
+        decodes_ended = self._decoder is None or self._decoder.stop(_JOIN_S)
+        failed = failed or not decodes_ended
+        ended = thread is None or not thread.is_alive() or thread is threading.current_thread()
+        if ended:
             self._stage.settle()  # so must what the stage still holds (DALI's batches)
             self._give_back_slots(every=True)  # and the GPU work of the batches finished
-        else:
-            stopped = False
-        self._stage.abandoned |= not stopped
+        self._stage.abandoned |= not (ended and decodes_ended)
         super()._close_counted(finished, failed)
 
 

@@ -610,23 +610,31 @@ def soak_module():
     return module
 
 
+def run_soak(tmp_path, script: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``benchmarks/<script>`` on the small store, on the CPU with 2 workers: the finished
+    process (status 0) and its report."""
+    from gpu_path_data import make_small_store
+
+    store = make_small_store(tmp_path)
+    out = tmp_path / "soak.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), str(store), "--device", "cpu",
+         "--workers", "2", *args, "--out", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done, json.loads(out.read_text())
+
+
 def test_the_soak_script_checks_every_epoch_across_a_preemption(tmp_path):
     """``benchmarks/soak.py``: 3 epochs of the small store (PNG, progressive, grayscale
     among them) with a model trained on each batch, the second epoch cut halfway by a
     preemption (checkpoint through JSON, a new loader, resumed): every sample once, with
     its label, in every epoch, and nothing on fd 2."""
-    from gpu_path_data import NUM_SAMPLES, make_small_store
+    from gpu_path_data import NUM_SAMPLES
 
-    store = make_small_store(tmp_path)
-    out = tmp_path / "soak.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "soak.py"), str(store), "--epochs", "3",
-         "--device", "cpu", "--model", "resnet18", "--batch-size", "4", "--workers", "2",
-         "--resume-every", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    done, report = run_soak(tmp_path, "soak.py", "--epochs", "3", "--model", "resnet18",
+                            "--batch-size", "4", "--resume-every", "2")  # fmt: skip
     s = report["summary"]
     assert (s["epochs"], s["resumes"], s["bad_epochs"], s["stderr_lines"]) == (3, 1, [], 0)
     assert s["ok"] and s["stderr"] == [] and json.loads(done.stdout) == s
@@ -669,19 +677,11 @@ def test_the_soak_counts_the_lines_that_reach_fd_2():
 def test_the_soak_runs_the_gpu_path_on_its_cpu_stand_ins(tmp_path):
     """``benchmarks/soak_stand_ins.py``: the GPU path's own code (prefetch thread, stage,
     the picker with ``cpu_share="auto"``, close and rebuild) under the soak on the CPU."""
-    from gpu_path_data import NUM_SAMPLES, make_small_store
+    from gpu_path_data import NUM_SAMPLES
 
-    store = make_small_store(tmp_path)
-    out = tmp_path / "soak.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "soak_stand_ins.py"), str(store),
-         "--epochs", "4", "--device", "cpu", "--decoder", "tvcpu", "--cpu-share", "auto",
-         "--model", "none", "--batch-size", "8", "--workers", "2", "--size", "16",
-         "--dtype", "float16", "--resume-every", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    _, report = run_soak(tmp_path, "soak_stand_ins.py", "--epochs", "4", "--decoder", "tvcpu",
+                         "--cpu-share", "auto", "--model", "none", "--batch-size", "8",
+                         "--size", "16", "--dtype", "float16", "--resume-every", "2")  # fmt: skip
     s = report["summary"]
     assert (s["epochs"], s["resumes"], s["bad_epochs"], s["stderr_lines"]) == (4, 2, [], 0)
     assert s["ways"] == ["gpu"] and report["images"] == NUM_SAMPLES

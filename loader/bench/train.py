@@ -50,26 +50,8 @@ def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> d
     timed; the figures of those (img/s, share of step time waiting for data; with ``pipe``
     one of ours, where its time went meanwhile, warm-up steps included)."""
     import torch
-    import torchvision
 
-    torch.backends.cudnn.benchmark = True
-    model = getattr(torchvision.models, model_name)(num_classes=1000)
-    model = model.to(s.device, memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    kind = "cpu" if s.device == "cpu" else "cuda"  # the CLI trains on CUDA; tests on the CPU
-
-    def step(images, labels) -> None:
-        images = images.to(s.device, non_blocking=True)
-        if not images.is_floating_point():
-            images = images.float()
-        images = images.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(kind, dtype=torch.bfloat16):
-            loss = loss_fn(model(images), labels.to(s.device, non_blocking=True) % 1000)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
+    step = model_step(model_name, s.device)
     before = loader_times(pipe)
     untimed = 0
     for batch in itertools.islice(batches, s.train_warmup):
@@ -78,7 +60,7 @@ def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> d
     while untimed < s.train_warmup + SETTLE_STEPS and settling(getattr(pipe, "dl", None)):
         step(*next(batches))
         untimed += 1
-    if kind == "cuda":
+    if s.device != "cpu":
         torch.cuda.synchronize()  # the warm-up's queued work is not timed
     with profile(itertools.islice(batches, s.train_steps)) as prof:
         for images, labels in prof:
@@ -98,6 +80,34 @@ def train_check(batches: Iterator, model_name: str, s: Settings, pipe=None) -> d
         | per_image(before, loader_times(pipe), (untimed + st.steps) * s.batch_size)
         | picked_way(pipe)
     )
+
+
+def model_step(model_name: str, device):
+    """One SGD step of torchvision's ``model_name`` (1000 classes, channels_last, bf16
+    autocast) on a batch of images and labels, wherever they are: what the training
+    checks run (``benchmarks/soak.py`` too)."""
+    import torch
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    model = getattr(torchvision.models, model_name)(num_classes=1000)
+    model = model.to(device, memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    kind = "cpu" if str(device) == "cpu" else "cuda"  # the CLI trains on CUDA; tests on the CPU
+
+    def step(images, labels) -> None:
+        images = images.to(device, non_blocking=True)
+        if not images.is_floating_point():
+            images = images.float()
+        images = images.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(kind, dtype=torch.bfloat16):
+            loss = loss_fn(model(images), labels.to(device, non_blocking=True) % 1000)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
 
 
 def settling(dl) -> bool:
