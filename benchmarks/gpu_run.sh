@@ -2,7 +2,7 @@
 # The H200 runs behind benchmarks/results/gpu-h200-*: run from the repository root on the
 # GPU machine, after the wheels are installed in /tmp/site (../shared/GPU.md), with the
 # photographs in .photos. Usage: benchmarks/gpu_run.sh STAGE... (prepare, tests, probe, daliprobe,
-# split, decoders, bench, diagnose, profile, memory, delivery, ingest, ddp, soak); logs and JSON go to $OUT. MAX_SIZE=512
+# split, decoders, bench, diagnose, profile, memory, delivery, ingest, ddp, soak, rebuild); logs and JSON go to $OUT. MAX_SIZE=512
 # makes "bench" compare every pipeline on images capped at 512 px (imfeed-bench --max-size);
 # SHORT_SIDE=800-1000 makes camera-sized images instead of ImageNet-shaped ones
 # (--short-side). PROBE_ARGS go to the probe (e.g. "--busy-thread --gather-chunk 256");
@@ -40,6 +40,7 @@ for stage in "$@"; do
     memory) for r in "" --release; do timeout 200 python3 benchmarks/dali_memory_probe.py --epochs ${EPOCHS:-150} $r > $OUT/memory$r.log 2>&1; cut -c1-400 $OUT/memory$r.log | tail -40; done ;;
     ingest) timeout ${INGEST_S:-300} python3 benchmarks/bench_ingest.py --images 20000 --workdir /tmp/bi --out $OUT > $OUT/ingest.log 2>&1; tail -25 $OUT/ingest.log ;;
     soak) prepare; timeout $(( ${SOAK_S:-300} + 90 )) python3 benchmarks/soak.py "$STORE" --seconds ${SOAK_S:-300} --device cuda --workers 16 ${SOAK_ARGS:-} --out $OUT/soak.json > $OUT/soak.log 2>&1; tail -c 1500 $OUT/soak.log ;;
+    rebuild) prepare; timeout ${REBUILD_S:-300} python3 benchmarks/rebuild_probe.py "$STORE" ${REBUILD_ARGS:-} --out $OUT/rebuild.json > $OUT/rebuild.log 2>&1; cut -c1-600 $OUT/rebuild.log | tail -20 ;;
     delivery) timeout ${DELIVERY_S:-240} python3 benchmarks/dali_delivery_probe.py --runs ${RUNS:-12} ${VARIANTS:+--variants $VARIANTS} --out $OUT/dali-delivery.json > $OUT/dali-delivery.log 2>&1; grep "runs delivered" $OUT/dali-delivery.log ;;
     ddp) prepare; (echo "== topology"; nproc; lscpu | grep -i "numa\|thread\|socket"; nvidia-smi topo -m) >> $OUT/ddp.log 2>&1; echo "$(nproc) cores, $(nvidia-smi -L | wc -l) GPU(s)"
       # 1: one rank on the first half of the cores (the single-GPU figure); 1all: one rank on

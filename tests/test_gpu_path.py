@@ -1272,31 +1272,96 @@ def test_close_lets_go_of_the_gpu_stage_and_a_later_epoch_has_every_sample(store
     assert flat(got, 1).tolist() == Store(store).labels[flat(got, 2).numpy()].tolist()
 
 
+class _Stream:
+    def __init__(self, index: int) -> None:
+        self.device = torch.device("cuda", index)
+
+
+def test_the_stream_pool_lends_again_what_was_given_back_by_role_and_device(monkeypatch):
+    made = []
+    monkeypatch.setattr(
+        torch.cuda, "Stream", lambda index, priority: made.append(index) or _Stream(index)
+    )
+    pool = loader.gpu_stage._StreamPool()
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    lent = {"finish": pool.lend(gpu0, "finish"), "decode": pool.lend(gpu0, "decode")}
+    first = dict(lent)
+    other = pool.lend(gpu1, "finish")
+    assert made == [0, 0, 1] and len({id(s) for s in (*first.values(), other)}) == 3
+    pool.give_back(lent)
+    pool.give_back(lent)  # emptied by the first: nothing given twice
+    assert lent == {}
+    assert pool.lend(gpu1, "finish") is not first["finish"]  # another device: a new one
+    assert pool.lend(gpu0, "decode") is first["decode"]
+    assert pool.lend(gpu0, "finish") is first["finish"]
+    assert pool.lend(gpu0, "finish") is not first["finish"] and made == [0, 0, 1, 1, 0]
+
+
+@gpu_only
+def test_a_loader_built_again_reuses_the_streams_and_memory_of_the_one_closed(store):
+    """A rebuild after a preemption (close, a new loader) allocates where the loader before
+    it did: torch's allocator reuses a block only on the stream it was made on."""
+
+    def rebuilt(dl):
+        dl.close()
+        new = make(store, transform=TRAIN, dtype=torch.bfloat16, persistent_workers=True)
+        epoch(new)
+        return new
+
+    dl = make(store, transform=TRAIN, dtype=torch.bfloat16, persistent_workers=True)
+    epoch(dl)
+    other = make(store, transform=TRAIN, persistent_workers=True)  # alive: its own streams
+    streams = (dl._gpu_stage.stream, dl._gpu_stage.decode_stream)
+    assert not {other._gpu_stage.stream, other._gpu_stage.decode_stream} & set(streams)
+    dl = rebuilt(dl)
+    assert (dl._gpu_stage.stream, dl._gpu_stage.decode_stream) == streams
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    for _ in range(3):
+        dl = rebuilt(dl)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() == reserved
+    dl.close()
+    assert (other._gpu_stage.stream, other._gpu_stage.decode_stream) != streams
+    assert sorted(flat(epoch(dl), 2).tolist()) == list(range(NUM_SAMPLES))  # streams again
+    other.close()
+
+
 def test_close_leaves_a_stage_a_hung_thread_may_still_be_in(store, monkeypatch):
     """A prefetch thread that does not stop within the wait for it may still be in the
     stage: ``close`` then lets go of nothing of the stage's (the thread would use it)."""
     import loader.prefetch
 
     monkeypatch.setattr(loader.prefetch, "_JOIN_S", 0.2)
-    dl = make(store, transform=TRAIN, num_workers=2)
-    real = dl._gpu_stage.decoder.decode_batch
-    calls = []
+    dl = make(store, transform=TRAIN, num_workers=2, shuffle=False)
+    real = dl._gpu_stage._decode
+    entered, returns = threading.Event(), threading.Event()
 
-    def hung(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            time.sleep(2)  # a GPU call that does not return for a while
-        return real(*args, **kwargs)
+    def hung(views, *args):
+        # The last batch (samples 16-22; not the first, which the loop waits for: on CUDA
+        # two decode threads start the first two batches at once, in either order) does
+        # not return until the close is over.
+        if 16 in views["indices"].tolist():
+            entered.set()
+            returns.wait(30)
+        return real(views, *args)
 
-    monkeypatch.setattr(dl._gpu_stage.decoder, "decode_batch", hung)
+    monkeypatch.setattr(dl._gpu_stage, "_decode", hung)
     it = iter(dl)
     next(it)
-    while len(calls) < 2:
-        time.sleep(0.01)
+    assert entered.wait(30)
     stage = dl._gpu_stage
-    held = list(stage._in_flight)
-    dl.close()
-    assert stage.abandoned and list(stage._in_flight) == held
+    held = {id(item) for item in stage._in_flight}  # (the thread may still add one)
+    threads = [it._thread, *it._decoder._threads]
+    try:
+        dl.close()
+        assert stage.abandoned and held and held <= {id(item) for item in stage._in_flight}
+    finally:
+        returns.set()
+    # Once the call returns, the threads left behind end.
+    for thread in threads:
+        thread.join(10)
+    assert not [thread.name for thread in threads if thread.is_alive()]
 
 
 AT_EXIT = """
