@@ -10,9 +10,31 @@ it releases the GIL meanwhile.
 
 from __future__ import annotations
 
+import gc
+import sys
+
 import torch
 
 from loader.decode import DecodeError
+
+
+def import_torchvision_io():
+    """``torchvision.io``, imported without keeping alive the frames that import it.
+
+    torchvision's first import leaves a frame that refers to itself (``torch.fx.wrap``
+    keeps ``inspect.currentframe()`` in a local, run by ``torchvision.ops`` at import), and
+    with it every frame up the stack until the cyclic collector runs: a loader built by
+    the call that first imported torchvision, its stage and its iterators were not freed
+    when let go of, and its prefetch thread, gone on into the next epoch, ran on (tested:
+    ``tests/test_gpu_path.py``). A collection right after that first import frees the
+    frame. Raises ImportError where torchvision is not installed.
+    """
+    first = "torchvision" not in sys.modules
+    import torchvision.io
+
+    if first:
+        gc.collect()
+    return torchvision.io
 
 
 class NvjpegDecoder:
@@ -44,12 +66,12 @@ class NvjpegDecoder:
                 "not one (or CUDA is unavailable here); use decoder='cpu'"
             )
         try:
-            from torchvision.io import ImageReadMode, decode_jpeg
+            io = import_torchvision_io()
         except ImportError as e:
             raise ValueError(
                 f"decoder='nvjpeg' needs torchvision ({e}); pip install torchvision"
             ) from None
-        self.device, self._decode, self._mode = device, decode_jpeg, ImageReadMode.RGB
+        self.device, self._decode, self._mode = device, io.decode_jpeg, io.ImageReadMode.RGB
 
     def decode_batch(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Decode every JPEG of ``encoded`` (1-D uint8 CPU tensors) on the device.
@@ -82,7 +104,10 @@ _DEVICE_TROUBLE = ("out of memory", "CUDA error", "cudaError", "ALLOCATOR", "all
 
 def raise_if_not_the_data(e: RuntimeError) -> None:
     if any(word in str(e) for word in _DEVICE_TROUBLE):
-        raise e
+        try:
+            raise e
+        finally:  # its traceback holds this frame: not the frame the error (a cycle)
+            del e
 
 
 def check_decoded(image: torch.Tensor, shape: tuple[int, int]) -> None:

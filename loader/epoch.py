@@ -21,6 +21,7 @@ import contextlib
 import copy
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -29,6 +30,12 @@ from loader.batch import BatchReport
 from loader.sampler import EpochPlan, batch_seed
 
 _POLL_S = 1.0  # longest wait between checks of the workers' liveness and of the timeout
+
+
+class LoaderGone(RuntimeError):
+    """A parked iterator's loader was freed (what the iterator still does is moot)."""
+
+
 MIN_CHUNK = 16  # samples per task at least: keeps the messages per image negligible
 
 
@@ -120,7 +127,13 @@ class EpochIterator:
     """
 
     def __init__(self, loader) -> None:
-        self._loader = loader
+        # The loader: held while the loop may hold this iterator, only referred to while
+        # the loader alone holds it (parked, ``_carry``), so that the two do not hold each
+        # other: a loader let go of after an epoch read to its end was freed only by a
+        # full collection, and meanwhile its thread and workers went on with the next
+        # epoch's batches, its GPU stage held its device memory.
+        self._held = loader
+        self._loader_ref = weakref.ref(loader)
         self._official = loader._plan.batches()  # advanced once per delivered batch
         self._length = loader._plan.remaining()
         self._next_step = loader._plan.step
@@ -141,6 +154,13 @@ class EpochIterator:
         self._epoch, self._seed = loader._plan.epoch, loader.seed  # the loop's epoch
         self._parked = False  # read to its end, and on into the next epoch
 
+    @property
+    def _loader(self):
+        loader = self._held if self._held is not None else self._loader_ref()
+        if loader is None:
+            raise LoaderGone("imfeed: the loader of this parked iteration was freed")
+        return loader
+
     def __iter__(self) -> EpochIterator:
         return self
 
@@ -156,6 +176,7 @@ class EpochIterator:
         self._official = plan.batches()
         self._length = plan.remaining()
         self._epoch += 1
+        self._held = self._loader_ref()  # the loop holds it again
         self._closed = self._parked = False  # in this order: see ``_dispatching``
         self.ended_by = None
         self._tasks.allow()
@@ -174,6 +195,7 @@ class EpochIterator:
         where the next epoch's first batches are under way (``carrying``), else closed."""
         if carrying and self._loader._iteration_parked(self):
             self._parked = self._closed = True  # in this order: see ``_dispatching``
+            self._held = None  # the loader holds it now (``__init__``)
         else:
             self._close(finished=True)
 
@@ -331,4 +353,11 @@ class EpochIterator:
     def __del__(self) -> None:
         # At interpreter shutdown this may fail; the loader's finaliser stops the workers.
         with contextlib.suppress(Exception):
-            self.close()
+            if self._loader_ref() is None:  # parked, freed with its loader
+                self._orphaned()
+            else:
+                self.close()
+
+    def _orphaned(self) -> None:
+        """Freed with the loader that held it parked: stop what is this iterator's own (the
+        loader's finaliser stopped the workers)."""

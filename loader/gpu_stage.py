@@ -52,7 +52,7 @@ import functools
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import CancelledError
 from typing import NamedTuple
 
 import numpy as np
@@ -110,13 +110,77 @@ class _StreamPool:
 _STREAMS = _StreamPool()
 
 
+class Call:
+    """A call whose outcome one thread waits for while another makes it (``_decode``, in a
+    decode thread of ``loader.prefetch``): the few parts of a ``Future`` used here, but
+    the outcome is let go of as it is taken. An error keeps its traceback, which holds the
+    frames of the thread that waited for it, whose locals hold the call: a Future keeping
+    the error made a cycle, and kept the stage, the iterator and the loader alive until a
+    full collection (``tests/test_gpu_path.py``)."""
+
+    def __init__(self, fn=None) -> None:
+        self.fn = fn
+        self._done = threading.Event()
+        self._outcome: tuple | None = None  # (True, value) or (False, error)
+
+    @classmethod
+    def of(cls, fn) -> Call:
+        """``fn`` called here."""
+        call = cls(fn)
+        call.run()
+        return call
+
+    def run(self) -> None:
+        """Make the call (once), in the calling thread."""
+        fn, self.fn = self.fn, None
+        if fn is None or self._done.is_set():
+            return
+        try:
+            outcome = (True, fn())
+        except BaseException as e:  # the waiting thread raises it
+            outcome = (False, e)
+        del fn  # (the stage, in the loader)
+        self._outcome = outcome
+        del outcome
+        self._done.set()
+        # An error's traceback holds this frame (its callees' caller): not the call, which
+        # holds the error until it is taken (a cycle, where it never is).
+        del self
+
+    def cancel(self) -> None:
+        """Where it has not run: it never will, and ``result`` raises CancelledError."""
+        if not self._done.is_set():
+            self.fn, self._outcome = None, (False, CancelledError())
+            self._done.set()
+
+    def cancelled(self) -> bool:
+        outcome = self._outcome
+        return outcome is not None and isinstance(outcome[1], CancelledError)
+
+    def result(self, timeout: float | None = None):
+        """The call's value, or its error raised; taken once."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the call was not done within {timeout} s")
+        outcome, self._outcome = self._outcome, None
+        if outcome is None:
+            raise RuntimeError("imfeed bug: a call's outcome was taken twice")
+        ok, value = outcome
+        del outcome
+        if ok:
+            return value
+        try:
+            raise value
+        finally:
+            del value
+
+
 class Started(NamedTuple):
     """A batch between ``GpuStage.start`` and ``GpuStage.finish``."""
 
     views: dict
     gpu_rows: np.ndarray
     report: object
-    future: Future  # of _decode's result
+    future: Call  # of _decode's result
     busy: float  # seconds start took
     way: str = ""  # the picker's way of the batch (WITH_SHARE: with the workers' share)
 
@@ -247,7 +311,7 @@ class GpuStage:
 
     def start(self, slot: dict[str, torch.Tensor], report, submit=None, way=None) -> Started:
         """First half of ``process``: hand the slot's JPEGs to the GPU decoder, through
-        ``submit(fn) -> Future`` (a decode thread: the caller goes on meanwhile) or here.
+        ``submit(fn) -> Call`` (a decode thread: the caller goes on meanwhile) or here.
         The slot must stay untouched until ``finish`` returns. ``way``: the batch's, where
         the caller has taken it already."""
         t0 = time.perf_counter()
@@ -258,11 +322,7 @@ class GpuStage:
         # per image would be 256 torch calls a batch, each letting the GIL go.
         data = views["data"] if getattr(self.decoder, "takes_numpy", False) else slot["data"]
         decode = functools.partial(self._decode, views, gpu_rows, data, spans, n)
-        if submit is None:
-            future: Future = Future()
-            future.set_result(decode())
-        else:
-            future = submit(decode)
+        future = Call.of(decode) if submit is None else submit(decode)
         return Started(views, gpu_rows, report, future, time.perf_counter() - t0, way)
 
     def finish(self, started: Started, waited: float = 0.0) -> tuple:

@@ -15,6 +15,7 @@ from torch.utils.data import DistributedSampler, RandomSampler, SequentialSample
 from loader.augment import Transform
 from loader.dataset import LMDBDataset
 from loader.decode import decoders, delivers_to
+from loader.decode_nvjpeg import import_torchvision_io
 from loader.recipes import NotARecipe, recognise
 from loader.sampler import check_int
 from loader.store import Store
@@ -224,7 +225,7 @@ def resolve_decoder(name: str, device) -> str:
         else:
             return "dali"
         try:
-            import torchvision.io  # noqa: F401  (the nvjpeg backend's only need)
+            import_torchvision_io()  # the nvjpeg backend's only need
         except ImportError:
             log.info("DataLoader: torchvision is not installed: decoding on the CPU")
             return "cpu"

@@ -36,11 +36,11 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import Future
 
 import torch
 
-from loader.epoch import EpochIterator, chunk_size
+from loader.epoch import EpochIterator, LoaderGone, chunk_size
+from loader.gpu_stage import Call
 
 _JOIN_S = 30.0  # longest wait for the thread to finish the batch it is on
 _PUT_POLL_S = 0.1
@@ -124,7 +124,10 @@ class GpuEpochIterator(EpochIterator):
             raise StopIteration
         if kind == "error":
             self._close(finished=False, failed=True)
-            raise payload
+            try:
+                raise payload
+            finally:  # its traceback holds this frame: not the frame the error
+                del payload
         images, labels, indices, event, bad = payload
         self._stage.note_handoff(waited)
         if images.device.type == "cuda":
@@ -205,6 +208,8 @@ class GpuEpochIterator(EpochIterator):
         except torch.cuda.OutOfMemoryError:
             raise  # torch's own message says what to do
         except RuntimeError as e:
+            if not _from_the_gpu(e):  # (``raise e from e`` made the error its own cause,
+                raise  # a cycle holding its traceback's frames, this iterator among them)
             raise _named(e, self._stage.device) from e
         # The thread's own CPU time: what it takes from the training loop's interpreter.
         self._stats.add(prefetch_cpu_s=time.thread_time() - cpu0)
@@ -273,6 +278,12 @@ class GpuEpochIterator(EpochIterator):
         if self._stop.is_set() and here is self._thread and here is not self._closer:
             raise _Stopped
 
+    def _orphaned(self) -> None:
+        self._stop.set()  # the thread ends at its next poll, without waiting for it here
+        if self._decoder is not None:
+            self._decoder.cancel()
+            self._decoder.stop(0.0)
+
     def _close_counted(self, finished: bool, failed: bool) -> None:
         self._closer = threading.current_thread()
         self._stop.set()
@@ -295,16 +306,19 @@ class GpuEpochIterator(EpochIterator):
         super()._close_counted(finished, failed)
 
 
-def _named(e: RuntimeError, device) -> RuntimeError:
-    """CUDA, nvjpeg, DALI or Triton errors, named as the GPU stage's; others unchanged."""
-    if not any(word in str(e) for word in ("CUDA", "nvjpeg", "nvJPEG", "DALI", "triton")):
-        return e
+def _from_the_gpu(e: RuntimeError) -> bool:
+    """Whether ``e`` is a CUDA, nvjpeg, DALI or Triton error."""
+    return any(word in str(e) for word in ("CUDA", "nvjpeg", "nvJPEG", "DALI", "triton"))
+
+
+def _named(e: RuntimeError, device) -> GpuStageError:
+    """A GPU error (``_from_the_gpu``), named as the GPU stage's."""
     return GpuStageError(f"the GPU stage (decode + augmentation on {device}) failed: {e}")
 
 
 class _DecodeThreads:
     """``count`` daemon threads running submitted calls (started in order); ``submit``
-    returns a Future."""
+    returns a ``Call``."""
 
     def __init__(self, count: int = 1) -> None:
         self._count = max(1, count)
@@ -312,11 +326,11 @@ class _DecodeThreads:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    def submit(self, fn) -> Future:
-        future: Future = Future()
+    def submit(self, fn) -> Call:
+        call = Call(fn)
         if self._stopping.is_set():  # cancelled or stopped: nothing would ever run it
-            future.cancel()
-            return future
+            call.cancel()
+            return call
         if not self._threads:
             for k in range(self._count):
                 thread = threading.Thread(
@@ -327,8 +341,8 @@ class _DecodeThreads:
                 )
                 thread.start()
                 self._threads.append(thread)
-        self._calls.put((future, fn))
-        return future
+        self._calls.put(call)
+        return call
 
     def cancel(self) -> None:
         """Cancel the calls not started yet, and any submitted later."""
@@ -348,18 +362,12 @@ class _DecodeThreads:
 
 def _serve(calls: queue.SimpleQueue, stopping: threading.Event) -> None:
     while (call := calls.get()) is not None:
-        future, fn = call
-        del call
         if stopping.is_set():
-            future.cancel()
-        elif future.set_running_or_notify_cancel():
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # the prefetch thread raises it, naming the stage
-                future.set_exception(e)
-        # An error's traceback holds this frame: were the frame to hold its future (the
-        # error) and call (the stage) until the next call, the cycle would outlive them.
-        del future, fn
+            call.cancel()
+        else:
+            call.run()
+        # Not held until the next call: the caller may have let go of it (the stage).
+        del call
 
 
 class _Stopped(Exception):
@@ -395,8 +403,11 @@ def _run(ref: weakref.ref, out: queue.Queue, stop: threading.Event, device) -> N
         except StopIteration:
             item = ("end", False)
         except BaseException as e:  # reaches the training loop, raised there
-            if stop.is_set():  # what fails once told to stop (``_Stopped``, a decode
-                return  # cancelled by the close) is the stop's doing: nothing to hand on
+            # What fails once told to stop (``_Stopped``, a decode cancelled by the close)
+            # is the stop's doing, and a parked iteration whose loader was freed has no
+            # loop to tell: nothing to hand on.
+            if stop.is_set() or isinstance(e, LoaderGone):
+                return
             item = ("error", e)
             # A chunk that failed will never come: closing must not wait for it (a flag,
             # not the exception: its traceback would hold the iterator in a cycle).

@@ -19,6 +19,7 @@ from PIL import Image
 
 from ingest.build import build
 from ingest.synth import make_image_folder, random_view, sample_photos
+from loader.decode_nvjpeg import import_torchvision_io
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -56,9 +57,8 @@ class TorchvisionCpuBatchDecoder:
     devices = ("cpu",)
 
     def __init__(self, device=None, antialias: bool = True, batch_size=None) -> None:
-        from torchvision.io import ImageReadMode, decode_jpeg
-
-        self._decode, self._mode = decode_jpeg, ImageReadMode.RGB
+        io = import_torchvision_io()  # as the nvjpeg decoder imports it
+        self._decode, self._mode = io.decode_jpeg, io.ImageReadMode.RGB
 
     def decode_batch(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | None]:
         out = []

@@ -1257,6 +1257,89 @@ def test_a_loader_let_go_is_freed_at_once_with_its_gpu_stage(store, share, close
         gc.enable()
 
 
+@pytest.mark.parametrize("share", [0.0, "auto"])
+def test_a_loader_let_go_after_an_epoch_read_to_its_end_is_freed_at_once(store, share):
+    """With persistent workers the loader keeps the iterator of an epoch read to its end
+    (it goes on into the next epoch's batches): the two held each other, so a loader let
+    go of then was freed only by a full collection, its thread and workers going on
+    meanwhile. Freed at once now, and its threads end."""
+    epoch(make(store, transform=TRAIN, cpu_share=share))  # first imports done
+    gc.collect()
+    gc.disable()  # only reference counting frees anything now
+    try:
+        dl = make(store, transform=TRAIN, cpu_share=share, persistent_workers=True)
+        it = iter(dl)
+        got = list(it)  # read to its end: parked, on into the next epoch
+        assert dl._carry is it and sorted(flat(got, 2).tolist()) == list(range(NUM_SAMPLES))
+        threads = [it._thread, *it._decoder._threads]
+        refs = [weakref.ref(dl), weakref.ref(dl._gpu_stage), weakref.ref(it)]
+        del dl, it, got
+        assert all_freed(refs)
+        for thread in threads:
+            thread.join(10)
+        assert not [thread.name for thread in threads if thread.is_alive()]
+    finally:
+        gc.enable()
+
+
+def test_an_error_from_the_gpu_stage_holds_nothing_once_handled(store, monkeypatch):
+    """An error the stage raised (not a GPU one: raised as it is) reaches the loop without
+    a reference cycle: it was made its own cause, and its traceback held the iterator, the
+    loader and the stage until a full collection."""
+    epoch(make(store, transform=TRAIN))  # first imports done
+    gc.collect()
+    gc.disable()
+    try:
+        dl = make(store, transform=TRAIN, cpu_share=0.0)
+
+        def fails(*args, **kwargs):
+            raise RuntimeError("a decoder's own failure")
+
+        monkeypatch.setattr(dl._gpu_stage.decoder, "decode_batch", fails)
+        it = iter(dl)
+        try:
+            next(it)
+        except RuntimeError as e:
+            assert str(e) == "a decoder's own failure" and e.__cause__ is not e
+        refs = [weakref.ref(dl), weakref.ref(dl._gpu_stage), weakref.ref(it)]
+        monkeypatch.undo()
+        del dl, it, fails
+        assert all_freed(refs)
+    finally:
+        gc.enable()
+
+
+FIRST_IMPORT = """
+import gc, sys, weakref
+import torch
+from loader.decode_nvjpeg import import_torchvision_io
+assert "torchvision" not in sys.modules
+gc.disable()
+
+class Marker:
+    pass
+
+def builds():  # as DataLoader.__init__, whose call first imports torchvision
+    marker = Marker()
+    io = import_torchvision_io()
+    return weakref.ref(marker), io
+
+ref, io = builds()
+print(ref() is None, callable(io.decode_jpeg))
+"""
+
+
+def test_the_first_import_of_torchvision_keeps_no_frame_of_its_caller():
+    """torchvision's first import leaves a frame that refers to itself, holding every frame
+    up the stack until a collection: the loader being built, where building it imported
+    torchvision (the nvjpeg decoder), was not freed when let go of."""
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_IMPORT], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"]
+
+
 def test_close_lets_go_of_the_gpu_stage_and_a_later_epoch_has_every_sample(store):
     dl = make(store, transform=TRAIN, cpu_share="auto", persistent_workers=True)
     epoch(dl)
