@@ -694,3 +694,38 @@ def test_stats_of_the_cpu_path(store):
     assert stats["decoder"] == "cpu"
     assert stats["samples"] == stats["cpu_decoded"] == NUM_SAMPLES and stats["batches"] == 8
     assert stats["cpu_decode_s"] > 0 and stats["wait_s"] >= 0  # worker time was counted
+
+
+def test_a_loader_let_go_after_an_epoch_read_to_its_end_is_freed_at_once(store):
+    """With persistent workers the loader keeps the iterator of an epoch read to its end
+    (its workers go on with the next epoch's first batches): the two held each other, so
+    the loader, its workers and their shared memory outlived the training code's last
+    reference to them, until a full collection. Freed at once now; the workers end."""
+    import weakref
+
+    gc.collect()
+    gc.disable()  # only reference counting frees anything now
+    try:
+        dl = make(store, num_workers=2, persistent_workers=True)
+        it = iter(dl)
+        assert sorted(indices(list(it)).tolist()) == list(range(NUM_SAMPLES))
+        assert dl._carry is it  # parked, on into the next epoch
+        pids = dl.worker_pids
+        refs = [weakref.ref(dl), weakref.ref(it)]
+        del dl, it
+        assert [r() for r in refs] == [None, None]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.05)
+        assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+    finally:
+        gc.enable()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (reaped or a zombie: not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
