@@ -187,6 +187,9 @@ class EpochIterator:
         take, and hand the workers back."""
         if self._parked:
             self._parked = False
+            if self._loader_ref() is None:  # freed: what it made is moot
+                self._orphaned()
+                return
             self._loader._stats.add(carries_dropped=1)
             self._close(finished=False)
 

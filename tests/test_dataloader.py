@@ -729,3 +729,13 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1][:1] != "Z"
     except OSError:
         return False
+
+
+def test_an_iterator_kept_after_its_loader_was_let_go_ends_quietly(store):
+    dl = make(store, num_workers=2, persistent_workers=True)
+    it = iter(dl)
+    assert len(list(it)) == len(dl)  # parked: the loader alone held it
+    del dl
+    it.close()  # nothing to do, and no error
+    with pytest.raises(StopIteration):
+        next(it)
