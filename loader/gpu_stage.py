@@ -125,9 +125,10 @@ class Call:
 
     @classmethod
     def of(cls, fn) -> Call:
-        """``fn`` called here."""
-        call = cls(fn)
-        call.run()
+        """``fn`` called here (its error raised here)."""
+        call = cls()
+        call._outcome = (True, fn())
+        call._done.set()
         return call
 
     def run(self) -> None:

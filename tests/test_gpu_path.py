@@ -21,6 +21,7 @@ decoded by the GPU decoder equals the GPU-only run's.
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import io
 import itertools
@@ -552,6 +553,44 @@ def test_a_stopped_decoder_runs_nothing_more():
     late = threads.submit(ran.set)  # a call from a thread that outlived the stop
     assert late.cancelled() and not ran.wait(0.2)
     assert threads.stop(1)  # no thread was started for it
+
+
+def test_a_call_gives_its_outcome_once_and_a_failed_one_is_freed_untaken():
+    from loader.gpu_stage import Call
+
+    assert Call.of(lambda: 7).result() == 7
+    with pytest.raises(ZeroDivisionError):
+        Call.of(lambda: 1 / 0)  # called here: raised here
+    call = Call(lambda: 8)
+    call.run()
+    assert call.result(timeout=1) == 8
+    with pytest.raises(RuntimeError, match="taken twice"):
+        call.result()
+    waiting = Call(lambda: 9)
+    with pytest.raises(TimeoutError):
+        waiting.result(timeout=0.01)
+    waiting.cancel()
+    assert waiting.cancelled()
+    waiting.run()  # cancelled: never runs
+    with pytest.raises(concurrent.futures.CancelledError):
+        waiting.result()
+
+    class Stage:
+        def decode(self):
+            raise RuntimeError("a decoder's own failure")
+
+    stage = Stage()
+    refs = [weakref.ref(stage)]
+    gc.collect()
+    gc.disable()
+    try:
+        failed = Call(stage.decode)
+        failed.run()
+        refs.append(weakref.ref(failed))
+        del stage, failed  # never taken: its error held no cycle through the call
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()
 
 
 def test_a_decode_thread_lets_go_of_a_failed_call_at_once():
