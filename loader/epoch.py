@@ -30,13 +30,11 @@ from loader.batch import BatchReport
 from loader.sampler import EpochPlan, batch_seed
 
 _POLL_S = 1.0  # longest wait between checks of the workers' liveness and of the timeout
+MIN_CHUNK = 16  # samples per task at least: keeps the messages per image negligible
 
 
 class LoaderGone(RuntimeError):
     """A parked iterator's loader was freed (what the iterator still does is moot)."""
-
-
-MIN_CHUNK = 16  # samples per task at least: keeps the messages per image negligible
 
 
 def chunk_size(batch_size: int, num_workers: int) -> int:

@@ -181,7 +181,7 @@ class Started(NamedTuple):
     views: dict
     gpu_rows: np.ndarray
     report: object
-    future: Call  # of _decode's result
+    decode: Call  # _decode, its result
     busy: float  # seconds start took
     way: str = ""  # the picker's way of the batch (WITH_SHARE: with the workers' share)
 
@@ -323,8 +323,8 @@ class GpuStage:
         # per image would be 256 torch calls a batch, each letting the GIL go.
         data = views["data"] if getattr(self.decoder, "takes_numpy", False) else slot["data"]
         decode = functools.partial(self._decode, views, gpu_rows, data, spans, n)
-        future = Call.of(decode) if submit is None else submit(decode)
-        return Started(views, gpu_rows, report, future, time.perf_counter() - t0, way)
+        call = Call.of(decode) if submit is None else submit(decode)
+        return Started(views, gpu_rows, report, call, time.perf_counter() - t0, way)
 
     def finish(self, started: Started, waited: float = 0.0) -> tuple:
         """Second half of ``process``: wait for the decode, then crop, resize and normalise
@@ -332,7 +332,7 @@ class GpuStage:
         t0 = time.perf_counter()
         views, gpu_rows, report = started.views, started.gpu_rows, started.report
         n = report.n
-        crops, decoded, expected, decode_s, decoded_event, early = started.future.result()
+        crops, decoded, expected, decode_s, decoded_event, early = started.decode.result()
         with self._on_side_stream(self.stream):
             if self.stream is not None:  # the decoded images are written in stream order
                 self.stream.wait_event(decoded_event)
