@@ -481,11 +481,13 @@ class DataLoader:
         if self._read is not None:
             self._end_active("its epoch was read whole")
 
-    def _hold_if_read(self, it: EpochIterator) -> None:
+    def _hold_if_read(self, it: EpochIterator) -> bool:
         """``it`` (going on into the next epoch) delivered a batch: hold it if that was
-        its epoch's last."""
-        if not self._plan.remaining():
-            self._read = it
+        its epoch's last (True)."""
+        if self._plan.remaining():
+            return False
+        self._read = it
+        return True
 
     def _iteration_parked(self, it: EpochIterator) -> bool:
         """``it`` delivered its epoch to the end and went on into the next: keep it for

@@ -34,7 +34,8 @@ MIN_CHUNK = 16  # samples per task at least: keeps the messages per image neglig
 
 
 class LoaderGone(RuntimeError):
-    """A parked iterator's loader was freed (what the iterator still does is moot)."""
+    """The loader of an iteration read whole was freed (what the iteration still does is
+    moot: nothing can take its batches)."""
 
 
 def chunk_size(batch_size: int, num_workers: int) -> int:
@@ -125,11 +126,14 @@ class EpochIterator:
     """
 
     def __init__(self, loader) -> None:
-        # The loader: held while the loop may hold this iterator, only referred to while
-        # the loader alone holds it (parked, ``_carry``), so that the two do not hold each
-        # other: a loader let go of after an epoch read to its end was freed only by a
-        # full collection, and meanwhile its thread and workers went on with the next
-        # epoch's batches, its GPU stage held its device memory.
+        # The loader: held until the epoch's last batch is out, only referred to from then
+        # on, while the loader holds this iterator (``_read``, then ``_carry`` where it
+        # is parked), so that the two do not hold each other: a loader let go of after an
+        # epoch read to its end was freed only by a full collection, and meanwhile its
+        # thread and workers went on with the next epoch's batches, its GPU stage held
+        # its device memory. Where the loop held only this iterator (``for batch in
+        # DataLoader(...)``), the loader goes with the last batch: the loop's next ask
+        # ends the iteration (``LoaderGone``).
         self._held = loader
         self._loader_ref = weakref.ref(loader)
         self._official = loader._plan.batches()  # advanced once per delivered batch
@@ -156,7 +160,7 @@ class EpochIterator:
     def _loader(self):
         loader = self._held if self._held is not None else self._loader_ref()
         if loader is None:
-            raise LoaderGone("imfeed: the loader of this parked iteration was freed")
+            raise LoaderGone("imfeed: the loader of this iteration, read whole, was freed")
         return loader
 
     def __iter__(self) -> EpochIterator:
@@ -196,7 +200,7 @@ class EpochIterator:
         where the next epoch's first batches are under way (``carrying``), else closed."""
         if carrying and self._loader._iteration_parked(self):
             self._parked = self._closed = True  # in this order: see ``_dispatching``
-            self._held = None  # the loader holds it now (``__init__``)
+            self._held = None  # the loader holds it (``__init__``)
         else:
             self._close(finished=True)
 
@@ -215,6 +219,14 @@ class EpochIterator:
         return self._length
 
     def __next__(self):
+        try:
+            return self._next()
+        except LoaderGone:  # read whole, its loader let go of since: the epoch is over
+            self._closed = True
+            self._orphaned()
+        raise StopIteration
+
+    def _next(self):
         if self._closed:
             if self.ended_by:
                 raise RuntimeError(
@@ -242,13 +254,14 @@ class EpochIterator:
             self._close(finished=False, failed=True)
             raise
         next(self._official)
-        if self._carries:
-            self._loader._hold_if_read(self)
+        read = self._carries and self._loader._hold_if_read(self)
         self._next_step += 1
         try:  # refill before returning, so workers run while the user trains
             self._dispatch()
         except Exception as e:  # the batch is delivered and counted: raise on the next call
             self._failure = e
+        if read:
+            self._held = None  # the loader holds it now, until it is ended (``__init__``)
         return batch
 
     def _produce(self) -> tuple[int, BatchReport]:

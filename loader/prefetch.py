@@ -101,9 +101,9 @@ class GpuEpochIterator(EpochIterator):
         self._closer: threading.Thread | None = None  # the thread that closes the iterator
         self._out = loader._plan.step  # the key of the next batch the thread finishes
 
-    def __next__(self):
+    def _next(self):
         if self._closed:
-            return super().__next__()  # raises as the CPU path does
+            return super()._next()  # raises as the CPU path does
         if self._thread is None:
             self._thread = threading.Thread(
                 target=_run,
@@ -139,9 +139,10 @@ class GpuEpochIterator(EpochIterator):
         self._loader._note_bad(bad)
         self._stats.add(batches=1, samples=len(indices))  # counted as delivered
         next(self._official)
-        if self._carries:
-            self._loader._hold_if_read(self)
-        if self._loader.with_indices:
+        with_indices = self._loader.with_indices
+        if self._carries and self._loader._hold_if_read(self):
+            self._held = None  # the loader holds it now, until it is ended (``__init__``)
+        if with_indices:
             return images, labels, torch.from_numpy(indices)
         return images, labels
 

@@ -739,3 +739,41 @@ def test_an_iterator_kept_after_its_loader_was_let_go_ends_quietly(store):
     it.close()  # nothing to do, and no error
     with pytest.raises(StopIteration):
         next(it)
+
+
+def test_a_loader_let_go_after_a_loop_bounded_by_its_length_is_freed_at_once(store):
+    """A loop bounded by ``len(loader)`` (``zip``) reads every batch and never asks past
+    the last: the loader keeps the iterator until the next iteration ends it; the two no
+    longer hold each other."""
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        dl = make(store, num_workers=2, persistent_workers=True)
+        seen = [i for _, (_, _, idx) in zip(range(len(dl)), dl, strict=False) for i in idx.tolist()]
+        assert sorted(seen) == list(range(NUM_SAMPLES)) and dl._read is not None
+        pids = dl.worker_pids
+        ref = weakref.ref(dl)
+        del dl
+        assert ref() is None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.05)
+        assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+    finally:
+        gc.enable()
+
+
+def test_a_loop_over_a_loader_only_it_holds_reads_every_sample_once(store):
+    """``for batch in DataLoader(...)``: the loop holds only the iterator, which lets go of
+    the loader with the last batch; the loop's next ask ends it."""
+    gc.collect()
+    gc.disable()  # the loader goes by reference counting, at once
+    try:
+        for _ in range(2):
+            got = [i for _, _, idx in make(store, num_workers=2, persistent_workers=True)
+                   for i in idx.tolist()]  # fmt: skip
+            assert sorted(got) == list(range(NUM_SAMPLES))
+    finally:
+        gc.enable()

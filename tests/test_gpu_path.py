@@ -1321,6 +1321,38 @@ def test_a_loader_let_go_after_an_epoch_read_to_its_end_is_freed_at_once(store, 
         gc.enable()
 
 
+@pytest.mark.parametrize("bounded", [False, True], ids=["loader-only-in-loop", "zip"])
+def test_a_loader_held_only_by_its_loop_or_let_go_after_a_bounded_loop(store, bounded):
+    """``for batch in DataLoader(...)`` reads every sample once and ends (the iterator
+    lets go of the loader with the last batch); after a loop bounded by ``len(loader)``
+    a loader let go of is freed at once. Its threads end either way."""
+    epoch(make(store, transform=TRAIN))  # first imports done
+    gc.collect()
+    gc.disable()
+    try:
+        dl = make(store, transform=TRAIN, persistent_workers=True)
+        ref = weakref.ref(dl)
+        if bounded:
+            got = [b for _, b in zip(range(len(dl)), dl, strict=False)]
+            it = dl._read
+            del dl
+        else:
+            it = iter(dl)
+            del dl
+            got = []
+            for batch in it:
+                got.append(batch)
+        assert sorted(flat(got, 2).tolist()) == list(range(NUM_SAMPLES))
+        threads = [it._thread, *it._decoder._threads]
+        del it
+        assert all_freed([ref])
+        for thread in threads:
+            thread.join(10)
+        assert not [thread.name for thread in threads if thread.is_alive()]
+    finally:
+        gc.enable()
+
+
 def test_an_error_from_the_gpu_stage_holds_nothing_once_handled(store, monkeypatch):
     """An error the stage raised (not a GPU one: raised as it is) reaches the loop without
     a reference cycle: it was made its own cause, and its traceback held the iterator, the
