@@ -5,8 +5,10 @@ mid-epoch, built again from its state and read to the end of that epoch and one 
 ``benchmarks/soak.py`` does. After each rebuild: device memory in use (everything the
 process holds), torch's allocated and reserved device memory, torch's pinned host memory
 (its caching host allocator), the PSS of the process, and the loader objects still alive;
-then the same after ``gc.collect()``, after DALI's ``ReleaseUnusedMemory`` and torch's
-``empty_cache`` (what pools hold, not what is leaked).
+then the same after ``gc.collect()``, and with ``--release-each`` after DALI's
+``ReleaseUnusedMemory`` and torch's ``empty_cache`` (what pools hold, not what is leaked).
+Without it the rows add up over the rebuilds, as in a training run; with it each shows
+one rebuild's cost (``gpu-h200-rebuild-probe.json`` was taken with it).
 
 Usage (the GPU machine: ``benchmarks/gpu_run.sh rebuild``):
     python3 benchmarks/rebuild_probe.py STORE --decoders dali,nvjpeg --out rebuild.json
@@ -119,8 +121,9 @@ def probe(a: argparse.Namespace, decoder: str, device: torch.device) -> list[dic
         gc.collect()
         row["after_gc"] = measure(device)
         row["live_after_gc"] = live()
-        release_pools(device)
-        row["after_release"] = measure(device)
+        if a.release_each:
+            release_pools(device)
+            row["after_release"] = measure(device)
         rows.append(row)
         print(streams_of(dl), json.dumps(row), flush=True)
     dl.close()
@@ -143,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--streams", default="pooled,new", help="pooled (lent again), new (as before)")
     ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--release-each", action="store_true", help="empty the pools each time")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     device = torch.device(a.device)
