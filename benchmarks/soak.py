@@ -6,10 +6,10 @@ the loader closed, a new one built, ``load_state_dict()``, the rest of the epoch
 every epoch: whether each sample came exactly once with its stored label (across the
 preemption too), images not finite (float outputs), host memory (PSS of this process and
 its workers, so that pages shared with the workers or the cache count once), device
-memory, open file descriptors, threads and child processes, the way kept and the trials
-so far (``loader.pace``), and the lines that reached fd 2 (none should: the loader turns
-C libraries' output into counts). Written to ``--out`` every ``WRITE_EVERY_S`` seconds,
-so that a run cut short keeps what it saw.
+memory (and torch's share of it), open file descriptors, threads and child processes,
+the way kept and the trials so far (``loader.pace``), and the lines that reached fd 2
+(none should: the loader turns C libraries' output into counts). Written to ``--out``
+every ``WRITE_EVERY_S`` seconds, so that a run cut short keeps what it saw.
 
 Usage (the GPU machine: ``benchmarks/gpu_run.sh soak``):
     python3 benchmarks/soak.py STORE --seconds 300 --device cuda --cpu-share auto \\
@@ -93,6 +93,14 @@ def device_mib(device: torch.device) -> float | None:
         return None
     free, total = torch.cuda.mem_get_info(device)
     return round((total - free) / (1 << 20), 1)
+
+
+def torch_reserved_mib(device: torch.device) -> float | None:
+    """Device memory torch's caching allocator holds (MiB): of ``device_mib``, what is
+    torch's (the rest: DALI's pools, the decoders', the CUDA context)."""
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.memory_reserved(device) / (1 << 20), 1)
 
 
 def trainer(name: str, device: torch.device):
@@ -211,6 +219,7 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
                 "pss_mib": round(pss_mib(), 1),
                 **held(),
                 "device_mib": device_mib(device),
+                "torch_reserved_mib": torch_reserved_mib(device),
                 "stderr_lines": err.count,
                 "way": stats.get("way"),
                 "cpu_share": stats.get("cpu_share"),
@@ -254,6 +263,7 @@ def summary(report: dict, resumes: int, seconds: float) -> dict:
         "stderr_lines": stderr,
         "pss_growth_mib": growth("pss_mib"),
         "device_growth_mib": growth("device_mib"),
+        "torch_reserved_growth_mib": growth("torch_reserved_mib"),
         "fds_growth": growth("fds"),
         "threads_growth": growth("threads"),
         "ways": sorted({e["way"] for e in epochs if e["way"]}),

@@ -658,6 +658,7 @@ def test_the_soak_verdict_names_the_bad_epochs_and_the_trend():
     s = soak.summary({"epochs": epochs}, resumes=2, seconds=1.0)
     assert (s["bad_epochs"], s["ok"], s["epochs"], s["resumes"]) == ([5], False, 10, 2)
     assert s["pss_growth_mib"] == 655 - 625 and s["device_growth_mib"] is s["fds_growth"] is None
+    assert s["torch_reserved_growth_mib"] is None  # not recorded (off CUDA)
     epochs[5]["repeated"] = 0
     assert soak.summary({"epochs": epochs}, resumes=2, seconds=1.0)["ok"]
     epochs[-1]["stderr_lines"] = 1  # a line reached fd 2
