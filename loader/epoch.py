@@ -254,15 +254,20 @@ class EpochIterator:
             self._close(finished=False, failed=True)
             raise
         next(self._official)
-        read = self._carries and self._loader._hold_if_read(self)
         self._next_step += 1
         try:  # refill before returning, so workers run while the user trains
             self._dispatch()
         except Exception as e:  # the batch is delivered and counted: raise on the next call
             self._failure = e
-        if read:
-            self._held = None  # the loader holds it now, until it is ended (``__init__``)
+        self._delivered()
         return batch
+
+    def _delivered(self) -> None:
+        """A batch is out: where it was its epoch's last, going on into the next, the loader
+        holds this iterator until it is ended, and this iterator lets go of it
+        (``__init__``)."""
+        if self._carries and self._loader._hold_if_read(self):
+            self._held = None
 
     def _produce(self) -> tuple[int, BatchReport]:
         """The slot holding the next batch (StopIteration at the end of the epoch)."""
@@ -367,11 +372,11 @@ class EpochIterator:
     def __del__(self) -> None:
         # At interpreter shutdown this may fail; the loader's finaliser stops the workers.
         with contextlib.suppress(Exception):
-            if self._loader_ref() is None:  # parked, freed with its loader
+            if self._loader_ref() is None:  # freed with the loader that held it
                 self._orphaned()
             else:
                 self.close()
 
     def _orphaned(self) -> None:
-        """Freed with the loader that held it parked: stop what is this iterator's own (the
-        loader's finaliser stopped the workers)."""
+        """Its loader, which held it (read whole or parked), was freed: stop what is this
+        iterator's own (the loader's finaliser stopped the workers)."""

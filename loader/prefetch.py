@@ -140,8 +140,7 @@ class GpuEpochIterator(EpochIterator):
         self._stats.add(batches=1, samples=len(indices))  # counted as delivered
         next(self._official)
         with_indices = self._loader.with_indices
-        if self._carries and self._loader._hold_if_read(self):
-            self._held = None  # the loader holds it now, until it is ended (``__init__``)
+        self._delivered()
         if with_indices:
             return images, labels, torch.from_numpy(indices)
         return images, labels

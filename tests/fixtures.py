@@ -344,6 +344,18 @@ def count_files(root: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(root))
 
 
+@contextlib.contextmanager
+def collector_off():
+    """Inside, only reference counting frees anything: what is held in a reference cycle
+    stays (what earlier code left to the cyclic collector is collected first)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def held_resources() -> tuple[int, int, int]:
     """This process's open file descriptors, threads and child processes (Linux /proc),
     once what earlier tests left for the garbage collector is gone. The CUDA driver's

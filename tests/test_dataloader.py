@@ -12,13 +12,14 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import numpy as np
 import pytest
 import torch
 import torch.utils.data
 import torchvision.transforms as T
-from fixtures import ParentOnly, held_over_epochs, held_resources
+from fixtures import ParentOnly, collector_off, held_over_epochs, held_resources
 from loader_data import NUM_SAMPLES, corrupt, make_store
 
 import loader
@@ -506,9 +507,7 @@ def test_a_batch_is_delivered_when_its_refill_finds_a_dead_worker(store):
     def kill_workers_then_convert(pixels):  # they die while the batch is being copied out
         for pid in dl.worker_pids:
             os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(alive(pid) for pid in dl.worker_pids):
-            time.sleep(0.01)
+        ended(dl.worker_pids)
         return convert(pixels)
 
     dl._output.images = kill_workers_then_convert
@@ -520,9 +519,22 @@ def test_a_batch_is_delivered_when_its_refill_finds_a_dead_worker(store):
 
 
 def alive(pid: int) -> bool:
-    """The process runs (a zombie has closed its pipes)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    """The process runs (a zombie has closed its pipes; a reaped one is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def ended(pids: list[int], timeout: float = 10.0) -> bool:
+    """Whether every process of ``pids`` ends within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_persistent_workers_stop_at_once_when_a_batch_fails(store, monkeypatch):
@@ -568,14 +580,10 @@ def test_worker_exception_is_raised_in_the_loop(store):
 def test_a_worker_never_frees_what_it_inherits(store):
     """As a CUDA tensor held by the training process would abort a forked worker that
     garbage-collects it (seen on the H200): every sample still arrives."""
-    gc.collect()
-    gc.disable()  # keep the cycle uncollected until the workers are forked
-    try:
+    with collector_off():  # the cycle stays uncollected until the workers are forked
         ParentOnly()
         dl = make(store, num_workers=2, worker_init_fn=lambda _: gc.collect())
         seen = sorted(i for _, _, indices in dl for i in indices.tolist())
-    finally:
-        gc.enable()
     assert seen == list(range(NUM_SAMPLES))
 
 
@@ -701,11 +709,7 @@ def test_a_loader_let_go_after_an_epoch_read_to_its_end_is_freed_at_once(store):
     (its workers go on with the next epoch's first batches): the two held each other, so
     the loader, its workers and their shared memory outlived the training code's last
     reference to them, until a full collection. Freed at once now; the workers end."""
-    import weakref
-
-    gc.collect()
-    gc.disable()  # only reference counting frees anything now
-    try:
+    with collector_off():
         dl = make(store, num_workers=2, persistent_workers=True)
         it = iter(dl)
         assert sorted(indices(list(it)).tolist()) == list(range(NUM_SAMPLES))
@@ -714,21 +718,7 @@ def test_a_loader_let_go_after_an_epoch_read_to_its_end_is_freed_at_once(store):
         refs = [weakref.ref(dl), weakref.ref(it)]
         del dl, it
         assert [r() for r in refs] == [None, None]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
-            time.sleep(0.05)
-        assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
-    finally:
-        gc.enable()
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (reaped or a zombie: not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] != "Z"
-    except OSError:
-        return False
+        assert len(pids) == 2 and ended(pids)
 
 
 def test_an_iterator_kept_after_its_loader_was_let_go_ends_quietly(store):
@@ -745,11 +735,7 @@ def test_a_loader_let_go_after_a_loop_bounded_by_its_length_is_freed_at_once(sto
     """A loop bounded by ``len(loader)`` (``zip``) reads every batch and never asks past
     the last: the loader keeps the iterator until the next iteration ends it; the two no
     longer hold each other."""
-    import weakref
-
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         dl = make(store, num_workers=2, persistent_workers=True)
         seen = [i for _, (_, _, idx) in zip(range(len(dl)), dl, strict=False) for i in idx.tolist()]
         assert sorted(seen) == list(range(NUM_SAMPLES)) and dl._read is not None
@@ -757,23 +743,14 @@ def test_a_loader_let_go_after_a_loop_bounded_by_its_length_is_freed_at_once(sto
         ref = weakref.ref(dl)
         del dl
         assert ref() is None
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
-            time.sleep(0.05)
-        assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
-    finally:
-        gc.enable()
+        assert len(pids) == 2 and ended(pids)
 
 
 def test_a_loop_over_a_loader_only_it_holds_reads_every_sample_once(store):
     """``for batch in DataLoader(...)``: the loop holds only the iterator, which lets go of
     the loader with the last batch; the loop's next ask ends it."""
-    gc.collect()
-    gc.disable()  # the loader goes by reference counting, at once
-    try:
+    with collector_off():
         for _ in range(2):
             got = [i for _, _, idx in make(store, num_workers=2, persistent_workers=True)
                    for i in idx.tolist()]  # fmt: skip
             assert sorted(got) == list(range(NUM_SAMPLES))
-    finally:
-        gc.enable()

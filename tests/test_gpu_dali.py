@@ -12,7 +12,6 @@ hardware engines against torchvision's nvjpeg, and the resampling).
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import sys
@@ -24,6 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from fixtures import collector_off
 from gpu_path_data import (
     BACKEND,
     CUDA,
@@ -501,17 +501,13 @@ def test_close_lets_go_of_the_pipelines_and_a_loader_let_go_is_freed_at_once(sto
     assert sorted(flat(got, 2).tolist()) == list(range(NUM_SAMPLES))
     assert flat(got, 1).tolist() == Store(store).labels[flat(got, 2).numpy()].tolist()
     assert stage._pipelines  # built again
-    gc.collect()
-    gc.disable()  # only reference counting frees anything now
-    try:
+    with collector_off():
         it = iter(dl)
         next(it)
         refs = [weakref.ref(dl), weakref.ref(stage), weakref.ref(it)]
         refs += [weakref.ref(own) for own in stage._pipelines.values()]
         del dl, it, stage
         assert all_freed(refs)
-    finally:
-        gc.enable()
 
 
 @needs_dali

@@ -38,7 +38,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from fixtures import held_over_epochs
+from fixtures import collector_off, held_over_epochs
 from gpu_path_data import (
     BACKEND,
     CUDA,
@@ -581,16 +581,12 @@ def test_a_call_gives_its_outcome_once_and_a_failed_one_is_freed_untaken():
 
     stage = Stage()
     refs = [weakref.ref(stage)]
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         failed = Call(stage.decode)
         failed.run()
         refs.append(weakref.ref(failed))
         del stage, failed  # never taken: its error held no cycle through the call
         assert [r() for r in refs] == [None, None]
-    finally:
-        gc.enable()
 
 
 def test_a_decode_thread_lets_go_of_a_failed_call_at_once():
@@ -605,17 +601,13 @@ def test_a_decode_thread_lets_go_of_a_failed_call_at_once():
     threads = _DecodeThreads(1)
     stage = Stage()
     ref = weakref.ref(stage)
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         future = threads.submit(stage.start)
         with pytest.raises(RuntimeError, match="illegal memory access"):
             future.result(timeout=10)
         del stage, future
         assert all_freed([ref])
-    finally:
-        gc.enable()
-        assert threads.stop(10)
+    assert threads.stop(10)
 
 
 def test_a_slow_batch_holds_up_none_of_those_before_it(store, monkeypatch):
@@ -1280,9 +1272,7 @@ def test_a_loader_let_go_is_freed_at_once_with_its_gpu_stage(store, share, close
     producer holding the stage's bound method, and the prefetch thread's frame holding
     the error that stopped it, whose traceback holds that frame."""
     epoch(make(store, transform=TRAIN, cpu_share=share))  # first imports done
-    gc.collect()
-    gc.disable()  # only reference counting frees anything now
-    try:
+    with collector_off():
         dl = make(store, transform=TRAIN, cpu_share=share, persistent_workers=True)
         epoch(dl)
         it = iter(dl)
@@ -1292,8 +1282,6 @@ def test_a_loader_let_go_is_freed_at_once_with_its_gpu_stage(store, share, close
         refs = [weakref.ref(dl), weakref.ref(dl._gpu_stage), weakref.ref(it)]
         del dl, it
         assert all_freed(refs)
-    finally:
-        gc.enable()
 
 
 @pytest.mark.parametrize("share", [0.0, "auto"])
@@ -1303,9 +1291,7 @@ def test_a_loader_let_go_after_an_epoch_read_to_its_end_is_freed_at_once(store, 
     go of then was freed only by a full collection, its thread and workers going on
     meanwhile. Freed at once now, and its threads end."""
     epoch(make(store, transform=TRAIN, cpu_share=share))  # first imports done
-    gc.collect()
-    gc.disable()  # only reference counting frees anything now
-    try:
+    with collector_off():
         dl = make(store, transform=TRAIN, cpu_share=share, persistent_workers=True)
         it = iter(dl)
         got = list(it)  # read to its end: parked, on into the next epoch
@@ -1317,8 +1303,6 @@ def test_a_loader_let_go_after_an_epoch_read_to_its_end_is_freed_at_once(store, 
         for thread in threads:
             thread.join(10)
         assert not [thread.name for thread in threads if thread.is_alive()]
-    finally:
-        gc.enable()
 
 
 @pytest.mark.parametrize("bounded", [False, True], ids=["loader-only-in-loop", "zip"])
@@ -1327,9 +1311,7 @@ def test_a_loader_held_only_by_its_loop_or_let_go_after_a_bounded_loop(store, bo
     lets go of the loader with the last batch); after a loop bounded by ``len(loader)``
     a loader let go of is freed at once. Its threads end either way."""
     epoch(make(store, transform=TRAIN))  # first imports done
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         dl = make(store, transform=TRAIN, persistent_workers=True)
         ref = weakref.ref(dl)
         if bounded:
@@ -1349,8 +1331,6 @@ def test_a_loader_held_only_by_its_loop_or_let_go_after_a_bounded_loop(store, bo
         for thread in threads:
             thread.join(10)
         assert not [thread.name for thread in threads if thread.is_alive()]
-    finally:
-        gc.enable()
 
 
 def test_an_error_from_the_gpu_stage_holds_nothing_once_handled(store, monkeypatch):
@@ -1358,9 +1338,7 @@ def test_an_error_from_the_gpu_stage_holds_nothing_once_handled(store, monkeypat
     a reference cycle: it was made its own cause, and its traceback held the iterator, the
     loader and the stage until a full collection."""
     epoch(make(store, transform=TRAIN))  # first imports done
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         dl = make(store, transform=TRAIN, cpu_share=0.0)
 
         def fails(*args, **kwargs):
@@ -1376,8 +1354,6 @@ def test_an_error_from_the_gpu_stage_holds_nothing_once_handled(store, monkeypat
         monkeypatch.undo()
         del dl, it, fails
         assert all_freed(refs)
-    finally:
-        gc.enable()
 
 
 FIRST_IMPORT = """
