@@ -158,7 +158,7 @@ def phase(before: dict, after: dict, images: int) -> dict:
         for k, v in after.items()
         if k.endswith("_s") and isinstance(v, float)
     }
-    keys = ("way", "way_trials", "way_trial_causes", "way_paces_ms")
+    keys = ("way", "way_trials", "way_trial_causes", "way_paces_ms", "way_drifts_ms")
     out.update({k: after[k] for k in keys if k in after})
     return out
 

@@ -352,7 +352,8 @@ class DataLoader:
         pace moved, "recheck", "close": the trial before could not tell the ways apart; up
         to 8 decided, oldest first, then the one under way if any),
         ``way_paces_ms`` each way's pace in the last trial (milliseconds a batch, the
-        faster is kept: ``loader.pace``); with ``decoder="dali"``,
+        faster is kept: ``loader.pace``), ``way_drifts_ms`` for each of those trials that
+        a drift started, the kept way's pace and the pace it had moved to; with ``decoder="dali"``,
         ``dali_cuda_batches`` the batches it decoded with CUDA kernels instead of the
         hardware engines;
         ``prefetch_cpu_s``: the GPU path's prefetch thread's own CPU time, and

@@ -56,7 +56,9 @@ ResNet-18) but the fastest two 2% apart, and the fastest not first in the defaul
 The first trial starts once ``warmup`` batches have been handed off (the workers and
 pipelines started); a new one when the kept way's pace moves by more than ``drift``
 (another model, evaluation, the loader left alone; the median of the last ``track`` gaps,
-so that one pause does not start one) and every ``recheck`` batches (by default 16
+so that one pause does not start one, and moved at ``track`` hand-offs in a row, so that
+a slowdown of a few batches does not either: 7 batches at over twice the pace start none,
+5 did before) and every ``recheck`` batches (by default 16
 times a whole trial's batches: 4,096 with two ways, 8,192 with four, so that rechecks take
 the same share of the batches however many ways there are). The ``skip`` gaps
 after a pause of the loop's own (a gap over ``PAUSE`` times the median of the last ones)
@@ -66,7 +68,8 @@ a trial (``tests/test_pace.py``). With the loader alone on the H200 (9 ms a batc
 engines way, 24 the CUDA way), 2 of 5 imfeed-bench runs timed passes at 17-18k img/s
 instead of 27k; in the one whose figures came back, a second trial (128 batches the CUDA
 way) ran from the first timed pass, an epoch's start, to the third (``gpu-h200-picker16``).
-What started it was not recorded then; ``Trial.cause`` now is (``dl.stats()``).
+What started it was not recorded then; ``Trial.cause`` now is (``dl.stats()``), and for
+a drift, the pace kept and the median it moved to (``Trial.moved``).
 
 A trial stops halfway, once each way has had one window, where one way's pace is over
 ``decisive`` (1.25) times another's. No drift of the loop's seen so far comes near that
@@ -74,7 +77,22 @@ A trial stops halfway, once each way has had one window, where one way's pace is
 most there:
 with the loader alone on the H200, the CUDA way's 128 batches of a whole trial took 24 ms
 each against the engines' 9, 1.9 s more; stopped halfway, it spends 64 of them (and the
-few already started).
+few already started). Sooner still: a way whose first ``probe`` (16) counted gaps already
+put it over ``decisive`` times a way measured over a whole window in the trial has its run
+cut there (its batches started meanwhile are not counted), and where the cut run held the
+end of the last way's first window, the trial decides at once if it tells the ways apart.
+The CUDA way then spends 26 batches (10 left out, 16 counted). Beside ResNet-50 (ways
+within 5%, stalls now and then) no run is cut: in 100 seeded loops, the same batches each
+way as without cutting (``tests/test_pace.py``).
+
+A trial too close to call is followed by one among the ways still in the running only:
+within ``decisive`` of the fastest. With ``cpu_share="auto"`` and the loader alone on the
+H200 (``gpu-h200-suite``: engines 10.7 ms a batch, engines+cpu 9.9, the CUDA ways 24-25),
+every trial found the engines ways within 10% and the CUDA ways 2.3 times slower; the
+second trial ran all four ways again, and a drift trial with its second took 2 of 3 timed
+passes to 13.9k img/s from 25k. Now the second tries only the engines ways; in the
+simulation of those paces, the CUDA ways take 60 of the first 1,500 batches instead of 260,
+and the 1,500 take 15.9 s instead of 18.8 (``tests/test_pace.py``).
 
 The mean, not the median: beside ResNet-50 on the H200 the engines' steps took 55 ms at
 the median, as the CUDA way's, but 97-109 ms at the 90th percentile (the loop waiting for
@@ -142,6 +160,7 @@ class Trial(NamedTuple):
     made: dict
     kept: str
     cause: str = "first"
+    moved: tuple[float, float] | None = None  # "drift": the kept way's pace, and what it moved to
 
     @property
     def paces(self) -> dict:
@@ -152,7 +171,8 @@ class Trial(NamedTuple):
         """The trial for a log or a benchmark's record, its paces in milliseconds a batch."""
         ms = {name: {w: round(p * 1e3, 2) for w, p in paces.items()}
               for name, paces in (("handed_ms", self.handed), ("made_ms", self.made))}  # fmt: skip
-        return {"cause": self.cause, "handoffs": self.handoffs, "kept": self.kept, **ms}
+        moved = {"moved_ms": [round(p * 1e3, 2) for p in self.moved]} if self.moved else {}
+        return {"cause": self.cause, "handoffs": self.handoffs, "kept": self.kept, **ms, **moved}
 
 
 def _averaged(first: dict, second: dict) -> dict:
@@ -179,6 +199,7 @@ class WayPicker:
         statistic=steady_mean,
         decisive: float | None = 1.25,
         close: float | None = 0.1,
+        probe: int = 16,
     ) -> None:
         if len(ways) < 2 or 2 * skip + 3 > window:
             raise ValueError("WayPicker needs two ways or more and window >= 2 * skip + 3")
@@ -187,7 +208,7 @@ class WayPicker:
         self.window, self.skip, self.drift = window, skip, drift
         self.recheck = _RECHECK * 2 * len(self.ways) * window if recheck is None else recheck
         self.warmup, self.statistic, self.decisive = warmup, statistic, decisive
-        self.close = close
+        self.close, self.probe = close, probe
         self.trials = 0
         self.pace: float | None = None  # seconds a batch, the kept way's in its trial
         # The last trials (``Trial``), oldest first: to tell afterwards why a way was kept.
@@ -203,6 +224,8 @@ class WayPicker:
         self._made: dict[str, list[float]] = {}  # by way, between batches finished
         self._last_made: tuple[str, float] | None = None
         self._recent: collections.deque = collections.deque(maxlen=track)
+        self._moved = 0  # hand-offs in a row with the median of the last ``track`` moved
+        self._moved_to: tuple[float, float] | None = None  # the pace, the median: a drift
         self._latest: collections.deque = collections.deque(maxlen=track)  # any gap
         self._last: tuple[str, float] | None = None  # way and time of the last hand-off
         self._since = 0  # hand-offs since the last trial ended
@@ -211,6 +234,7 @@ class WayPicker:
         self._trialing = False
         self._cause = "first"
         self._order: tuple[str, ...] = self.ways  # the ways in the order of the last trial
+        self._tried: tuple[str, ...] = self.ways  # the ways of the last trial
         if warmup == 0:
             self._start_trial("first")
 
@@ -234,6 +258,8 @@ class WayPicker:
                 "trial_causes": [trial.cause for trial in self.history]
                 + ([self._cause] if self._trialing else []),
                 "paces_ms": {w: round(p * 1e3, 2) for w, p in paces.items()},
+                "drifts_ms": [[round(p * 1e3, 2) for p in trial.moved]
+                              for trial in self.history if trial.moved],
             }  # fmt: skip
 
     def next(self) -> str:
@@ -272,6 +298,8 @@ class WayPicker:
                             self._recent.append(gap)
                     elif self._counted(place):
                         self._gaps[way].append(gap)
+                        if len(self._gaps[way]) == self.probe and self._far_slower(way):
+                            place = self._cut_run(way, place)
             if self._trialing:
                 left = any(p is not None for _, p in self._in_flight)
                 if place == _LAST or not (self._plan or left):
@@ -308,11 +336,49 @@ class WayPicker:
         the ``skip`` at either end of a run, beside another way's batches)."""
         return place is not None and place != _SKIPPED
 
-    def _start_trial(self, cause: str, opener: str | None = None) -> None:
-        order = self.ways if self.trials % 2 == 0 else self.ways[::-1]
+    def _pace_so_far(self, way: str) -> float:
+        """``way``'s pace in the trial under way, by the gaps counted so far (3 or more)."""
+        made = self._made[way]
+        handed = self.statistic(self._gaps[way])
+        return max(handed, self.statistic(made)) if len(made) >= 3 else handed
+
+    def _far_slower(self, way: str) -> bool:
+        """Whether ``way``, ``probe`` gaps into its first run, is already over ``decisive``
+        times the pace of a way measured over a whole window in this trial."""
+        whole = [
+            w for w in self._tried if w != way and len(self._gaps[w]) >= self.window - 2 * self.skip
+        ]
+        if self.decisive is None or not whole or self.probe < 3:
+            return False
+        return self._pace_so_far(way) > self.decisive * min(map(self._pace_so_far, whole))
+
+    def _cut_run(self, way: str, place: int) -> int:
+        """End ``way``'s run here: the rest of it is not started, and what is started is
+        not counted (the next way's batches decode beside it). Where the end of the last
+        way's first window was cut, the trial decides now if it tells the ways apart (it
+        does unless ``way``'s pace has come back since); where its last counted gap was,
+        the last counted gap left takes its place. The place of the batch handed off."""
+        cut = []
+        while self._plan and self._plan[0][0] == way:
+            cut.append(self._plan.pop(0)[1])
+        for queue in (self._in_flight, self._unfinished):
+            cut += [p for w, p in queue if w == way]
+            kept = [(w, _SKIPPED if w == way and p is not None else p) for w, p in queue]
+            queue.clear()
+            queue.extend(kept)
+        if _LAST in cut:
+            counted = [k for k, (_, p) in enumerate(self._plan) if p == _COUNTED]
+            if counted:
+                self._plan[counted[-1]] = (self._plan[counted[-1]][0], _LAST)
+        return _HALF if _HALF in cut and place != _LAST else place
+
+    def _start_trial(self, cause: str, opener: str | None = None, among=None) -> None:
+        """Plan a trial of the ways ``among`` (all by default), opened by ``opener``."""
+        among = self.ways if among is None else tuple(w for w in self.ways if w in among)
+        order = among if self.trials % 2 == 0 else among[::-1]
         if opener is not None:  # the last trial's order reversed, ``opener`` first
-            order = (opener, *(w for w in self._order[::-1] if w != opener))
-        self._order = order
+            order = (opener, *(w for w in self._order[::-1] if w != opener and w in among))
+        self._order, self._tried = order, among
         # A B ... B A, a window each; the same way twice in a row is one run.
         runs = [(way, len(list(same)) * self.window) for way, same in groupby(order + order[::-1])]
         self._plan = [
@@ -322,7 +388,7 @@ class WayPicker:
         ]
         last = max(k for k, (_, place) in enumerate(self._plan) if place == _COUNTED)
         self._plan[last] = (self._plan[last][0], _LAST)
-        half = len(self.ways) * self.window - 1  # in the last way's run: counted
+        half = len(order) * self.window - 1  # in the last way's run: counted
         self._plan[half] = (self._plan[half][0], _HALF)
         self._gaps = {w: [] for w in self.ways}
         self._made = {w: [] for w in self.ways}
@@ -334,24 +400,26 @@ class WayPicker:
         """The trial as measured so far (the way kept: the one kept before it)."""
         handed = {w: self.statistic(g) for w, g in self._gaps.items() if len(g) >= 3}
         made = {w: self.statistic(g) for w, g in self._made.items() if len(g) >= 3}
-        trial = Trial(self._handoffs, handed, made, self.way, self._cause)
+        moved = self._moved_to if self._cause == "drift" else None
+        trial = Trial(self._handoffs, handed, made, self.way, self._cause, moved)
         if self._cause == "close":  # each way's pace: the mean of its paces in the two
             return trial._replace(handed=_averaged(self.history[-1].paces, trial.paces), made={})
         return trial
 
     def _told_apart(self) -> bool:
         """Whether one window each way already sets a way's pace over ``decisive`` times
-        another's: more than the loop's own drift moves either (the trial may stop)."""
-        paces = self._measured().paces
-        if self.decisive is None or len(paces) < len(self.ways):
+        another's in this trial: more than the loop's own drift moves either (the trial
+        may stop)."""
+        paces = [self._pace_so_far(w) for w in self._tried if len(self._gaps[w]) >= 3]
+        if self.decisive is None or len(paces) < len(self._tried):
             return False
-        return max(paces.values()) > self.decisive * min(paces.values())
+        return max(paces) > self.decisive * min(paces)
 
     def _too_close(self, paces: dict) -> bool:
         """Whether a trial (not itself the second of two) found the fastest two ways
         within ``close`` of each other: nearer than one trial tells apart, so another
         decides with it."""
-        if self.close is None or self._cause == "close" or len(paces) < len(self.ways):
+        if self.close is None or self._cause == "close" or len(paces) < len(self._tried):
             return False
         fastest, second = sorted(paces.values())[:2]
         return second < (1 + self.close) * fastest
@@ -359,12 +427,23 @@ class WayPicker:
     def _next_opener(self, paces: dict) -> str:
         """The way to open the second of two trials: of the fastest two, the one that did
         not open the first (each of them then opens one); the same opener where it was
-        neither (its favour then goes to a way out of the running)."""
+        neither and is still in the running (its favour then goes to a way out of the
+        two), the slower of the two where it is out of the second trial."""
         contenders = sorted(paces, key=paces.__getitem__)[:2]
         opener = self._order[0]
-        if opener not in contenders:
+        if opener in self._running(paces) and opener not in contenders:
             return opener
+        if opener not in contenders:  # out of the next trial: the slower of the two opens
+            return contenders[1]
         return next(w for w in contenders if w != opener)
+
+    def _running(self, paces: dict) -> tuple[str, ...]:
+        """The ways still in the running after a trial too close to call: within
+        ``decisive`` of the fastest (every way where ``decisive`` is None)."""
+        fastest = min(paces.values())
+        return tuple(
+            w for w in paces if self.decisive is None or paces[w] <= self.decisive * fastest
+        )
 
     def _decide(self) -> None:
         self._plan = []
@@ -372,7 +451,7 @@ class WayPicker:
         paces = trial.paces
         if self._too_close(paces):  # the next trial, in the other order, decides on both
             self.history.append(trial)
-            self._start_trial("close", opener=self._next_opener(paces))
+            self._start_trial("close", self._next_opener(paces), self._running(paces))
             return
         if paces:  # otherwise (too few batches in a row) the way kept stays
             self.way = min(paces, key=paces.__getitem__)
@@ -381,6 +460,7 @@ class WayPicker:
         self._trialing = False
         self._since = 0
         self._recent.clear()
+        self._moved = 0
 
     def _note_gap(self, gap: float) -> bool:
         """Note a gap between hand-offs, whatever its way; whether it is a pause of the
@@ -397,4 +477,9 @@ class WayPicker:
         if self.pace is None:  # the trial measured nothing: this is the kept way's pace
             self.pace = now
             return False
-        return abs(now - self.pace) > self.drift * self.pace
+        moved = abs(now - self.pace) > self.drift * self.pace
+        self._moved = self._moved + 1 if moved else 0
+        if self._moved < self._recent.maxlen:
+            return False
+        self._moved_to = (self.pace, now)
+        return True

@@ -466,7 +466,7 @@ def test_stats_report_the_picker_of_ways(store):
     picked = {k: v for k, v in dl.stats().items() if k.startswith("way")}
     assert picked == {
         "way": "engines", "way_trials": 0, "way_trialing": False,
-        "way_trial_causes": [], "way_paces_ms": {},
+        "way_trial_causes": [], "way_paces_ms": {}, "way_drifts_ms": [],
     }  # fmt: skip
 
 

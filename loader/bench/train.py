@@ -137,7 +137,7 @@ def picked_way(pipe) -> dict:
     workers' ``cpu_share`` and what steers it with "auto" (``loop_wait_share``); empty for
     any other pipeline."""
     stats = _stats(getattr(pipe, "dl", None))
-    keys = ("way", "way_trials", "way_trial_causes", "way_paces_ms", "cpu_share",
+    keys = ("way", "way_trials", "way_trial_causes", "way_paces_ms", "way_drifts_ms", "cpu_share",
             "loop_wait_share")  # fmt: skip
     return {k: stats[k] for k in keys if k in stats}
 
