@@ -78,7 +78,7 @@ most there:
 with the loader alone on the H200, the CUDA way's 128 batches of a whole trial took 24 ms
 each against the engines' 9, 1.9 s more; stopped halfway, it spends 64 of them (and the
 few already started). Sooner still: a way whose first ``probe`` (16) counted gaps already
-put it over ``decisive`` times a way measured over a whole window in the trial has its run
+put it over ``decisive`` times a way measured before it in the trial has its run
 cut there (its batches started meanwhile are not counted), and where the cut run held the
 end of the last way's first window, the trial decides at once if it tells the ways apart.
 The CUDA way then spends 26 batches (10 left out, 16 counted). Beside ResNet-50 (ways
@@ -344,13 +344,12 @@ class WayPicker:
 
     def _far_slower(self, way: str) -> bool:
         """Whether ``way``, ``probe`` gaps into its first run, is already over ``decisive``
-        times the pace of a way measured over a whole window in this trial."""
-        whole = [
-            w for w in self._tried if w != way and len(self._gaps[w]) >= self.window - 2 * self.skip
-        ]
-        if self.decisive is None or not whole or self.probe < 3:
+        times the pace of a way measured before it in this trial (over ``probe`` gaps or
+        more: the gaps after an epoch's start are left out of a window)."""
+        before = [w for w in self._tried if w != way and len(self._gaps[w]) >= self.probe]
+        if self.decisive is None or not before or self.probe < 3:
             return False
-        return self._pace_so_far(way) > self.decisive * min(map(self._pace_so_far, whole))
+        return self._pace_so_far(way) > self.decisive * min(map(self._pace_so_far, before))
 
     def _cut_run(self, way: str, place: int) -> int:
         """End ``way``'s run here: the rest of it is not started, and what is started is

@@ -514,3 +514,15 @@ def test_a_passing_slowdown_starts_no_trial_but_a_lasting_one_does():
     assert drift.cause == "drift" and drift.moved[0] == pytest.approx(0.009, rel=0.05)
     assert drift.moved[1] > 1.5 * drift.moved[0]
     assert picker.summary()["drifts_ms"] == [[round(p * 1e3, 2) for p in drift.moved]]
+
+
+def test_a_way_is_cut_short_after_an_epoch_began_in_the_window_before():
+    # An epoch's first gaps are left out (10 of the engines' 44 here): the CUDA way is
+    # still measured against the engines' 34 gaps, and cut 26 hand-offs into its run.
+    picker = WayPicker(("engines", "cuda"), warmup=0)
+    loop = Loop(picker)
+    loop.run(30, ALONE, noise=0.1)
+    picker.epoch_started()
+    loop.run(270, ALONE, noise=0.1)
+    assert len(picker.history) == 1 and picker.way == "engines"
+    assert picker.history[-1].handoffs == 64 + 10 + 16
