@@ -5,7 +5,9 @@ Epochs back to back, a model trained on every batch (``--model``), and every
 the loader closed, a new one built, ``load_state_dict()``, the rest of the epoch. After
 every epoch: whether each sample came exactly once with its stored label (across the
 preemption too), images not finite (float outputs), host memory (PSS of this process and
-its workers, so that pages shared with the workers or the cache count once), device
+its workers, so that pages shared with the workers or the cache count once; and apart,
+its anonymous part, where a leak shows, and its part mapped from the store and the shm
+cache, which grows up to their size as the processes touch their pages), device
 memory (and torch's share of it), open file descriptors, threads and child processes,
 the way kept and the trials so far (``loader.pace``), and the lines that reached fd 2
 (none should: the loader turns C libraries' output into counts). Written to ``--out``
@@ -68,16 +70,31 @@ class Stderr:
         self.thread.join(timeout=5)
 
 
-def pss_mib() -> float:
-    """PSS of this process and its descendants (MiB); those gone meanwhile count 0."""
-    total = 0.0
+PSS_PARTS = {"Pss:": "pss_mib", "Pss_Anon:": "pss_anon_mib", "Pss_File:": "pss_mapped_mib",
+             "Pss_Shmem:": "pss_mapped_mib"}  # fmt: skip
+
+
+def pss_parts() -> dict[str, float]:
+    """PSS of this process and its descendants (MiB; those gone meanwhile count 0): in all,
+    its anonymous part (the heaps, pools, arrays: where a leak shows), and its part
+    mapped from files and shared memory (the store's and the shm cache's pages, which
+    grow as the processes touch more of them, up to their size)."""
+    total = dict.fromkeys(PSS_PARTS.values(), 0.0)
     for pid in (os.getpid(), *descendants()):
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
-                total += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+                for line in f:
+                    key, *rest = line.split()
+                    if key in PSS_PARTS:
+                        total[PSS_PARTS[key]] += int(rest[0]) / 1024
         except OSError:
             continue
-    return total / 1024
+    return {k: round(v, 1) for k, v in total.items()}
+
+
+def pss_mib() -> float:
+    """PSS of this process and its descendants (MiB)."""
+    return pss_parts()["pss_mib"]
 
 
 def held() -> dict[str, int]:
@@ -216,7 +233,7 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
                 "mislabelled": int(mislabelled),
                 "nonfinite": int(nonfinite),
                 "preempted": bool(preempt),
-                "pss_mib": round(pss_mib(), 1),
+                **pss_parts(),
                 **held(),
                 "device_mib": device_mib(device),
                 "torch_reserved_mib": torch_reserved_mib(device),
@@ -262,6 +279,7 @@ def summary(report: dict, resumes: int, seconds: float) -> dict:
         "bad_epochs": bad,
         "stderr_lines": stderr,
         "pss_growth_mib": growth("pss_mib"),
+        "pss_anon_growth_mib": growth("pss_anon_mib"),
         "device_growth_mib": growth("device_mib"),
         "torch_reserved_growth_mib": growth("torch_reserved_mib"),
         "fds_growth": growth("fds"),

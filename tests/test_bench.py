@@ -642,7 +642,9 @@ def test_the_soak_script_checks_every_epoch_across_a_preemption(tmp_path):
     assert [e["preempted"] for e in report["epochs"]] == [False, True, False]
     for e in report["epochs"]:
         assert e["exactly_once"] and e["missing"] == e["repeated"] == 0
-        assert e["mislabelled"] == e["nonfinite"] == 0 and e["pss_mib"] > 0
+        assert e["mislabelled"] == e["nonfinite"] == 0 and e["pss_anon_mib"] > 0
+        parts = e["pss_anon_mib"] + e["pss_mapped_mib"]  # the store's pages mapped
+        assert e["pss_mapped_mib"] > 0 and abs(e["pss_mib"] - parts) <= 0.2  # rounding
         assert e["children"] == 2  # the workers; those of the loader closed are gone
 
 
@@ -659,6 +661,7 @@ def test_the_soak_verdict_names_the_bad_epochs_and_the_trend():
     assert (s["bad_epochs"], s["ok"], s["epochs"], s["resumes"]) == ([5], False, 10, 2)
     assert s["pss_growth_mib"] == 655 - 625 and s["device_growth_mib"] is s["fds_growth"] is None
     assert s["torch_reserved_growth_mib"] is None  # not recorded (off CUDA)
+    assert s["pss_anon_growth_mib"] is None  # not in these records
     epochs[5]["repeated"] = 0
     assert soak.summary({"epochs": epochs}, resumes=2, seconds=1.0)["ok"]
     epochs[-1]["stderr_lines"] = 1  # a line reached fd 2
@@ -689,3 +692,20 @@ def test_the_soak_runs_the_gpu_path_on_its_cpu_stand_ins(tmp_path):
     for e in report["epochs"]:
         assert e["exactly_once"] and e["mislabelled"] == e["nonfinite"] == 0
         assert e["children"] == 2 and e["planned"] is not None
+
+
+def test_the_soak_tells_pages_mapped_from_a_file_from_a_leak(tmp_path):
+    """A file's pages mapped and read count in PSS as mapped, not anonymous: the store and
+    the shm cache, touched by more processes, are not a leak."""
+    import mmap
+
+    soak = soak_module()
+    path = tmp_path / "store.bin"
+    path.write_bytes(os.urandom(64 << 20))
+    before = soak.pss_parts()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        checksum = sum(m[k] for k in range(0, len(m), mmap.PAGESIZE))  # every page read
+        during = soak.pss_parts()
+    assert checksum >= 0
+    assert during["pss_mapped_mib"] - before["pss_mapped_mib"] >= 60  # of 64 MiB
+    assert during["pss_anon_mib"] - before["pss_anon_mib"] < 8
