@@ -56,9 +56,10 @@ ResNet-18) but the fastest two 2% apart, and the fastest not first in the defaul
 The first trial starts once ``warmup`` batches have been handed off (the workers and
 pipelines started); a new one when the kept way's pace moves by more than ``drift``
 (another model, evaluation, the loader left alone; the median of the last ``track`` gaps,
-so that one pause does not start one, and moved at ``track`` hand-offs in a row, so that
-a slowdown of a few batches does not either: 7 batches at over twice the pace start none,
-5 did before) and every ``recheck`` batches (by default 16
+so that one pause does not start one, and moved as each of ``track`` gaps in a row joined
+them, so that a slowdown of a few batches does not either: 6 gaps at over twice the pace
+start none, 4 did before; the gaps left out after a pause or an epoch's start do not count,
+and the count starts again after them) and every ``recheck`` batches (by default 16
 times a whole trial's batches: 4,096 with two ways, 8,192 with four, so that rechecks take
 the same share of the batches however many ways there are). The ``skip`` gaps
 after a pause of the loop's own (a gap over ``PAUSE`` times the median of the last ones)
@@ -86,7 +87,10 @@ within 5%, stalls now and then) no run is cut: in 100 seeded loops, the same bat
 way as without cutting (``tests/test_pace.py``).
 
 A trial too close to call is followed by one among the ways still in the running only:
-within ``decisive`` of the fastest. With ``cpu_share="auto"`` and the loader alone on the
+the fastest two and any other within ``decisive`` of the fastest; the way kept is one of
+those (a way left out keeps its pace of the first trial on record only: the loop may have
+changed since). The batches of a trial still in flight as the next begins are not counted
+in it. With ``cpu_share="auto"`` and the loader alone on the
 H200 (``gpu-h200-suite``: engines 10.7 ms a batch, engines+cpu 9.9, the CUDA ways 24-25),
 every trial found the engines ways within 10% and the CUDA ways 2.3 times slower; the
 second trial ran all four ways again, and a drift trial with its second took 2 of 3 timed
@@ -286,16 +290,19 @@ class WayPicker:
             self._handoffs += 1
             way, place = self._in_flight.popleft() if self._in_flight else (None, None)
             last, self._last = self._last, (way, now)
+            fresh = False  # whether a gap joined those the kept way's pace is tracked by
             if last is not None:
                 gap = now - last[1]
                 if self._note_gap(gap):  # the loop paused: what was made meanwhile follows
                     self._quiet_handed = self.skip
+                    self._moved = 0
                 elif self._quiet_handed:
                     self._quiet_handed -= 1
                 elif way is not None and last[0] == way:
                     if place is None:
                         if not self._trialing:
                             self._recent.append(gap)
+                            fresh = True
                     elif self._counted(place):
                         self._gaps[way].append(gap)
                         if len(self._gaps[way]) == self.probe and self._far_slower(way):
@@ -312,7 +319,7 @@ class WayPicker:
                 self._start_trial("first")
             elif self._since >= self.recheck:
                 self._start_trial("recheck")
-            elif self._drifted():
+            elif fresh and self._drifted():
                 self._start_trial("drift")
 
     def forget(self) -> None:
@@ -329,6 +336,7 @@ class WayPicker:
         workers started on it (the next ``skip`` gaps each side are left out)."""
         with self._lock:
             self._quiet_handed = self._quiet_made = self.skip
+            self._moved = 0
 
     @staticmethod
     def _counted(place: int | None) -> bool:
@@ -378,6 +386,10 @@ class WayPicker:
         if opener is not None:  # the last trial's order reversed, ``opener`` first
             order = (opener, *(w for w in self._order[::-1] if w != opener and w in among))
         self._order, self._tried = order, among
+        for queue in (self._in_flight, self._unfinished):  # a trial before's: not counted
+            kept = [(w, None if p is None else _SKIPPED) for w, p in queue]
+            queue.clear()
+            queue.extend(kept)
         # A B ... B A, a window each; the same way twice in a row is one run.
         runs = [(way, len(list(same)) * self.window) for way, same in groupby(order + order[::-1])]
         self._plan = [
@@ -437,12 +449,12 @@ class WayPicker:
         return next(w for w in contenders if w != opener)
 
     def _running(self, paces: dict) -> tuple[str, ...]:
-        """The ways still in the running after a trial too close to call: within
-        ``decisive`` of the fastest (every way where ``decisive`` is None)."""
-        fastest = min(paces.values())
-        return tuple(
-            w for w in paces if self.decisive is None or paces[w] <= self.decisive * fastest
-        )
+        """The ways still in the running after a trial too close to call: the fastest two,
+        and any other within ``decisive`` of the fastest (every way where ``decisive`` is
+        None)."""
+        fastest, second = sorted(paces.values())[:2]
+        limit = max(second, fastest * (self.decisive or float("inf")))
+        return tuple(w for w in paces if paces[w] <= limit)
 
     def _decide(self) -> None:
         self._plan = []
@@ -452,8 +464,9 @@ class WayPicker:
             self.history.append(trial)
             self._start_trial("close", self._next_opener(paces), self._running(paces))
             return
-        if paces:  # otherwise (too few batches in a row) the way kept stays
-            self.way = min(paces, key=paces.__getitem__)
+        tried = {w: p for w, p in paces.items() if w in self._tried}  # a close trial: of
+        if tried:  # its ways (otherwise, too few batches in a row, the way kept stays)
+            self.way = min(tried, key=tried.__getitem__)
         self.pace = paces.get(self.way)
         self.history.append(trial._replace(kept=self.way))
         self._trialing = False

@@ -496,24 +496,33 @@ def test_ways_within_decisive_are_never_cut_short():
 
 
 def test_a_passing_slowdown_starts_no_trial_but_a_lasting_one_does():
-    # After an epoch's first batches (left out), the loop slows to over twice the pace for
-    # a few batches (the GPU's clocks, the workers starting): the median of the last 8
-    # gaps moves, but must stay moved for 8 hand-offs in a row to start a trial. Before,
-    # 5 slow batches in a row did.
+    # The loop slows to over twice the pace for a few batches (the GPU's clocks, another
+    # process): 4 slow gaps of the last 8 move their median (the mean of the middle two),
+    # and k slow gaps keep it moved for k + 1 gaps, which must reach 8 in a row to start
+    # a trial: 6 slow gaps start none, 7 do. Before, 4 did.
     slow = {"engines": 0.020, "cuda": 0.048}
-    for batches, trials in ((7, 1), (12, 2)):
+
+    def trials_after(k: int, epoch_starts: bool = False) -> WayPicker:
         picker = WayPicker(("engines", "cuda"), warmup=0)
-        Loop(picker).run(400, ALONE, noise=0.1)
-        picker.forget()
-        picker.epoch_started()
         loop = Loop(picker)
-        loop.run(10 + batches, slow, noise=0.1)
+        loop.run(400, ALONE, noise=0.1)
+        loop.run(k, slow, noise=0.1)
+        if epoch_starts:  # its first gaps are left out, and the count starts again
+            picker.forget()
+            picker.epoch_started()
+            loop = Loop(picker)
         loop.run(300, ALONE, noise=0.1)
-        assert picker.trials == trials, batches
+        return picker
+
+    assert trials_after(6).trials == 1
+    picker = trials_after(7)
+    assert picker.trials == 2 and [t.cause for t in picker.history] == ["first", "drift"]
     drift = picker.history[-1]
-    assert drift.cause == "drift" and drift.moved[0] == pytest.approx(0.009, rel=0.05)
+    assert drift.moved[0] == pytest.approx(0.009, rel=0.05)  # the engines' pace
     assert drift.moved[1] > 1.5 * drift.moved[0]
     assert picker.summary()["drifts_ms"] == [[round(p * 1e3, 2) for p in drift.moved]]
+    # The gaps left out after an epoch's start do not count as the median stays moved.
+    assert trials_after(7, epoch_starts=True).trials == 1
 
 
 def test_a_way_is_cut_short_after_an_epoch_began_in_the_window_before():
@@ -526,3 +535,53 @@ def test_a_way_is_cut_short_after_an_epoch_began_in_the_window_before():
     loop.run(270, ALONE, noise=0.1)
     assert len(picker.history) == 1 and picker.way == "engines"
     assert picker.history[-1].handoffs == 64 + 10 + 16
+
+
+def run_trial(picker: WayPicker, loop: Loop, paces) -> None:
+    """Hand off batches until the picker's trial under way has decided (``paces``: the
+    gaps' paces, or a function of the loop giving them)."""
+    trials = picker.trials
+    while picker.trialing and picker.trials == trials:
+        loop.run(1, paces(loop) if callable(paces) else paces)
+
+
+def test_a_way_out_of_the_second_trial_is_not_kept_whatever_the_loop_does_meanwhile():
+    # c is 30% slower than a in the first trial: out of the second, which tries a and b.
+    # Meanwhile the loop slows 2.2 times: c's pace from the first trial is now the lowest
+    # on record, but it was not measured beside the others; one of the two tried is kept.
+    first = {"a": 0.010, "b": 0.0105, "c": 0.013}
+    picker = WayPicker(("a", "b", "c"), warmup=0)
+    loop = Loop(picker)
+    run_trial(picker, loop, first)
+    assert picker.cause == "close" and picker._tried == ("a", "b")
+    run_trial(picker, loop, {w: 2.2 * p for w, p in first.items()})
+    assert picker.way == "a" and picker.pace == pytest.approx(0.016, rel=0.01)
+    assert picker.history[-1].handed["c"] == pytest.approx(0.013)  # kept for the record
+
+
+def test_the_batches_of_one_trial_in_flight_are_not_counted_in_the_next():
+    # c measures fast over its first 29 batches (not cut), then slow: the first trial
+    # decides halfway (c over 1.25 times a), the ways a and b too close to call, and the
+    # second starts at once while c's last batches are in flight: they do not count for
+    # c, out of the second trial (they would have been all of its pace there).
+    base = {"a": 0.010, "b": 0.0105, "c": 0.010}
+    picker = WayPicker(("a", "b", "c"), warmup=0)
+    loop = Loop(picker)
+    run_trial(picker, loop, lambda lp: dict(base, c=0.010 if lp.handed.count("c") < 30 else 0.025))
+    assert picker.cause == "close" and picker._tried == ("a", "b")
+    first = picker.history[-1].paces["c"]
+    run_trial(picker, loop, base)
+    assert picker.history[-1].handed["c"] == first and picker.way == "a"
+
+
+def test_the_second_trial_tries_the_fastest_two_whatever_decisive_is():
+    # decisive (1.05) under 1 + close (1.1): b, 7% slower, is over decisive times a but
+    # within close: the second trial still tries both, each opening one trial.
+    for ways in (("a", "b"), ("b", "a")):
+        picker = WayPicker(ways, warmup=0, decisive=1.05, close=0.1)
+        loop = Loop(picker)
+        run_trial(picker, loop, {"a": 0.010, "b": 0.0107})
+        assert picker.cause == "close" and set(picker._tried) == {"a", "b"}
+        assert picker._order[0] != ways[0]  # the other way opens the second trial
+        run_trial(picker, loop, {"a": 0.010, "b": 0.0107})
+        assert picker.way == "a" and not picker.trialing
