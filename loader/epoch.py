@@ -341,7 +341,12 @@ class EpochIterator:
         """Abandon the rest of the epoch (its progress stays as delivered); frees the workers."""
         if self._parked:
             self.discard()
-        elif not self._closed:
+        elif self._closed:
+            return
+        elif self._loader_ref() is None:  # read whole, its loader let go of since
+            self._closed = True
+            self._orphaned()
+        else:
             self.ended_by = reason
             self._close(finished=False)
 

@@ -731,6 +731,18 @@ def test_an_iterator_kept_after_its_loader_was_let_go_ends_quietly(store):
         next(it)
 
 
+def test_an_iterator_read_whole_by_a_bounded_loop_closes_after_its_loader_went(store):
+    """Only the iterator kept, read to its last batch by a loop bounded by its length: it
+    let go of the loader (then freed), and closing it is no error."""
+    with collector_off():
+        it = iter(make(store, num_workers=2, persistent_workers=True))
+        got = [i for _, _, idx in itertools.islice(it, len(it)) for i in idx.tolist()]
+        assert sorted(got) == list(range(NUM_SAMPLES)) and it._loader_ref() is None
+        it.close()
+        with pytest.raises(StopIteration):
+            next(it)
+
+
 def test_a_loader_let_go_after_a_loop_bounded_by_its_length_is_freed_at_once(store):
     """A loop bounded by ``len(loader)`` (``zip``) reads every batch and never asks past
     the last: the loader keeps the iterator until the next iteration ends it; the two no

@@ -1333,6 +1333,27 @@ def test_a_loader_held_only_by_its_loop_or_let_go_after_a_bounded_loop(store, bo
         assert not [thread.name for thread in threads if thread.is_alive()]
 
 
+def test_an_iterator_read_whole_by_a_bounded_loop_closes_after_its_loader_went(store):
+    """Only the iterator kept, read to its last batch by a loop bounded by its length: its
+    loader is freed, and closing it is no error and ends its threads (before, the close
+    raised LoaderGone and the decode threads went on while the iterator was kept)."""
+    epoch(make(store, transform=TRAIN))  # first imports done
+    with collector_off():
+        dl = make(store, transform=TRAIN, persistent_workers=True)
+        ref = weakref.ref(dl)
+        it = iter(dl)
+        del dl
+        got = list(itertools.islice(it, len(it)))
+        assert sorted(flat(got, 2).tolist()) == list(range(NUM_SAMPLES)) and all_freed([ref])
+        threads = [it._thread, *it._decoder._threads]
+        it.close()
+        for thread in threads:
+            thread.join(10)
+        assert not [thread.name for thread in threads if thread.is_alive()]
+        with pytest.raises(StopIteration):
+            next(it)
+
+
 def test_an_error_from_the_gpu_stage_holds_nothing_once_handled(store, monkeypatch):
     """An error the stage raised (not a GPU one: raised as it is) reaches the loop without
     a reference cycle: it was made its own cause, and its traceback held the iterator, the
