@@ -83,11 +83,21 @@ def compress(data: bytes, compression: Compression) -> bytes:
     return _zstd("c", compression.level).compress(data)
 
 
-def decompress(data: bytes, name: str | None) -> bytes:
+def decompress(data: bytes, name: str | None, limit: int | None = None) -> bytes:
+    """``data`` decompressed by codec ``name``; with ``limit``, a frame that says or makes
+    more than ``limit`` bytes is refused (ValueError) before anything is allocated for it:
+    a record is untrusted, and a few KiB of zstd can say gigabytes."""
     if not name or name == "none":
         return data
     if name == "zstd":
         # Frames written by ZstdCompressor.compress carry their content size.
+        if limit is not None:
+            import zstandard
+
+            size = zstandard.frame_content_size(data)
+            if size > limit:
+                raise ValueError(f"the frame says {size} bytes, over the {limit} its image needs")
+            return _zstd("d").decompress(data, max_output_size=limit)
         return _zstd("d").decompress(data)
     raise ValueError(f"unknown record compression {name!r}; known: {', '.join(COMPRESSORS)}")
 
@@ -105,6 +115,13 @@ def unpack_record(value: bytes | memoryview) -> dict:
     return msgpack.unpackb(value, raw=False, strict_map_key=True)
 
 
-def image_bytes(record: dict) -> bytes:
-    """The encoded image of a record, decompressed."""
-    return decompress(record["image"], record.get("compression"))
+def image_bytes(record: dict, limit: int | None = None) -> bytes:
+    """The encoded image of a record, decompressed (at most ``limit`` bytes: see
+    ``encoded_limit``)."""
+    return decompress(record["image"], record.get("compression"), limit)
+
+
+def encoded_limit(height: int, width: int) -> int:
+    """The most bytes an encoded image of ``height`` x ``width`` pixels may take: twice its
+    pixels as RGBA, and 64 MiB for its metadata (no JPEG or PNG of it needs more)."""
+    return 8 * height * width + (64 << 20)

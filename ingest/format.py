@@ -94,8 +94,13 @@ def path_text(value: str | bytes) -> str:
 
 
 def shown(rel: str | bytes) -> str:
-    """A path for messages: undecodable bytes shown as ``\\xNN``."""
-    return os.fsencode(path_text(rel)).decode("utf-8", "backslashreplace")
+    """A path for messages: undecodable bytes and control characters (a terminal's escape
+    sequences, line breaks: a store is untrusted) shown as ``\\xNN``."""
+    text = os.fsencode(path_text(rel)).decode("utf-8", "backslashreplace")
+    return text.translate(_CONTROLS)
+
+
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160))}
 
 
 def json_line(obj: dict) -> str:
@@ -184,7 +189,7 @@ def read_manifest(root: str | os.PathLike) -> dict:
         manifest = json.loads(read_regular(path, MAX_MANIFEST_BYTES))
     except FileRefused as e:
         raise StoreError(f"{path}: {e}; rebuild the store") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
         raise StoreError(f"{path}: not valid JSON ({e}); rebuild the store") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         found = manifest.get("format") if isinstance(manifest, dict) else manifest
@@ -204,6 +209,15 @@ _SHARD_KEYS = {"name": str, "first": int, "count": int, "record_bytes": int,
                "file_bytes": int, "digest": str}  # fmt: skip
 
 
+def _is_hex(value: object) -> bool:
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= 128
+        and value.isascii()
+        and all(c in "0123456789abcdef" for c in value)
+    )
+
+
 def _manifest_problem(m: dict) -> str | None:
     """What is wrong with the shape of a manifest (keys, types, shard names), or None."""
     for key, typ in (("num_samples", int), ("num_classes", int), ("classes", list),
@@ -213,13 +227,15 @@ def _manifest_problem(m: dict) -> str | None:
                      ("record_bytes", int)):  # fmt: skip
         if not isinstance(m.get(key), typ):
             return f"{key!r} is missing or not a {typ.__name__}"
-    if m["version"] >= 2 and not isinstance(m.get("build"), str):
-        return "'build' is missing or not a string"
+    if m["version"] >= 2 and not _is_hex(m.get("build")):
+        return "'build' is missing or not a hexadecimal string"
     if not isinstance(m["options"].get("max_pixels", 0), int):
         return "'options.max_pixels' is not an integer"
     if len(m["classes"]) != m["num_classes"] or not all(isinstance(c, str) for c in m["classes"]):
         return f"'classes' does not list {m['num_classes']} class names"
     for k, entry in enumerate(m["shards"]):
+        if not isinstance(entry, dict):
+            return f"shard {k} is not a JSON object"
         bad = [key for key, typ in _SHARD_KEYS.items() if not isinstance(entry.get(key), typ)]
         if bad:
             return f"shard {k} lacks a valid {bad[0]!r}"
@@ -289,6 +305,10 @@ def load_index(root: str | os.PathLike, mmap: bool = True, manifest: dict | None
     problem = index_problem(arr, manifest)
     if problem:
         raise StoreError(f"{path}: {problem}; the store is damaged or was edited: rebuild it")
+    with open(path, "rb") as f:  # the labels are the index's: a flipped byte must not pass
+        if hashlib.file_digest(f, "sha256").hexdigest() != manifest["index"]["sha256"]:
+            raise StoreError(f"{path}: checksum mismatch; the store is damaged or was edited: "
+                             "rebuild it")  # fmt: skip
     return arr
 
 
@@ -336,7 +356,7 @@ def read_rejects(root: str | os.PathLike, manifest: dict) -> list[dict]:
     try:
         text = read_regular(path, MAX_MANIFEST_BYTES << 4).decode("utf-8")
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except (FileRefused, ValueError) as e:
+    except (FileRefused, ValueError, RecursionError) as e:
         raise StoreError(f"{path}: unreadable ({e}); rebuild the store") from None
     if not all(isinstance(r, dict) for r in rows):
         raise StoreError(f"{path}: a line is not a JSON object; rebuild the store")
@@ -353,6 +373,8 @@ def check_record(record: object) -> str | None:
             return f"field {key!r} is {type(record.get(key)).__name__}, not {types[0].__name__}"
     if record["format"] not in FORMAT_CODES:
         return f"unknown image format {record['format']!r}"
+    if not isinstance(record.get("path", ""), (str, bytes)):
+        return f"field 'path' is {type(record['path']).__name__}, not str"
     return None
 
 

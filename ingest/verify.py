@@ -173,8 +173,11 @@ def _decode_problem(img: bytes, rec: dict) -> str | None:
         except Reject as e:
             return f"{e} ({where})"
     else:
-        with captured() as warnings:
-            pixels = cv2.imdecode(np.frombuffer(img, np.uint8), cv2.IMREAD_UNCHANGED)
+        try:
+            with captured() as warnings:
+                pixels = cv2.imdecode(np.frombuffer(img, np.uint8), cv2.IMREAD_UNCHANGED)
+        except cv2.error as e:  # an empty payload, among others, raises
+            return f"the decoder fails: {getattr(e, 'err', None) or e} ({where})"
         if warnings:
             return f"the decoder warns: {warnings[0]} ({where})"
         shape = None if pixels is None else pixels.shape[:2]

@@ -20,6 +20,7 @@ import weakref
 import torch
 import torch.utils.data
 
+from ingest import format as fmt
 from loader import options as opt
 from loader.augment import Transform, resolve_transform
 from loader.batch import PixelBatches
@@ -422,11 +423,18 @@ class DataLoader:
             return images, labels, torch.from_numpy(indices)
         return images, labels
 
+    def _path_of(self, index: int) -> str:
+        """Sample ``index``'s source path for a message (never an error: it is metadata)."""
+        try:
+            return fmt.shown(self.store.paths[index])
+        except fmt.StoreError as e:
+            return f"its path unknown: {e}"
+
     def _note_bad(self, bad: list[tuple[int, str]]) -> None:
         for index, reason in bad:
             self.num_replaced += 1
             if index not in self.bad_samples:
-                path = self.store.paths[index]
+                path = self._path_of(index)
                 self.bad_samples[index] = f"{path}: {reason}"
                 log.warning(
                     "DataLoader: sample %d (%s) could not be decoded (%s); it is replaced "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import weakref
 import zlib
@@ -13,7 +14,7 @@ import msgpack
 import numpy as np
 
 from ingest import format as fmt
-from ingest.codec import image_bytes, unpack_record
+from ingest.codec import encoded_limit, image_bytes, unpack_record
 from ingest.probe import image_size
 from ingest.safeio import FileRefused, read_regular
 
@@ -173,6 +174,11 @@ class Store:
         problem = fmt.check_record(rec)
         if problem:
             raise fmt.RecordError(f"{self._where(i)}: malformed record: {problem}")
+        if rec["label"] != row["label"]:
+            raise fmt.RecordError(
+                f"{self._where(i)}: label {rec['label']} differs from the index's "
+                f"({row['label']}); check the store with `ingest verify {self.root}`"
+            )
         return i, row, rec
 
     def _where(self, i: int) -> str:
@@ -190,7 +196,7 @@ class Store:
         """
         i, row, rec = self._checked(i)
         try:
-            data = image_bytes(rec)
+            data = image_bytes(rec, encoded_limit(int(row["height"]), int(row["width"])))
         except Exception as e:  # zstandard raises its own error type
             raise fmt.RecordError(f"{self._where(i)}: payload does not decompress: {e}") from None
         stated = int(row["height"]), int(row["width"])
@@ -263,6 +269,10 @@ def _read_paths(root: Path, manifest: dict) -> list[str]:
         raise fmt.StoreError(f"{path}: unreadable ({e}); rebuild the store") from None
     if not isinstance(paths, list) or len(paths) != manifest["num_samples"]:
         raise fmt.StoreError(f"{path}: does not list {manifest['num_samples']} paths")
+    if not all(isinstance(p, (str, bytes)) for p in paths):
+        raise fmt.StoreError(f"{path}: an entry is not a path; rebuild the store")
+    if hashlib.sha256(data).hexdigest() != manifest["paths"]["sha256"]:
+        raise fmt.StoreError(f"{path}: checksum mismatch; rebuild the store")
     return [fmt.path_text(p) for p in paths]
 
 

@@ -10,6 +10,7 @@ an open loader). Every test runs under an alarm: a hang fails it instead of the 
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import re
@@ -25,8 +26,10 @@ from pathlib import Path
 
 import cv2
 import lmdb
+import msgpack
 import numpy as np
 import pytest
+import zstandard
 from fixtures import REPO, assert_same_store, run_ingest
 
 import ingest.build as ingest_build
@@ -34,7 +37,7 @@ import ingest.writer as ingest_writer
 import loader
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
-from ingest.codec import pack_record, unpack_record
+from ingest.codec import decompress, encoded_limit, pack_record, unpack_record
 from ingest.probe import image_size, parse_jpeg
 from ingest.resume import OutputError
 from ingest.synth import make_image_folder
@@ -500,10 +503,117 @@ def test_a_manifest_that_is_not_json_is_one_line_from_info_and_verify(copy: Path
         assert result.stderr.count("\n") == 1
 
 
-def _rewrite_index(store: Path, edit) -> None:
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda m: m.__setitem__("shards", [1, 2, 3, 4]), r"shard 0 is not a JSON object"),
+        (lambda m: m["shards"].__setitem__(1, None), r"shard 1 is not a JSON object"),
+        (lambda m: m.__setitem__("build", "\u00e9\ud800"), r"'build' is missing or not a hex"),
+        (None, r"not valid JSON"),
+    ],
+    ids=["shards-ints", "shard-null", "build-not-hex", "deep"],
+)
+def test_a_manifest_of_the_wrong_shape_is_one_line(copy: Path, edit, match):
+    manifest = json.loads((copy / fmt.MANIFEST).read_text())
+    if edit is not None:
+        edit(manifest)
+    text = json.dumps(manifest)
+    if edit is None:  # a value nested 100,000 deep: the JSON parser's recursion runs out
+        text = text[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    (copy / fmt.MANIFEST).write_text(text)
+    for reader in (verify_store, Store, LMDBDataset):
+        with pytest.raises(fmt.StoreError, match=match):
+            reader(copy)
+    result = run_ingest("verify", copy)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+
+
+def test_paths_that_are_not_paths_are_refused_and_never_kill_a_run(copy: Path):
+    """A paths file of numbers (its size and checksum rewritten): reading the paths is a
+    one-line error; a bad sample meanwhile is still only replaced (its message says the
+    path is unknown), not the end of the run."""
+    data = msgpack.packb(list(range(12)))
+    (copy / fmt.PATHS).write_bytes(data)
+    manifest = json.loads((copy / fmt.MANIFEST).read_text())
+    manifest["paths"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(fmt.StoreError, match=r"paths.msgpack: an entry is not a path"):
+        _ = Store(copy).paths
+    _rewrite_record(copy, 2, lambda record: record.__setitem__("image", 12345))
+    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu", seed=0)
+    assert sum(len(labels) for _, labels in dl) == 12 and dl.num_replaced == 1
+    assert "its path unknown" in dl.bad_samples[2]
+
+
+def test_a_path_is_shown_without_its_control_characters():
+    assert fmt.shown("a\x1b[2J\nb\x9bc.jpg") == "a\\x1b[2J\\x0ab\\x9bc.jpg"
+    assert fmt.shown(b"caf\xe9.jpg") == "caf\\xe9.jpg"  # not UTF-8
+
+
+def test_a_record_whose_path_is_not_a_path_is_malformed(copy: Path):
+    _rewrite_record(copy, 2, lambda record: record.__setitem__("path", 7))
+    with pytest.raises(fmt.RecordError, match=r"field 'path' is int, not str"):
+        Store(copy).record(2)
+    problems = verify_store(copy)
+    assert problems == [
+        "shard-00000: key 2: malformed record: field 'path' is int, not str",
+        "shard-00000: content checksum mismatch (records changed since the build)",
+    ]
+
+
+def test_verify_reports_an_empty_png_payload(copy: Path):
+    _rewrite_record(copy, 3, lambda record: record.update(image=b"", format="png"))
+    problems = verify_store(copy)
+    assert problems[0].startswith("shard-00000: key 3: the decoder fails: !buf.empty() (")
+    assert problems[1:] == [
+        "shard-00000: content checksum mismatch (records changed since the build)"
+    ]
+
+
+def test_a_zstd_frame_that_says_more_than_its_image_needs_is_refused_unread():
+    """A few KiB of zstd can say gigabytes: the frame's content size is checked against
+    what an image of its pixels needs before anything is allocated."""
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (200 << 20))
+    limit = encoded_limit(32, 32)
+    assert len(bomb) < 10_000 and limit == 8 * 32 * 32 + (64 << 20)
+    with pytest.raises(ValueError, match=r"the frame says 209715200 bytes, over the"):
+        decompress(bomb, "zstd", limit)
+    small = zstandard.ZstdCompressor().compress(b"x" * 1000)
+    assert decompress(small, "zstd", limit) == b"x" * 1000
+
+
+def _rewrite_index(store: Path, edit, checksum: bool = True) -> None:
+    """Edit the index; with ``checksum``, its sha256 in the manifest follows (a forger's)."""
     index = np.array(fmt.load_index(store, mmap=False))
     edit(index)
     np.save(store / fmt.INDEX, index)
+    if checksum:
+        manifest = json.loads((store / fmt.MANIFEST).read_text())
+        manifest["index"]["sha256"] = hashlib.sha256((store / fmt.INDEX).read_bytes()).hexdigest()
+        (store / fmt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_an_index_edited_within_its_bounds_is_refused_on_open(copy: Path):
+    """A label changed to another valid one (a flipped bit): every check of the index's
+    shape passes, and the loader would deliver the sample with the wrong label; its
+    checksum in the manifest tells."""
+    _rewrite_index(copy, lambda ix: ix["label"].__setitem__(5, (ix["label"][5] + 1) % 3), False)
+    for reader in (Store, LMDBDataset):
+        with pytest.raises(fmt.StoreError, match=r"index.npy: checksum mismatch"):
+            reader(copy).index if reader is Store else reader(copy)
+    with pytest.raises(fmt.StoreError, match=r"index.npy: checksum mismatch"):
+        loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu")
+
+
+def test_a_record_whose_label_differs_from_the_index_is_a_bad_sample(copy: Path):
+    """The index and its checksum rewritten (a forger's), the record's own label left:
+    the two disagree, and the sample is replaced, never delivered with either label."""
+    _rewrite_index(copy, lambda ix: ix["label"].__setitem__(5, (ix["label"][5] + 1) % 3))
+    with pytest.raises(fmt.RecordError, match=r"key 5: label \d differs from the index's"):
+        Store(copy).record(5)
+    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu", seed=0)
+    assert sum(len(labels) for _, labels in dl) == 12
+    assert list(dl.bad_samples) == [5] and dl.num_replaced == 1
 
 
 @pytest.mark.parametrize(
