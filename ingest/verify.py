@@ -17,6 +17,7 @@ from ingest import format as fmt
 from ingest.codec import image_bytes, unpack_record
 from ingest.cstderr import captured
 from ingest.normalize import Reject, check_jpeg
+from ingest.probe import PngError, plain_png
 from ingest.safeio import FileRefused
 from ingest.writer import sha256_file
 
@@ -174,8 +175,11 @@ def _decode_problem(img: bytes, rec: dict) -> str | None:
             return f"{e} ({where})"
     else:
         try:
+            img = plain_png(img)  # as the loader reads it: its critical chunks, checked
             with captured() as warnings:
                 pixels = cv2.imdecode(np.frombuffer(img, np.uint8), cv2.IMREAD_UNCHANGED)
+        except PngError as e:
+            return f"the PNG is damaged: {e} ({where})"
         except cv2.error as e:  # an empty payload, among others, raises
             return f"the decoder fails: {getattr(e, 'err', None) or e} ({where})"
         if warnings:

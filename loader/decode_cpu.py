@@ -9,6 +9,7 @@ import numpy as np
 
 from ingest.cstderr import captured
 from ingest.normalize import Reject, check_jpeg
+from ingest.probe import PngError, plain_png
 from loader.decode import DecodeError, in_worker_process
 
 _BASE = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # stored images are upright
@@ -57,6 +58,11 @@ class CpuDecoder:
     ) -> None:
         """See ``loader.decode.Decoder.decode_into``."""
         f = reduction(kind, crop)
+        if kind == "png":  # what libpng reads without a word, or refused before it does
+            try:
+                data = plain_png(data)
+            except PngError as e:
+                raise DecodeError(f"the PNG is damaged: {e}") from None
         try:
             with _quietly(data, kind) as warnings:
                 img = cv2.imdecode(np.frombuffer(data, np.uint8), _FLAGS[f])
@@ -83,7 +89,8 @@ def _quietly(data: bytes, kind: str) -> contextlib.AbstractContextManager:
     In a worker process fd 2 is taken over around the decode (``captured``). The training
     process (``num_workers=0``, the GPU path's retries) may have other threads writing to
     stderr, so there a JPEG is first decoded in libjpeg-turbo's stop-on-warning mode at
-    1/8 scale instead, and one that would warn is refused before OpenCV can print.
+    1/8 scale instead, and one that would warn is refused before OpenCV can print (a PNG
+    is checked whole before it gets here: ``ingest.probe.plain_png``).
     """
     if in_worker_process():
         return captured()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -38,7 +39,7 @@ import loader
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
 from ingest.codec import decompress, encoded_limit, pack_record, unpack_record
-from ingest.probe import image_size, parse_jpeg
+from ingest.probe import PngError, image_size, parse_jpeg, plain_png
 from ingest.resume import OutputError
 from ingest.synth import make_image_folder
 from ingest.verify import verify_store
@@ -564,7 +565,7 @@ def test_a_record_whose_path_is_not_a_path_is_malformed(copy: Path):
 def test_verify_reports_an_empty_png_payload(copy: Path):
     _rewrite_record(copy, 3, lambda record: record.update(image=b"", format="png"))
     problems = verify_store(copy)
-    assert problems[0].startswith("shard-00000: key 3: the decoder fails: !buf.empty() (")
+    assert problems[0].startswith("shard-00000: key 3: the PNG is damaged: no PNG signature (")
     assert problems[1:] == [
         "shard-00000: content checksum mismatch (records changed since the build)"
     ]
@@ -814,3 +815,103 @@ def test_timeout_is_honoured_with_a_stopped_worker(store: Path):
     with pytest.raises(RuntimeError, match=r"timed out after 1.0 seconds"):
         next(iter(dl))
     assert time.monotonic() - start < 3.0  # 1 s, plus stopping the worker: not 5 s more
+
+
+def _png_chunks(png: bytes) -> list[tuple[bytes, bytes]]:
+    chunks, pos = [], 8
+    while pos < len(png):
+        (length,) = struct.unpack_from(">I", png, pos)
+        chunks.append((png[pos + 4 : pos + 8], png[pos + 8 : pos + 8 + length]))
+        pos += 12 + length
+    return chunks
+
+
+def _png_of(chunks) -> bytes:
+    return b"\x89PNG\r\n\x1a\n" + b"".join(
+        struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        for kind, body in chunks
+    )
+
+
+def _damaged_pngs(height: int, width: int) -> tuple[bytes, dict[str, bytes]]:
+    """A PNG of a photograph's pixels, and copies libpng warns about or refuses."""
+    pixels = cv2.resize(cv2.imread(str(REPO.parent / "shared/photos/Aqua.jpg")), (width, height))
+    png = cv2.imencode(".png", pixels)[1].tobytes()
+    chunks = _png_chunks(png)
+    profile = (b"iCCP", b"prof\x00\x00" + zlib.compress(b"not a profile"))
+    half = [(k, b[: len(b) // 2]) if k == b"IDAT" else (k, b) for k, b in chunks]
+    flipped = bytearray(png)
+    flipped[len(png) // 2] ^= 0x55  # inside the image data: its CRC no longer holds
+    return png, {
+        "profile": _png_of([chunks[0], profile, *chunks[1:]]),  # a warning, good pixels
+        "truncated": _png_of(half),
+        "flipped": bytes(flipped),
+    }
+
+
+def test_damaged_pngs_give_the_same_samples_whatever_decodes_them_and_nothing_on_fd2(copy):
+    """libpng warns about a bad colour profile and prints its errors itself; in the
+    training process (num_workers=0) nothing could keep that off the terminal, and a
+    worker refused what the training process delivered. Each PNG is now checked before
+    libpng reads it, and decoded from its critical chunks only: the bad profile's image
+    is delivered with its pixels, the damaged ones are replaced, by workers or not."""
+    index = Store(copy).index
+    for key, name, message in ((3, "profile", None), (4, "truncated", "not the"),
+                               (5, "flipped", "bad CRC")):  # fmt: skip
+        clean, damaged = _damaged_pngs(int(index[key]["height"]), int(index[key]["width"]))
+        data = damaged[name]
+        if message is None:
+            assert plain_png(data) == clean
+        else:
+            with pytest.raises(PngError, match=message):
+                plain_png(data)
+        _rewrite_record(copy, key, lambda record, d=data: record.update(image=d, format="png"))
+    script = (
+        "import hashlib, loader, torch\n"
+        f"for workers in (0, 2):\n"
+        f"    dl = loader.DataLoader({str(copy)!r}, batch_size=4, transform='eval', "
+        "device='cpu', seed=0, shuffle=False, num_workers=workers, with_indices=True)\n"
+        "    got = {int(i): hashlib.sha256(x.numpy().tobytes()).hexdigest()[:12]\n"
+        "           for images, _, idx in dl for x, i in zip(images, idx)}\n"
+        "    print(workers, sorted(dl.bad_samples), got[3])\n"
+        "    assert all('the PNG is damaged' in why for why in dl.bad_samples.values())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=False, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    zero, two = run.stdout.splitlines()
+    assert zero.split()[1:] == two.split()[1:] and zero.startswith("0 [4, 5] ")
+    lines = run.stderr.splitlines()  # the loader's own line per bad sample, and no more
+    assert len(lines) == 4 and all(line.startswith("DataLoader: sample ") for line in lines)
+    assert "libpng" not in run.stderr
+
+
+@pytest.mark.parametrize("interlace", [0, 1])
+@pytest.mark.parametrize(
+    "width, height, depth, colour",
+    [(13, 7, 8, 2), (1, 1, 8, 0), (5, 3, 16, 6), (9, 17, 1, 0), (33, 2, 4, 3), (2, 9, 8, 4)],
+)
+def test_plain_png_takes_what_libpng_decodes_silently(capfd, width, height, depth, colour,
+                                                      interlace):  # fmt: skip
+    """Every depth and colour type, interlaced (Adam7) or not: the sizes ``plain_png``
+    computes are libpng's; a row's filter type over 4 is refused."""
+    bits = depth * {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}[colour]
+    adam7 = [(0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2),
+             (0, 1, 1, 2)]  # fmt: skip  # (x, y, dx, dy) of each pass, as the PNG standard says
+    rng, rows = np.random.default_rng(0), []
+    for x, y, dx, dy in adam7 if interlace else [(0, 0, 1, 1)]:
+        if width > x and height > y:  # a pass with no pixels has no rows
+            size = math.ceil(math.ceil((width - x) / dx) * bits / 8)
+            rows += [bytes([k % 5]) + rng.bytes(size) for k in range(math.ceil((height - y) / dy))]
+    header = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, interlace)
+    palette = [(b"PLTE", bytes(range(48)))] if colour == 3 else []
+    png = _png_of([(b"IHDR", header), *palette, (b"IDAT", zlib.compress(b"".join(rows))),
+                   (b"IEND", b"")])  # fmt: skip
+    assert plain_png(png) == png
+    decoded = cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_COLOR)
+    assert decoded.shape == (height, width, 3) and capfd.readouterr().err == ""
+    rows[-1] = b"\x05" + rows[-1][1:]
+    with pytest.raises(PngError, match="unknown filter type"):
+        plain_png(_png_of([(b"IHDR", header), *palette,
+                           (b"IDAT", zlib.compress(b"".join(rows))), (b"IEND", b"")]))  # fmt: skip
