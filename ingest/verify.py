@@ -14,7 +14,7 @@ import simplejpeg
 from tqdm import tqdm
 
 from ingest import format as fmt
-from ingest.codec import image_bytes, unpack_record
+from ingest.codec import encoded_limit, image_bytes, unpack_record
 from ingest.cstderr import captured
 from ingest.normalize import Reject, check_jpeg
 from ingest.probe import PngError, plain_png
@@ -89,7 +89,9 @@ def _check_shard(
     crcs: list[int] = []
     sizes: list[int] = []
     try:
-        problems = list(_check_records(path, name, entry, index, decode, crcs, sizes, tick))
+        limit = int(manifest["options"].get("max_pixels", fmt.DEFAULT_MAX_PIXELS))
+        checked = (index, decode, limit)
+        problems = list(_check_records(path, name, entry, checked, crcs, sizes, tick))
         problems += _build_problem(path, name, manifest)
     except lmdb.Error as e:
         return [f"{name}: LMDB cannot read the shard: {e}"]
@@ -116,8 +118,7 @@ def _check_records(
     path: Path,
     name: str,
     entry: dict,
-    index: np.ndarray,
-    decode: bool,
+    checked: tuple[np.ndarray, bool, int],
     crcs: list,
     sizes: list,
     tick=None,
@@ -132,7 +133,7 @@ def _check_records(
                     expected = i
                 crcs.append(zlib.crc32(value))
                 sizes.append(len(value))
-                problem = _check_record(i, value, crcs[-1], index, decode)
+                problem = _check_record(i, value, crcs[-1], *checked)
                 if problem:
                     yield f"{name}: key {i}: {problem}"
                 if tick is not None:
@@ -145,10 +146,16 @@ def _check_records(
         env.close()
 
 
-def _check_record(i: int, value: bytes, crc: int, index: np.ndarray, decode: bool) -> str | None:
+def _check_record(
+    i: int, value: bytes, crc: int, index: np.ndarray, decode: bool, max_pixels: int
+) -> str | None:
+    """What is wrong with record ``i`` (``value``), checked as a reader checks it, or None."""
     if not 0 <= i < len(index):
         return "key outside the index"
     row = index[i]
+    if int(row["height"]) * int(row["width"]) > max_pixels:  # as a reader refuses it: unread
+        return (f"{row['width']}x{row['height']} pixels is over the store's limit of "
+                f"{max_pixels} (a decompression bomb?)")  # fmt: skip
     if len(value) != row["nbytes"] or crc != row["crc32"]:
         return "record bytes differ from those recorded at build time (CRC-32 mismatch)"
     try:
@@ -156,7 +163,11 @@ def _check_record(i: int, value: bytes, crc: int, index: np.ndarray, decode: boo
         problem = fmt.check_record(rec)
         if problem:
             return f"malformed record: {problem}"
-        img = image_bytes(rec) if decode else b""
+        img = (
+            image_bytes(rec, encoded_limit(int(row["height"]), int(row["width"])))
+            if decode
+            else b""
+        )
     except Exception as e:  # msgpack and zstd raise several types
         return f"record does not unpack: {type(e).__name__}: {e}"
     if rec["label"] != row["label"]:

@@ -562,6 +562,24 @@ def test_a_record_whose_path_is_not_a_path_is_malformed(copy: Path):
     ]
 
 
+def test_verify_refuses_unread_what_a_reader_refuses_over_the_pixel_limit(copy: Path):
+    """Verify applies the store's pixel limit as the readers do, before decoding."""
+    index = Store(copy).index
+    pixels = [int(index[k]["height"]) * int(index[k]["width"]) for k in range(12)]
+    limit = sorted(pixels)[6]  # half the records over it
+    manifest = json.loads((copy / fmt.MANIFEST).read_text())
+    manifest["options"]["max_pixels"] = limit
+    (copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    over = [k for k in range(12) if pixels[k] > limit]
+    assert 0 < len(over) < 12
+    problems = verify_store(copy)
+    assert len(problems) == len(over)
+    for k, problem in zip(over, problems, strict=True):
+        assert f"key {k}: " in problem and f"is over the store's limit of {limit}" in problem
+        with pytest.raises(fmt.RecordError, match=f"over the store's limit of {limit}"):
+            Store(copy).image(k)
+
+
 def test_verify_reports_an_empty_png_payload(copy: Path):
     _rewrite_record(copy, 3, lambda record: record.update(image=b"", format="png"))
     problems = verify_store(copy)
