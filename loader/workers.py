@@ -134,7 +134,8 @@ def death_cause(exitcode: int | None) -> str:
         elif name == "SIGBUS":
             hint = (
                 f" (often shared memory running out: see `df {_SHM}`; in Docker, give it "
-                "more with `--shm-size`)"
+                "more with `--shm-size`; or a store file damaged in place: check the store "
+                "with `ingest verify`)"
             )
         return f"killed by signal {name}{hint}"
     return f"exited with code {exitcode}"

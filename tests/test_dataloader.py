@@ -476,7 +476,11 @@ def _no_fault_handler(worker_id: int) -> None:
     "sig, hint",
     [
         (signal.SIGKILL, r"often the kernel's out-of-memory killer"),
-        (signal.SIGBUS, r"often shared memory running out: see `df /dev/shm`"),
+        (
+            signal.SIGBUS,
+            r"often shared memory running out: see `df /dev/shm`.*or a store "
+            r"file damaged in place: check the store with `ingest verify`\)",
+        ),
     ],
 )
 def test_killed_worker_raises_naming_it(store, sig, hint):
