@@ -851,9 +851,8 @@ def _png_of(chunks) -> bytes:
     )
 
 
-def _damaged_pngs(height: int, width: int) -> tuple[bytes, dict[str, bytes]]:
-    """A PNG of a photograph's pixels, and copies libpng warns about or refuses."""
-    pixels = cv2.resize(cv2.imread(str(REPO.parent / "shared/photos/Aqua.jpg")), (width, height))
+def _damaged_pngs(pixels: np.ndarray) -> tuple[bytes, dict[str, bytes]]:
+    """A PNG of ``pixels``, and copies libpng warns about or refuses."""
     png = cv2.imencode(".png", pixels)[1].tobytes()
     chunks = _png_chunks(png)
     profile = (b"iCCP", b"prof\x00\x00" + zlib.compress(b"not a profile"))
@@ -873,10 +872,12 @@ def test_damaged_pngs_give_the_same_samples_whatever_decodes_them_and_nothing_on
     worker refused what the training process delivered. Each PNG is now checked before
     libpng reads it, and decoded from its critical chunks only: the bad profile's image
     is delivered with its pixels, the damaged ones are replaced, by workers or not."""
-    index = Store(copy).index
     for key, name, message in ((3, "profile", None), (4, "truncated", "not the"),
                                (5, "flipped", "bad CRC")):  # fmt: skip
-        clean, damaged = _damaged_pngs(int(index[key]["height"]), int(index[key]["width"]))
+        jpeg = Store(copy).image(key)[0]  # the sample's own pixels, as a PNG
+        clean, damaged = _damaged_pngs(
+            cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+        )
         data = damaged[name]
         if message is None:
             assert plain_png(data) == clean
