@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
+import tempfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,8 +61,80 @@ def verify_store(
     )  # fmt: skip
     with bar:
         for shard in range(len(manifest["shards"])):
-            problems.extend(_check_shard(root, manifest, shard, index, decode, bar.update))
+            problems.extend(_check_shard_apart(root, manifest, shard, index, decode, bar.update))
     return problems
+
+
+_TICKS = 256  # records checked between two progress messages from a shard's process
+
+
+def _check_shard_apart(
+    root: Path, manifest: dict, shard: int, index: np.ndarray, decode: bool, tick
+) -> list[str]:
+    """``_check_shard`` in a process of its own. LMDB trusts its pages: a shard damaged in
+    place (its size unchanged) can kill the process that reads it (SIGBUS past the end of
+    the file, an assertion's abort), and the tool that checks a damaged store must not die
+    of one. The child's death is this shard's problem; what it wrote to fd 2 (LMDB's
+    assertion) is quoted, never shown."""
+    ctx = multiprocessing.get_context("fork")  # the index and manifest, not pickled
+    reader, writer = ctx.Pipe(duplex=False)
+    with tempfile.TemporaryFile() as err:
+        child = ctx.Process(
+            target=_shard_child, args=(writer, err, root, manifest, shard, index, decode)
+        )
+        child.start()
+        writer.close()
+        outcome = None
+        try:
+            while outcome is None:
+                try:
+                    kind, value = reader.recv()
+                except EOFError:  # the child died without an answer
+                    break
+                if kind == "tick":
+                    tick(value)
+                else:
+                    outcome = (kind, value)
+        finally:
+            reader.close()
+            child.join()
+        err.seek(0)
+        said = err.read(4096).decode("utf-8", "replace").strip().splitlines()
+    name = manifest["shards"][shard]["name"]
+    if outcome is None:
+        code = child.exitcode
+        how = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
+        quoted = f": {fmt.shown(said[0])}" if said else ""
+        return [f"{name}: reading its LMDB pages killed the reader ({how}{quoted}): the shard "
+                "is damaged; rebuild the store"]  # fmt: skip
+    kind, value = outcome
+    if kind == "error":  # a fault of this code, not of the store: as if raised here
+        raise RuntimeError(f"ingest verify failed on {name}: {value}")
+    return value
+
+
+def _shard_child(writer, err, root, manifest, shard, index, decode) -> None:
+    """In the child: check the shard, report progress every ``_TICKS`` records, then the
+    problems (or the error) through ``writer``; fd 2 goes to ``err``."""
+    os.dup2(err.fileno(), 2)
+    pending = 0
+
+    def tick(n: int) -> None:
+        nonlocal pending
+        pending += n
+        if pending >= _TICKS:
+            writer.send(("tick", pending))
+            pending = 0
+
+    try:
+        problems = _check_shard(root, manifest, shard, index, decode, tick)
+        if pending:
+            writer.send(("tick", pending))
+        writer.send(("problems", problems))
+    except Exception as e:
+        writer.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        writer.close()
 
 
 def _relative(root: Path, e: Exception) -> str:

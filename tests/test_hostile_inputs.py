@@ -934,3 +934,39 @@ def test_plain_png_takes_what_libpng_decodes_silently(capfd, width, height, dept
     with pytest.raises(PngError, match="unknown filter type"):
         plain_png(_png_of([(b"IHDR", header), *palette,
                            (b"IDAT", zlib.compress(b"".join(rows))), (b"IEND", b"")]))  # fmt: skip
+
+
+def _damage_last_leaf_page(shard: Path) -> None:
+    """Point the first node of the shard's last leaf page 64 KiB past the page, in place
+    (the file's size unchanged): LMDB reads past the end of the file and dies of SIGBUS."""
+    path = shard / "data.mdb"
+    data = bytearray(path.read_bytes())
+    page, leaves = 4096, []
+    k = 2  # pages 0 and 1 are the meta pages
+    while (k + 1) * page <= len(data):
+        flags, ovpages = struct.unpack_from("<H", data, k * page + 10)[0], 1
+        if flags & 0x04:  # an overflow page: a record's value over this many pages
+            ovpages = struct.unpack_from("<I", data, k * page + 12)[0]
+        elif flags & 0x02:
+            leaves.append(k)
+        k += max(1, ovpages)
+    struct.pack_into("<H", data, leaves[-1] * page + 16, 0xFFFF)
+    path.write_bytes(bytes(data))
+
+
+def test_verify_reports_a_shard_whose_lmdb_pages_kill_the_reader(copy: Path):
+    """LMDB trusts its pages: reading a shard damaged in place kills the process. Verify
+    reads each shard in a process of its own, and reports the death as that shard's
+    problem; the other shards are checked, and nothing from LMDB reaches the terminal."""
+    _damage_last_leaf_page(copy / "shard-00001")
+    problems = verify_store(copy)
+    assert len(problems) == 1
+    assert problems[0].startswith("shard-00001: reading its LMDB pages killed the reader "
+                                  "(signal SIGBUS")  # fmt: skip
+    assert problems[0].endswith("the shard is damaged; rebuild the store")
+    result = run_ingest("verify", copy)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"ingest verify: {copy}/{problems[0]}",
+        "ingest verify: 1 problem(s); rebuild the store",
+    ]
