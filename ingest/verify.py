@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import signal
@@ -115,7 +116,10 @@ def _check_shard_apart(
 
 def _shard_child(writer, err, root, manifest, shard, index, decode) -> None:
     """In the child: check the shard, report progress every ``_TICKS`` records, then the
-    problems (or the error) through ``writer``; fd 2 goes to ``err``."""
+    problems (or the error) through ``writer``; fd 2 goes to ``err``, and Python's fault
+    handler (the user's or pytest's, on a descriptor of its own) is off: the parent
+    reports this process's death."""
+    faulthandler.disable()
     os.dup2(err.fileno(), 2)
     pending = 0
 
