@@ -31,9 +31,9 @@ from ingest.resume import (
     load_state,
     prepare_out,
 )
-from ingest.safeio import FileRefused, read_regular
+from ingest.safeio import FileRefused, read_regular, sha256_file
 from ingest.scan import Scan, SourceError, scan
-from ingest.writer import MiB, ShardWriter, sha256_file
+from ingest.writer import MiB, ShardWriter
 
 log = logging.getLogger(__name__)
 

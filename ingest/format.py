@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ingest.safeio import FileRefused, kind_of, read_regular
+from ingest.safeio import FileRefused, kind_of, read_regular, sha256_file
 
 FORMAT_NAME = "imfeed-lmdb"
 FORMAT_VERSION = 2
@@ -210,12 +210,7 @@ _SHARD_KEYS = {"name": str, "first": int, "count": int, "record_bytes": int,
 
 
 def _is_hex(value: object) -> bool:
-    return (
-        isinstance(value, str)
-        and 0 < len(value) <= 128
-        and value.isascii()
-        and all(c in "0123456789abcdef" for c in value)
-    )
+    return isinstance(value, str) and 0 < len(value) <= 128 and not value.strip("0123456789abcdef")
 
 
 def _manifest_problem(m: dict) -> str | None:
@@ -305,10 +300,9 @@ def load_index(root: str | os.PathLike, mmap: bool = True, manifest: dict | None
     problem = index_problem(arr, manifest)
     if problem:
         raise StoreError(f"{path}: {problem}; the store is damaged or was edited: rebuild it")
-    with open(path, "rb") as f:  # the labels are the index's: a flipped byte must not pass
-        if hashlib.file_digest(f, "sha256").hexdigest() != manifest["index"]["sha256"]:
-            raise StoreError(f"{path}: checksum mismatch; the store is damaged or was edited: "
-                             "rebuild it")  # fmt: skip
+    if sha256_file(path) != manifest["index"]["sha256"]:  # a label changed to another
+        raise StoreError(f"{path}: checksum mismatch; the store is damaged or was edited: "
+                         "rebuild it")  # fmt: skip
     return arr
 
 

@@ -9,6 +9,7 @@ of blocking in ``open()`` or filling memory.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
 
@@ -100,3 +101,12 @@ def _check_size(actual: int, max_bytes: int, size: int | None) -> None:
         raise FileRefused(f"too large: {actual} bytes, over the limit of {max_bytes} bytes")
     if size is not None and actual != size:
         raise FileRefused(f"{actual} bytes where {size} were recorded (truncated or replaced)")
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
+    """The hex SHA-256 of the regular file ``path`` (never a FIFO or a device)."""
+    h = hashlib.sha256()
+    with os.fdopen(open_regular(path), "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

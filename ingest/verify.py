@@ -22,8 +22,7 @@ from ingest.codec import encoded_limit, image_bytes, unpack_record
 from ingest.cstderr import captured
 from ingest.normalize import Reject, check_jpeg
 from ingest.probe import PngError, plain_png
-from ingest.safeio import FileRefused
-from ingest.writer import sha256_file
+from ingest.safeio import FileRefused, sha256_file
 
 
 def verify_store(
@@ -47,15 +46,11 @@ def verify_store(
     """
     root = Path(root)
     manifest = fmt.read_manifest(root)
-    problems = [
-        p for what in ("index", "paths", "rejects") if (p := _file_problem(root, manifest, what))
-    ]
-    if problems and problems[0].startswith(fmt.INDEX):
-        return problems  # without a sound index the records cannot be checked
-    try:
+    problems = [p for what in ("paths", "rejects") if (p := _file_problem(root, manifest, what))]
+    try:  # the index file, its rows against the manifest, its SHA-256
         index = fmt.load_index(root, mmap=False, manifest=manifest)
-    except fmt.StoreError as e:
-        return [*problems, _relative(root, e)]
+    except fmt.StoreError as e:  # without a sound index the records cannot be checked
+        return [_relative(root, e), *problems]
     bar = tqdm(
         total=len(index), unit="img", desc="verify", smoothing=0.05,
         disable=None if progress is None else not progress,

@@ -6,7 +6,6 @@ import contextlib
 import ctypes
 import errno
 import functools
-import hashlib
 import os
 import shutil
 import threading
@@ -15,7 +14,6 @@ from pathlib import Path
 import lmdb
 
 from ingest.format import BUILD_KEY, encode_key, fsync_path
-from ingest.safeio import open_regular
 
 MiB = 1 << 20
 TXN_BYTES = 16 * MiB  # commit this often: bounds the dirty pages LMDB keeps in memory
@@ -146,11 +144,3 @@ def _quiet_fsync(path: Path) -> None:
     # raised in this thread it would only print a traceback.
     with contextlib.suppress(OSError):
         fsync_path(path, data_only=True)
-
-
-def sha256_file(path: Path, chunk: int = 8 * MiB) -> str:
-    h = hashlib.sha256()
-    with os.fdopen(open_regular(path), "rb") as f:  # never a FIFO or a device
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

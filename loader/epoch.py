@@ -190,7 +190,7 @@ class EpochIterator:
         if self._parked:
             self._parked = False
             if self._loader_ref() is None:  # freed: what it made is moot
-                self._orphaned()
+                self._end_orphaned()
                 return
             self._loader._stats.add(carries_dropped=1)
             self._close(finished=False)
@@ -222,8 +222,7 @@ class EpochIterator:
         try:
             return self._next()
         except LoaderGone:  # read whole, its loader let go of since: the epoch is over
-            self._closed = True
-            self._orphaned()
+            self._end_orphaned()
         raise StopIteration
 
     def _next(self):
@@ -344,8 +343,7 @@ class EpochIterator:
         elif self._closed:
             return
         elif self._loader_ref() is None:  # read whole, its loader let go of since
-            self._closed = True
-            self._orphaned()
+            self._end_orphaned()
         else:
             self.ended_by = reason
             self._close(finished=False)
@@ -381,6 +379,11 @@ class EpochIterator:
                 self._orphaned()
             else:
                 self.close()
+
+    def _end_orphaned(self) -> None:
+        """End this iteration, its loader freed: nothing can take its batches."""
+        self._closed, self._parked = True, False
+        self._orphaned()
 
     def _orphaned(self) -> None:
         """Its loader, which held it (read whole or parked), was freed: stop what is this

@@ -368,16 +368,21 @@ class WayPicker:
         cut = []
         while self._plan and self._plan[0][0] == way:
             cut.append(self._plan.pop(0)[1])
-        for queue in (self._in_flight, self._unfinished):
-            cut += [p for w, p in queue if w == way]
-            kept = [(w, _SKIPPED if w == way and p is not None else p) for w, p in queue]
-            queue.clear()
-            queue.extend(kept)
+        cut += [p for w, p in (*self._in_flight, *self._unfinished) if w == way]
+        self._skip_started(lambda w: w == way)
         if _LAST in cut:
             counted = [k for k, (_, p) in enumerate(self._plan) if p == _COUNTED]
             if counted:
                 self._plan[counted[-1]] = (self._plan[counted[-1]][0], _LAST)
         return _HALF if _HALF in cut and place != _LAST else place
+
+    def _skip_started(self, which) -> None:
+        """The batches started (not yet handed off, not yet finished) of the ways ``which``
+        holds true for, and of a trial: not counted."""
+        for queue in (self._in_flight, self._unfinished):
+            marked = [(w, _SKIPPED if p is not None and which(w) else p) for w, p in queue]
+            queue.clear()
+            queue.extend(marked)
 
     def _start_trial(self, cause: str, opener: str | None = None, among=None) -> None:
         """Plan a trial of the ways ``among`` (all by default), opened by ``opener``."""
@@ -386,10 +391,7 @@ class WayPicker:
         if opener is not None:  # the last trial's order reversed, ``opener`` first
             order = (opener, *(w for w in self._order[::-1] if w != opener and w in among))
         self._order, self._tried = order, among
-        for queue in (self._in_flight, self._unfinished):  # a trial before's: not counted
-            kept = [(w, None if p is None else _SKIPPED) for w, p in queue]
-            queue.clear()
-            queue.extend(kept)
+        self._skip_started(lambda w: True)  # a trial before's batches: not counted in this
         # A B ... B A, a window each; the same way twice in a row is one run.
         runs = [(way, len(list(same)) * self.window) for way, same in groupby(order + order[::-1])]
         self._plan = [

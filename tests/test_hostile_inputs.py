@@ -322,6 +322,16 @@ def test_jpegs_that_only_make_libjpeg_warn_are_rejected_silently(tmp_path: Path)
     }
 
 
+def _run_python(script: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``script`` in a new interpreter (its own fd 2), this repository importable; it
+    must succeed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=timeout, check=False, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return run
+
+
 def test_a_stored_jpeg_that_warns_fails_verify_and_is_replaced_in_training(tmp_path: Path):
     src = tree(tmp_path / "src")
     (src / "class_01" / "claims.jpg").write_bytes(_claiming(_small_jpeg(), 800, 600))
@@ -342,10 +352,7 @@ def test_a_stored_jpeg_that_warns_fails_verify_and_is_replaced_in_training(tmp_p
         "    n = sum(len(labels) for _, labels in dl)\n"
         "print(n, dl.num_replaced, sorted(dl.bad_samples))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60, check=False, env=env)  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    run = _run_python(script, timeout=60)
     assert run.stdout == f"7 2 [{bad}]\n"  # replaced each epoch, counted twice
     lines = run.stderr.splitlines()  # once, by the loader; nothing straight from libjpeg
     assert len(lines) == 1 and lines[0].startswith(f"DataLoader: sample {bad} (class_01/claims")
@@ -895,10 +902,7 @@ def test_damaged_pngs_give_the_same_samples_whatever_decodes_them_and_nothing_on
         "    print(workers, sorted(dl.bad_samples), got[3])\n"
         "    assert all('the PNG is damaged' in why for why in dl.bad_samples.values())\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, check=False, env=env)  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    run = _run_python(script, timeout=120)
     zero, two = run.stdout.splitlines()
     assert zero.split()[1:] == two.split()[1:] and zero.startswith("0 [4, 5] ")
     lines = run.stderr.splitlines()  # the loader's own line per bad sample, and no more
