@@ -224,8 +224,9 @@ def _manifest_problem(m: dict) -> str | None:
             return f"{key!r} is missing or not a {typ.__name__}"
     if m["version"] >= 2 and not _is_hex(m.get("build")):
         return "'build' is missing or not a hexadecimal string"
-    if not isinstance(m["options"].get("max_pixels", 0), int):
-        return "'options.max_pixels' is not an integer"
+    limit = m["options"].get("max_pixels", 1)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return "'options.max_pixels' is not a positive integer"
     if len(m["classes"]) != m["num_classes"] or not all(isinstance(c, str) for c in m["classes"]):
         return f"'classes' does not list {m['num_classes']} class names"
     for k, entry in enumerate(m["shards"]):

@@ -518,8 +518,10 @@ def test_a_manifest_that_is_not_json_is_one_line_from_info_and_verify(copy: Path
         (lambda m: m["shards"].__setitem__(1, None), r"shard 1 is not a JSON object"),
         (lambda m: m.__setitem__("build", "\u00e9\ud800"), r"'build' is missing or not a hex"),
         (None, r"not valid JSON"),
+        (lambda m: m["options"].__setitem__("max_pixels", 0), r"'options.max_pixels' is not a p"),
+        (lambda m: m["options"].__setitem__("max_pixels", True), r"'options.max_pixels' is not"),
     ],
-    ids=["shards-ints", "shard-null", "build-not-hex", "deep"],
+    ids=["shards-ints", "shard-null", "build-not-hex", "deep", "no-pixels", "pixels-bool"],
 )
 def test_a_manifest_of_the_wrong_shape_is_one_line(copy: Path, edit, match):
     manifest = json.loads((copy / fmt.MANIFEST).read_text())
