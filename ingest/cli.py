@@ -100,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print one JSON object")
     v = sub.add_parser("verify", help="check checksums and decode every record")
     v.add_argument("store")
+    v.add_argument("--max-pixels", type=_positive, default=None, metavar="N",
+                   help="decode images of up to N pixels, as a reader given max_pixels=N "
+                   "(default 178956970; needed for a store built with a higher limit)")  # fmt: skip
     c = sub.add_parser("cache", help="list or clear the node's RAM cache of stores (/dev/shm)")
     csub = c.add_subparsers(dest="action", required=True)
     ls = csub.add_parser("ls", help="list cached stores: shards, bytes, users alive or not")
@@ -220,7 +223,7 @@ def _reject_reasons(store: str) -> Counter:
 def _verify(args: argparse.Namespace) -> int:
     from ingest.verify import verify_store
 
-    problems = verify_store(args.store)
+    problems = verify_store(args.store, max_pixels=args.max_pixels)
     for problem in problems:
         print(f"ingest verify: {args.store}/{problem}", file=sys.stderr)
     if problems:

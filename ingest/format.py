@@ -224,8 +224,9 @@ def _manifest_problem(m: dict) -> str | None:
             return f"{key!r} is missing or not a {typ.__name__}"
     if m["version"] >= 2 and not _is_hex(m.get("build")):
         return "'build' is missing or not a hexadecimal string"
-    if not isinstance(m["options"].get("max_pixels", 0), int):
-        return "'options.max_pixels' is not an integer"
+    limit = m["options"].get("max_pixels", 1)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return "'options.max_pixels' is not a positive integer"
     if len(m["classes"]) != m["num_classes"] or not all(isinstance(c, str) for c in m["classes"]):
         return f"'classes' does not list {m['num_classes']} class names"
     for k, entry in enumerate(m["shards"]):
@@ -332,6 +333,38 @@ def index_problem(index: np.ndarray, manifest: dict) -> str | None:
             value = _row_text(index[i], field)
             return f"row {i} has an invalid {field} ({value}; {len(bad)} such rows)"
     return None
+
+
+def pixel_limit(root, manifest: dict, index: np.ndarray, max_pixels: int | None = None) -> int:
+    """The most pixels a reader decodes for one image of this store: the store's own limit
+    (``options.max_pixels``, set at build time), but never more than the reader's
+    ``max_pixels`` (default ``DEFAULT_MAX_PIXELS``), so that a store from elsewhere cannot
+    raise it to make one sample cost minutes and gigabytes.
+
+    Raises:
+        ValueError: ``max_pixels`` is not a positive int.
+        StoreError: the store allows, and its index holds, an image over the reader's limit
+            (said at open, not as samples lost one by one; a store you built with a higher
+            ``--max-pixels`` needs the same ``max_pixels`` when read).
+    """
+    reader = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+    if isinstance(reader, bool) or not isinstance(reader, int) or reader <= 0:
+        raise ValueError(f"max_pixels={max_pixels!r}: give a positive number of pixels")
+    own = int(manifest["options"].get("max_pixels", DEFAULT_MAX_PIXELS))
+    if own <= reader:
+        return own
+    areas = index["height"].astype(np.int64) * index["width"]
+    largest = int(areas.max(initial=0))
+    if largest > reader:
+        i = int(areas.argmax())
+        raise StoreError(
+            f"{Path(root) / INDEX}: sample {i} is {_row_text(index[i], 'size')} ({largest} "
+            f"pixels), over "
+            f"this reader's limit of {reader} (the store allows {own}); if you trust the "
+            f"store, pass max_pixels={largest} (loader.DataLoader, LMDBDataset, "
+            "ingest verify --max-pixels)"
+        )
+    return reader
 
 
 def _row_text(row, field: str) -> str:

@@ -26,7 +26,11 @@ from ingest.safeio import FileRefused, sha256_file
 
 
 def verify_store(
-    root: str | os.PathLike, *, decode: bool = True, progress: bool | None = None
+    root: str | os.PathLike,
+    *,
+    decode: bool = True,
+    progress: bool | None = None,
+    max_pixels: int | None = None,
 ) -> list[str]:
     """Return every problem found in the store at ``root`` (empty: the store is sound).
 
@@ -39,16 +43,20 @@ def verify_store(
     (``ingest.format.records_digest``) against the manifest. Problems name the shard, and
     the key where one record is at fault.
     ``progress`` shows a progress bar, as ``ingest build`` does (default: when stderr is
-    a terminal).
+    a terminal). Images are decoded within the pixel limit a reader applies
+    (``ingest.format.pixel_limit``, ``max_pixels`` as the reader's): a store that holds a
+    larger one is one problem, saying what to pass, and its records are not read.
 
     Raises:
         ingest.format.StoreError: ``root`` is not a complete store (no valid manifest).
+        ValueError: ``max_pixels`` is not a positive int.
     """
     root = Path(root)
     manifest = fmt.read_manifest(root)
     problems = [p for what in ("paths", "rejects") if (p := _file_problem(root, manifest, what))]
-    try:  # the index file, its rows against the manifest, its SHA-256
+    try:  # the index file, its rows against the manifest, its SHA-256; the pixel limit
         index = fmt.load_index(root, mmap=False, manifest=manifest)
+        limit = fmt.pixel_limit(root, manifest, index, max_pixels)
     except fmt.StoreError as e:  # without a sound index the records cannot be checked
         return [_relative(root, e), *problems]
     bar = tqdm(
@@ -57,7 +65,9 @@ def verify_store(
     )  # fmt: skip
     with bar:
         for shard in range(len(manifest["shards"])):
-            problems.extend(_check_shard_apart(root, manifest, shard, index, decode, bar.update))
+            problems.extend(
+                _check_shard_apart(root, manifest, shard, (index, decode, limit), bar.update)
+            )
     return problems
 
 
@@ -65,7 +75,7 @@ _TICKS = 256  # records checked between two progress messages from a shard's pro
 
 
 def _check_shard_apart(
-    root: Path, manifest: dict, shard: int, index: np.ndarray, decode: bool, tick
+    root: Path, manifest: dict, shard: int, checked: tuple[np.ndarray, bool, int], tick
 ) -> list[str]:
     """``_check_shard`` in a process of its own. LMDB trusts its pages: a shard damaged in
     place (its size unchanged) can kill the process that reads it (SIGBUS past the end of
@@ -75,9 +85,7 @@ def _check_shard_apart(
     ctx = multiprocessing.get_context("fork")  # the index and manifest, not pickled
     reader, writer = ctx.Pipe(duplex=False)
     with tempfile.TemporaryFile() as err:
-        child = ctx.Process(
-            target=_shard_child, args=(writer, err, root, manifest, shard, index, decode)
-        )
+        child = ctx.Process(target=_shard_child, args=(writer, err, root, manifest, shard, checked))
         child.start()
         writer.close()
         outcome = None
@@ -109,7 +117,7 @@ def _check_shard_apart(
     return value
 
 
-def _shard_child(writer, err, root, manifest, shard, index, decode) -> None:
+def _shard_child(writer, err, root, manifest, shard, checked) -> None:
     """In the child: check the shard, report progress every ``_TICKS`` records, then the
     problems (or the error) through ``writer``; fd 2 goes to ``err``, and Python's fault
     handler (the user's or pytest's, on a descriptor of its own) is off: the parent
@@ -126,7 +134,7 @@ def _shard_child(writer, err, root, manifest, shard, index, decode) -> None:
             pending = 0
 
     try:
-        problems = _check_shard(root, manifest, shard, index, decode, tick)
+        problems = _check_shard(root, manifest, shard, checked, tick)
         if pending:
             writer.send(("tick", pending))
         writer.send(("problems", problems))
@@ -152,8 +160,10 @@ def _file_problem(root: Path, manifest: dict, what: str) -> str | None:
 
 
 def _check_shard(
-    root: Path, manifest: dict, shard: int, index: np.ndarray, decode: bool, tick=None
+    root: Path, manifest: dict, shard: int, checked: tuple[np.ndarray, bool, int], tick=None
 ) -> list:
+    """The problems of one shard; ``checked`` is (the index, whether to decode, the pixel
+    limit)."""
     entry = manifest["shards"][shard]
     name = entry["name"]
     try:
@@ -163,8 +173,6 @@ def _check_shard(
     crcs: list[int] = []
     sizes: list[int] = []
     try:
-        limit = int(manifest["options"].get("max_pixels", fmt.DEFAULT_MAX_PIXELS))
-        checked = (index, decode, limit)
         problems = list(_check_records(path, name, entry, checked, crcs, sizes, tick))
         problems += _build_problem(path, name, manifest)
     except lmdb.Error as e:

@@ -99,6 +99,9 @@ class DataLoader:
             with about 5 more cores busy.
         cache, cache_limit, cache_root: a node-wide RAM copy of the shards, shared by all
             processes and workers (``cache="shm"`` or ``"shm:keep"``): as on ``LMDBDataset``.
+        max_pixels: the most pixels decoded for one image; a store holding a larger one
+            is refused at open (default 178,956,970, the build's default): as on
+            ``LMDBDataset``.
         verbose: print which path was taken and why (it is always logged at INFO).
 
     Attributes:
@@ -159,6 +162,7 @@ class DataLoader:
         cache: str | None = None,
         cache_limit: int | str | None = None,
         cache_root: str | os.PathLike | None = None,
+        max_pixels: int | None = None,
         verbose: bool = False,
     ) -> None:
         opt.check_not_for_store(sampler, batch_sampler, collate_fn)
@@ -177,8 +181,9 @@ class DataLoader:
             stats=self._stats,
         )  # fmt: skip
         self.store, self.dataset = opt.open_store(
-            dataset, cache=cache, cache_limit=cache_limit, cache_root=cache_root
-        )
+            dataset, cache=cache, cache_limit=cache_limit, cache_root=cache_root,
+            max_pixels=max_pixels,
+        )  # fmt: skip
         follow = opt.check_sampler(sampler, shuffle, len(self.store), rank, world_size)
         self.seed, self._seed_chosen = opt.resolve_seed(
             seed, generator, follow.pop("seed"), follow["world_size"]

@@ -29,6 +29,10 @@ class LMDBDataset(Dataset):
         cache_limit: the most bytes the cache may hold, int or a size ("8GiB"); default
             half of what ``cache_root`` has free. Shards beyond it are read from the store.
         cache_root: where the cache lives (default /dev/shm).
+        max_pixels: the most pixels decoded for one image (default 178,956,970, the
+            build's default ``--max-pixels``): a store that holds a larger one is refused at
+            open, so that a store from elsewhere cannot make one sample cost minutes; give
+            a store built with a higher ``--max-pixels`` the same value here.
 
     Attributes:
         classes, class_to_idx, targets, samples: as on ImageFolder; ``samples`` holds
@@ -44,12 +48,13 @@ class LMDBDataset(Dataset):
         cache: str | None = None,
         cache_limit: int | str | None = None,
         cache_root: str | os.PathLike | None = None,
+        max_pixels: int | None = None,
     ) -> None:
         enabled, keep, limit, where = parse_cache(cache, cache_limit, cache_root)
         if enabled:
             read_manifest(root)  # a clear error for a path that is not a store, first
         shm = ShmCache(root, keep=keep, limit=limit, cache_root=where) if enabled else None
-        self.store = Store(root, cache=shm)
+        self.store = Store(root, cache=shm, max_pixels=max_pixels)
         self.root = str(root)
         self.transform = transform
         self.target_transform = target_transform

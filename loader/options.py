@@ -40,6 +40,7 @@ STORE_ONLY = (
     "cache",
     "cache_limit",
     "cache_root",
+    "max_pixels",
 )
 
 
@@ -102,23 +103,24 @@ def store_transform(dataset, transform: str | Transform | None) -> str | Transfo
     return recognise(own)
 
 
-def open_store(dataset, **cache) -> tuple[Store, LMDBDataset]:
+def open_store(dataset, **opening) -> tuple[Store, LMDBDataset]:
     """The store behind ``dataset`` (a path or an LMDBDataset) and a Dataset view of it;
-    ``cache`` holds the ``cache=``, ``cache_limit=``, ``cache_root=`` arguments.
+    ``opening`` holds the ``cache=``, ``cache_limit=``, ``cache_root=``, ``max_pixels=``
+    arguments.
 
     Raises:
         ingest.format.StoreError: the path is not a complete store (says how to make one).
-        ValueError: a cache argument is invalid, or given with an LMDBDataset.
+        ValueError: one of these arguments is invalid, or given with an LMDBDataset.
     """
     if isinstance(dataset, LMDBDataset):
-        given = [k + "=" for k, v in cache.items() if v is not None]
+        given = [k + "=" for k, v in opening.items() if v is not None]
         if given:
             raise ValueError(
                 f"{', '.join(given)} cannot be given with an LMDBDataset, which opened the "
-                "store already: pass them to LMDBDataset(root, cache=...) instead"
+                "store already: pass them to LMDBDataset(root, ...) instead"
             )
         return dataset.store, dataset
-    ds = LMDBDataset(dataset, **cache)
+    ds = LMDBDataset(dataset, **opening)
     return ds.store, ds
 
 

@@ -35,18 +35,23 @@ class Store:
         cache: where to open each shard from, e.g. an ``ingest.shmcache.ShmCache``: its
             ``shard_path(shard)`` gives the shard directory to open (a RAM copy or the
             original), asked once per shard and process.
+        max_pixels: the most pixels this reader decodes for one image (default
+            ``ingest.format.DEFAULT_MAX_PIXELS``, the build's default); the store's own
+            limit applies when lower (``ingest.format.pixel_limit``).
 
     Raises:
-        ingest.format.StoreError: ``root`` is not a complete, consistent store.
+        ingest.format.StoreError: ``root`` is not a complete, consistent store, or holds
+            an image over ``max_pixels``.
+        ValueError: ``max_pixels`` is not a positive int.
     """
 
-    def __init__(self, root: str | os.PathLike, cache=None) -> None:
+    def __init__(self, root: str | os.PathLike, cache=None, max_pixels: int | None = None) -> None:
         self.root = Path(root)
         self.cache = cache
         self.manifest = fmt.read_manifest(self.root)
         _ = self.index  # checked against the manifest now, not at the first batch
         # Records over this many pixels are refused before they are decoded.
-        self.max_pixels = int(self.manifest["options"].get("max_pixels", fmt.DEFAULT_MAX_PIXELS))
+        self.max_pixels = fmt.pixel_limit(self.root, self.manifest, self.index, max_pixels)
         self.classes: list[str] = list(self.manifest["classes"])
         self._first = np.array([s["first"] for s in self.manifest["shards"]], dtype=np.int64)
         self._keys = [_env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]

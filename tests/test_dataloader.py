@@ -448,10 +448,13 @@ def test_any_other_dataset_gets_torchs_dataloader(store):
 def test_store_options_are_ignored_with_one_warning_for_other_datasets():
     ds = torch.utils.data.TensorDataset(torch.arange(4.0))
     with pytest.warns(UserWarning) as caught:
-        dl = loader.DataLoader(ds, batch_size=2, transform="train", device="cpu", seed=3)
+        dl = loader.DataLoader(
+            ds, batch_size=2, transform="train", device="cpu", seed=3, max_pixels=10**9
+        )
     assert len(caught) == 1
     assert str(caught[0].message) == (
-        "loader.DataLoader: transform=, device=, seed= ignored: torch's DataLoader reads this "
+        "loader.DataLoader: transform=, device=, seed=, max_pixels= ignored: torch's "
+        "DataLoader reads this "
         "dataset (a TensorDataset is not a store) and they apply only to the fast path"
     )
     assert caught[0].filename == __file__  # points at the caller's line

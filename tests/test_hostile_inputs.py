@@ -518,8 +518,10 @@ def test_a_manifest_that_is_not_json_is_one_line_from_info_and_verify(copy: Path
         (lambda m: m["shards"].__setitem__(1, None), r"shard 1 is not a JSON object"),
         (lambda m: m.__setitem__("build", "\u00e9\ud800"), r"'build' is missing or not a hex"),
         (None, r"not valid JSON"),
+        (lambda m: m["options"].__setitem__("max_pixels", 0), r"'options.max_pixels' is not a p"),
+        (lambda m: m["options"].__setitem__("max_pixels", True), r"'options.max_pixels' is not"),
     ],
-    ids=["shards-ints", "shard-null", "build-not-hex", "deep"],
+    ids=["shards-ints", "shard-null", "build-not-hex", "deep", "no-pixels", "pixels-bool"],
 )
 def test_a_manifest_of_the_wrong_shape_is_one_line(copy: Path, edit, match):
     manifest = json.loads((copy / fmt.MANIFEST).read_text())
@@ -585,6 +587,75 @@ def test_verify_refuses_unread_what_a_reader_refuses_over_the_pixel_limit(copy: 
         assert f"key {k}: " in problem and f"is over the store's limit of {limit}" in problem
         with pytest.raises(fmt.RecordError, match=f"over the store's limit of {limit}"):
             Store(copy).image(k)
+
+
+def _allow_pixels(store: Path, limit: int) -> None:
+    manifest = json.loads((store / fmt.MANIFEST).read_text())
+    manifest["options"]["max_pixels"] = limit
+    (store / fmt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_store_cannot_raise_the_readers_pixel_limit(copy: Path):
+    """A store from elsewhere that allows a trillion pixels and holds a 30000x30000 image
+    is refused at open, by every reader, with what to pass to trust it; it is not left
+    to cost minutes at one sample."""
+    _allow_pixels(copy, 10**12)
+    row = fmt.load_index(copy)[5]
+    size = f"{row['width']}x{row['height']} pixels"
+    _rewrite_index(copy, lambda ix: ix[["height", "width"]].__setitem__(5, (30000, 30000)))
+    message = (
+        f"{copy}/index.npy: sample 5 is 30000x30000 (900000000 pixels), over this reader's "
+        "limit of 178956970 (the store allows 1000000000000); if you trust the store, pass "
+        "max_pixels=900000000 (loader.DataLoader, LMDBDataset, ingest verify --max-pixels)"
+    )
+    for open_it in (Store, LMDBDataset, lambda p: loader.DataLoader(p, transform="eval")):
+        with pytest.raises(fmt.StoreError, match=rf"^{re.escape(message)}$"):
+            open_it(copy)
+    assert verify_store(copy) == [message.removeprefix(f"{copy}/")]
+    run = run_ingest("verify", str(copy))
+    assert run.returncode == 1
+    assert run.stderr.splitlines()[0] == f"ingest verify: {message}"
+    # Trusted: the limit is the reader's, and the image, whose JPEG is not 30000x30000,
+    # is one bad sample.
+    store = Store(copy, max_pixels=900_000_000)
+    assert store.max_pixels == 900_000_000
+    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu", seed=0,
+                           max_pixels=900_000_000)  # fmt: skip
+    assert sum(len(labels) for _, labels in dl) == 12
+    assert list(dl.bad_samples) == [5] and dl.num_replaced == 1
+    assert dl.bad_samples[5].startswith("class_01/img_00001.JPEG: damaged record: ")
+    assert dl.bad_samples[5].endswith(
+        f"key 5: the JPEG header gives {size}, the index 30000x30000; check the store with "
+        f"`ingest verify {copy}` and rebuild it"
+    )
+
+
+def test_a_reader_may_lower_the_pixel_limit(copy: Path):
+    index = fmt.load_index(copy)
+    pixels = index["height"].astype(int) * index["width"].astype(int)
+    big = int(np.argmax(pixels))
+    largest = int(pixels[big])
+    size = f"{index[big]['width']}x{index[big]['height']}"
+    message = (
+        f"{copy}/index.npy: sample {big} is {size} ({largest} pixels), over this reader's limit of "
+        f"{largest - 1} (the store allows 178956970); if you trust the store, pass "
+        f"max_pixels={largest} (loader.DataLoader, LMDBDataset, ingest verify --max-pixels)"
+    )
+    with pytest.raises(fmt.StoreError, match=rf"^{re.escape(message)}$"):
+        LMDBDataset(copy, max_pixels=largest - 1)
+    assert verify_store(copy, max_pixels=largest - 1) == [message.removeprefix(f"{copy}/")]
+    assert run_ingest("verify", str(copy), "--max-pixels", str(largest - 1)).returncode == 1
+    assert Store(copy).max_pixels == 178956970  # the store's own, the lower
+    assert Store(copy, max_pixels=largest).max_pixels == largest
+    assert verify_store(copy, max_pixels=largest) == []
+    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu", seed=0,
+                           max_pixels=largest)  # fmt: skip
+    assert sum(len(labels) for _, labels in dl) == 12 and not dl.bad_samples
+    for bad in (0, -1, True, 1.5, "big"):
+        with pytest.raises(ValueError, match=re.escape(f"max_pixels={bad!r}: give a positive")):
+            Store(copy, max_pixels=bad)
+    with pytest.raises(ValueError, match=r"^max_pixels= cannot be given with an LMDBDataset"):
+        loader.DataLoader(LMDBDataset(copy), transform="eval", max_pixels=largest)
 
 
 def test_verify_reports_an_empty_png_payload(copy: Path):
