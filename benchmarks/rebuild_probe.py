@@ -6,7 +6,10 @@ mid-epoch, built again from its state and read to the end of that epoch and one 
 process holds), torch's allocated and reserved device memory, torch's pinned host memory
 (its caching host allocator), the PSS of the process, and the loader objects still alive;
 then the same after ``gc.collect()``, and with ``--release-each`` after DALI's
-``ReleaseUnusedMemory`` and torch's ``empty_cache`` (what pools hold, not what is leaked).
+``ReleaseUnusedMemory`` and torch's ``empty_cache`` (what pools hold, not what is leaked);
+at the end, closed, the same before and after glibc's ``malloc_trim`` (host memory freed
+but kept by malloc's arenas, not leaked). Host memory is split as ``soak.pss_parts`` and
+``soak.heap`` split it (this process's anonymous PSS, malloc's bytes in use and free).
 Without it the rows add up over the rebuilds, as in a training run; with it each shows
 one rebuild's cost (``gpu-h200-rebuild-probe.json`` was taken with it).
 
@@ -17,6 +20,8 @@ Usage (the GPU machine: ``benchmarks/gpu_run.sh rebuild``):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -26,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import device_mib, pss_mib
+from soak import device_mib, heap, pss_parts
 
 import loader
 import loader.gpu_stage
@@ -46,7 +51,7 @@ def live() -> dict[str, int]:
 
 
 def measure(device: torch.device) -> dict:
-    out = {"pss_mib": round(pss_mib(), 1)}
+    out = pss_parts() | heap()
     if device.type != "cuda":
         return out
     out |= {
@@ -66,6 +71,8 @@ def measure(device: torch.device) -> dict:
 
 def streams_of(dl) -> str:
     stage = dl._gpu_stage
+    if stage is None:  # decoder="cpu"
+        return "no streams"
     return f"streams {id(stage.stream):x} {id(stage.decode_stream):x}"
 
 
@@ -131,8 +138,17 @@ def probe(a: argparse.Namespace, decoder: str, device: torch.device) -> list[dic
     gc.collect()
     release_pools(device)
     rows.append({"decoder": decoder, "closed": measure(device), "live": live()})
+    trim()
+    rows[-1]["after_trim"] = measure(device)
     print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def trim() -> None:
+    """glibc's ``malloc_trim(0)``: the free memory of its arenas back to the system (what
+    stays was in use, or kept by another allocator)."""
+    with contextlib.suppress(AttributeError, OSError):  # not glibc
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def main(argv: list[str] | None = None) -> int:

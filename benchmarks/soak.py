@@ -25,11 +25,14 @@ filling is growth too).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +81,11 @@ def pss_parts() -> dict[str, float]:
     """PSS of this process and its descendants (MiB; those gone meanwhile count 0): in all,
     its anonymous part (the heaps, pools, arrays: where a leak shows), and its part
     mapped from files and shared memory (the store's and the shm cache's pages, which
-    grow as the processes touch more of them, up to their size)."""
+    grow as the processes touch more of them, up to their size); and this process's
+    anonymous memory alone (``anon_main_mib``, resident, whether or not forked workers
+    share its pages: a new loader's workers replace theirs, never this)."""
     total = dict.fromkeys(PSS_PARTS.values(), 0.0)
+    main = 0.0
     for pid in (os.getpid(), *descendants()):
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -87,9 +93,57 @@ def pss_parts() -> dict[str, float]:
                     key, *rest = line.split()
                     if key in PSS_PARTS:
                         total[PSS_PARTS[key]] += int(rest[0]) / 1024
+                    elif key == "Anonymous:" and pid == os.getpid():
+                        main = int(rest[0]) / 1024
         except OSError:
             continue
-    return {k: round(v, 1) for k, v in total.items()}
+    return {k: round(v, 1) for k, v in total.items()} | {"anon_main_mib": round(main, 1)}
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]  # fmt: skip
+
+
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):  # not glibc, or glibc before 2.33
+        return None
+    fn.restype = _Mallinfo2
+    return fn
+
+
+MALLINFO2 = _mallinfo2()
+
+
+def heap() -> dict[str, float | int | None]:
+    """This process's heaps, to tell where its anonymous memory goes: glibc malloc's bytes
+    in use and free in its arenas, and in chunks of their own mapping (MiB; None without
+    glibc 2.33), Python's allocated blocks (a leak of Python objects grows them), and
+    the pinned host memory torch's caching allocator holds (MiB; None on the CPU)."""
+    out: dict[str, float | int | None] = dict.fromkeys(
+        ("malloc_used_mib", "malloc_free_mib", "malloc_mmap_mib")
+    )
+    if MALLINFO2 is not None:
+        m = MALLINFO2()
+        out = {"malloc_used_mib": round(m.uordblks / (1 << 20), 1),
+               "malloc_free_mib": round(m.fordblks / (1 << 20), 1),
+               "malloc_mmap_mib": round(m.hblkhd / (1 << 20), 1)}  # fmt: skip
+    out["py_blocks"] = sys.getallocatedblocks()
+    pinned = None
+    if torch.cuda.is_initialized() and hasattr(torch.cuda, "host_memory_stats"):
+        stats = torch.cuda.host_memory_stats()
+        held = stats.get("allocated_bytes.current", stats.get("reserved_bytes.current"))
+        pinned = None if held is None else round(held / (1 << 20), 1)
+    out["pinned_mib"] = pinned
+    return out
+
+
+def census() -> Counter:
+    """How many objects of each type the collector tracks (by type name)."""
+    return Counter(type(o).__name__ for o in gc.get_objects())
 
 
 def pss_mib() -> float:
@@ -150,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         err.close()  # a traceback reaches the terminal
     result = summary(report, resumes, seconds) | {"stderr": err.lines}
+    result["objects_grown"] = report.get("objects_grown")
     write(a.out, report, result)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
@@ -234,6 +289,7 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
                 "nonfinite": int(nonfinite),
                 "preempted": bool(preempt),
                 **pss_parts(),
+                **heap(),
                 **held(),
                 "device_mib": device_mib(device),
                 "torch_reserved_mib": torch_reserved_mib(device),
@@ -246,10 +302,16 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
                 "picker_in_flight": None if picker is None else len(picker._in_flight),
             }
         )
+        if epoch == WARM_EPOCHS:
+            first = census()
         epoch += 1
         if time.perf_counter() - written > WRITE_EVERY_S:  # the whole report: not each epoch
             write(a.out, report, summary(report, resumes, time.perf_counter() - t0))
             written = time.perf_counter()
+    if epoch > WARM_EPOCHS:  # the types of objects that grew in number since the warm epochs
+        grown = census()
+        grown.subtract(first)
+        report["objects_grown"] = dict(grown.most_common(12))
     dl.close()
     return report, resumes, time.perf_counter() - t0
 
@@ -284,6 +346,10 @@ def summary(report: dict, resumes: int, seconds: float) -> dict:
         "torch_reserved_growth_mib": growth("torch_reserved_mib"),
         "fds_growth": growth("fds"),
         "threads_growth": growth("threads"),
+        "anon_main_growth_mib": growth("anon_main_mib"),
+        "malloc_used_growth_mib": growth("malloc_used_mib"),
+        "py_blocks_growth": growth("py_blocks"),
+        "pinned_growth_mib": growth("pinned_mib"),
         "ways": sorted({e["way"] for e in epochs if e["way"]}),
         "way_trials": last.get("way_trials"),
         "ok": bool(epochs) and not bad and stderr == 0,
