@@ -55,6 +55,7 @@ from loader.augment_gpu import Rows, cut, upload
 from loader.decode_dali import _LIBRARY_LINES, HW_DECODER_LOAD, copy_into, jpeg_batch
 from loader.decode_nvjpeg import raise_if_not_the_data
 from loader.gpu_stage import WITH_SHARE, GpuStage, Started, _event, read_slot
+from loader.hostmem import trim_heap
 
 MAX_THREADS = 8  # DALI's CPU threads (parsing; Huffman decode of what the engines skip)
 # The pipelines, by the share of the JPEGs DALI's mixed decoder gives the hardware engines
@@ -201,6 +202,7 @@ class DaliStage(GpuStage):
         super().release()
         if not self.abandoned:
             self._pipelines.clear()
+            trim_heap()  # what their threads freed, resident until given back
 
     def _kind(self, way: str) -> str:
         """The pipeline of a batch of ``way``; in a trial, every one is built first (so
@@ -236,6 +238,8 @@ class DaliStage(GpuStage):
         """The pipeline of ``kind``, built where there is none."""
         own = self._pipelines.get(kind)
         if own is None:
+            if not self._pipelines:  # a new stage, or one released: earlier pipelines' frees
+                trim_heap()  # go back to the system first (a loader let go of is freed)
             with filtered(_LIBRARY_LINES):  # optional codecs it did not find, among others
                 own = self._pipelines[kind] = _Pipeline(self._build(kind))
         return own
