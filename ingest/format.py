@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
 import stat
 from pathlib import Path
@@ -72,6 +73,10 @@ DEFAULT_MAX_PIXELS = 2 * 89_478_485
 
 class StoreError(ValueError):
     """A path that is not a complete, readable store of this format."""
+
+
+class PixelLimitError(StoreError):
+    """A store holding an image over the reader's pixel limit (``pixel_limit``)."""
 
 
 class RecordError(ValueError):
@@ -337,32 +342,36 @@ def index_problem(index: np.ndarray, manifest: dict) -> str | None:
 
 def pixel_limit(root, manifest: dict, index: np.ndarray, max_pixels: int | None = None) -> int:
     """The most pixels a reader decodes for one image of this store: the store's own limit
-    (``options.max_pixels``, set at build time), but never more than the reader's
-    ``max_pixels`` (default ``DEFAULT_MAX_PIXELS``), so that a store from elsewhere cannot
-    raise it to make one sample cost minutes and gigabytes.
+    (``options.max_pixels``, set at build time; a version 1 store records none), but never
+    more than the reader's ``max_pixels`` (default ``DEFAULT_MAX_PIXELS``), so that a
+    store from elsewhere cannot raise it to make one sample cost minutes and gigabytes.
 
     Raises:
-        ValueError: ``max_pixels`` is not a positive int.
-        StoreError: the store allows, and its index holds, an image over the reader's limit
-            (said at open, not as samples lost one by one; a store you built with a higher
-            ``--max-pixels`` needs the same ``max_pixels`` when read).
+        ValueError: ``max_pixels`` is not a positive integer.
+        PixelLimitError: the store allows, and its index holds, an image over the reader's
+            limit (said at open, not as samples lost one by one; a store you built with a
+            higher ``--max-pixels`` needs a ``max_pixels`` as high when read).
     """
     reader = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
-    if isinstance(reader, bool) or not isinstance(reader, int) or reader <= 0:
+    if isinstance(reader, bool) or not isinstance(reader, numbers.Integral) or reader <= 0:
         raise ValueError(f"max_pixels={max_pixels!r}: give a positive number of pixels")
-    own = int(manifest["options"].get("max_pixels", DEFAULT_MAX_PIXELS))
-    if own <= reader:
+    reader = int(reader)
+    own = manifest["options"].get("max_pixels")
+    if own is not None and own <= reader:
         return own
-    areas = index["height"].astype(np.int64) * index["width"]
+    # Rows over the store's own limit are damaged: each is refused as it is read.
+    areas = index["height"].astype(np.uint64) * index["width"].astype(np.uint64)  # no wrap
+    if own is not None and own < 2**64:
+        areas = np.where(areas <= own, areas, 0)
     largest = int(areas.max(initial=0))
     if largest > reader:
         i = int(areas.argmax())
-        raise StoreError(
+        allows = "records no limit" if own is None else f"allows {own}"
+        raise PixelLimitError(
             f"{Path(root) / INDEX}: sample {i} is {_row_text(index[i], 'size')} ({largest} "
-            f"pixels), over "
-            f"this reader's limit of {reader} (the store allows {own}); if you trust the "
-            f"store, pass max_pixels={largest} (loader.DataLoader, LMDBDataset, "
-            "ingest verify --max-pixels)"
+            f"pixels), over the reader's limit of {reader} (the store {allows}); if you "
+            f"trust the store, raise the limit to {largest} (max_pixels={largest} in "
+            f"Python, ingest verify --max-pixels {largest})"
         )
     return reader
 

@@ -20,7 +20,16 @@ import simplejpeg
 from PIL import Image, ImageOps
 
 from ingest.format import DEFAULT_MAX_PIXELS
-from ingest.probe import JpegHeaderError, JpegInfo, parse_jpeg, scan_problem, sniff
+from ingest.probe import (
+    JpegHeaderError,
+    JpegInfo,
+    PngError,
+    parse_jpeg,
+    plain_png,
+    png_end,
+    sniff,
+    walk_scans,
+)
 
 cv2.setNumThreads(1)
 
@@ -65,13 +74,13 @@ def convert(data: bytes, opts: Options) -> Converted:
         except JpegHeaderError as e:
             raise Reject(f"corrupt JPEG header: {e}") from None
         _check_pixels(info.width, info.height, opts)
-        problem = scan_problem(data, info) if opts.verify else None
-        if problem:
+        problem, end = walk_scans(data, info)
+        if opts.verify and problem:
             raise Reject(f"corrupt JPEG data: {problem}")
         if opts.verify:
             check_jpeg(data)
         if info.plain and not _too_big(info.height, info.width, opts):
-            return _plain_jpeg(data, info, opts)
+            return _plain_jpeg(data, info, end)
     return _via_pil(data, kind, opts)
 
 
@@ -111,7 +120,14 @@ def check_jpeg(data: bytes) -> None:
         raise Reject(f"corrupt JPEG data: the decoder warns: {warning}{end}") from None
 
 
-def _plain_jpeg(data: bytes, info: JpegInfo, opts: Options) -> Converted:
+def _plain_jpeg(data: bytes, info: JpegInfo, end: int | None) -> Converted:
+    """The JPEG as it is, up to its end-of-image marker (``end``): what follows (a motion
+    photo's video, a second picture, padding) no decoder reads, and every epoch would
+    carry it."""
+    fixes = []
+    if end is not None and end < len(data):
+        fixes.append(f"trailing-bytes-dropped:{len(data) - end}")
+        data = data[:end]
     return Converted(
         data,
         "jpeg",
@@ -121,7 +137,23 @@ def _plain_jpeg(data: bytes, info: JpegInfo, opts: Options) -> Converted:
         info.components,
         info.progressive,
         info.subsampling,
+        fixes,
     )
+
+
+def _png_as_read(data: bytes, fixes: list[str]) -> bytes | None:
+    """The PNG to store as it is: up to its end chunk (what follows no decoder reads), and
+    only where the readers' check passes it (``ingest.probe.plain_png``: PIL reads some
+    PNGs it refuses, such as one with bytes after its end); None: convert it."""
+    end = png_end(data)
+    kept = data if end is None else data[:end]
+    try:
+        plain_png(kept)
+    except PngError:
+        return None
+    if len(kept) < len(data):
+        fixes.append(f"trailing-bytes-dropped:{len(data) - len(kept)}")
+    return kept
 
 
 def _has_eoi(data: bytes) -> bool:
@@ -171,8 +203,9 @@ def _via_pil(data: bytes, kind: str, opts: Options) -> Converted:
         and img.mode in ("L", "RGB")
         and _png_bit_depth(data) == 8
     )
-    if keep:
-        return Converted(data, "png", kind, *arr.shape[:2], _channels(arr))
+    stored = _png_as_read(data, fixes) if keep else None
+    if stored is not None:
+        return Converted(stored, "png", kind, *arr.shape[:2], _channels(arr), fixes=fixes)
     if _too_big(*arr.shape[:2], opts):
         arr = _resize(arr, opts.max_size)
         fixes.append(f"resized-from:{img.width}x{img.height}")

@@ -170,32 +170,33 @@ _MARKER = re.compile(rb"\xff(?![\x00\xd0-\xd7\xff])")
 _BETWEEN_SCANS = {0xC4, 0xCC, 0xDA, 0xDB, 0xDC, 0xDD, 0xFE, *range(0xE0, 0xF0)}
 
 
-def scan_problem(data: bytes, info: JpegInfo) -> str | None:
-    """Check the marker structure of the image data, from the first scan to end-of-image.
+def walk_scans(data: bytes, info: JpegInfo) -> tuple[str | None, int | None]:
+    """The image data's marker structure, walked once from the first scan to its end: (what
+    is wrong with it, or None, also when the data ends early: decoding tells truncation;
+    where the image ends, or None where its scans reach no end-of-image marker).
 
     libjpeg (so OpenCV and PIL) only warns about a bad marker in the image data, fills the
     rest with gray and returns an image: random or overwritten data would pass decoding.
-
-    Returns:
-        What is wrong, or None (also when the data ends early: decoding tells truncation).
-    """
+    The end is the offset just past the end-of-image marker that closes the scans: what
+    follows is no decoder's (a phone's motion-photo video, a second picture, padding);
+    one inside a marker segment (an EXIF thumbnail's) is not the image's."""
     pos, n = info.scan, len(data)
     while pos >= 0:
         if pos + 4 > n:
-            return None
+            return None, None
         end = pos + 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
         if end > n:
-            return f"marker segment at byte {pos} runs past the end of the file"
+            return f"marker segment at byte {pos} runs past the end of the file", None
         m = _MARKER.search(data, end)
         pos = m.start() if m else n
         if pos + 1 >= n:
-            return None
+            return None, None
         marker = data[pos + 1]
         if marker == 0xD9:  # end of image
-            return None
+            return None, pos + 2
         if marker not in _BETWEEN_SCANS:
-            return f"unexpected marker 0xFF{marker:02X} in the image data at byte {pos}"
-    return None
+            return f"unexpected marker 0xFF{marker:02X} in the image data at byte {pos}", None
+    return None, None
 
 
 def _subsampling(factors: list[tuple[int, int]]) -> str:
@@ -322,6 +323,19 @@ def plain_png(data: bytes) -> bytes:
         for kind, body in chunks
         if kind in _KEPT
     )
+
+
+def png_end(data: bytes) -> int | None:
+    """Where a PNG ends: the offset just past its end chunk (IEND), found by the chunks'
+    lengths; None where the chunks reach none (checks nothing else: ``plain_png`` does)."""
+    pos = len(_PNG_SIGNATURE)
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack_from(">I", data, pos)
+        kind = data[pos + 4 : pos + 8]
+        pos += 12 + length
+        if kind == b"IEND":
+            return pos if pos <= len(data) else None
+    return None
 
 
 def _palette_ok(palette: bytes, depth: int) -> bool:

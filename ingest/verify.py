@@ -44,21 +44,22 @@ def verify_store(
     the key where one record is at fault.
     ``progress`` shows a progress bar, as ``ingest build`` does (default: when stderr is
     a terminal). Images are decoded within the pixel limit a reader applies
-    (``ingest.format.pixel_limit``, ``max_pixels`` as the reader's): a store that holds a
-    larger one is one problem, saying what to pass, and its records are not read.
+    (``ingest.format.pixel_limit``, ``max_pixels`` as the reader's).
 
     Raises:
         ingest.format.StoreError: ``root`` is not a complete store (no valid manifest).
-        ValueError: ``max_pixels`` is not a positive int.
+        ingest.format.PixelLimitError: the store holds an image over ``max_pixels``, as a
+            reader refuses it (not a damaged store: the message says what to pass).
+        ValueError: ``max_pixels`` is not a positive integer.
     """
     root = Path(root)
     manifest = fmt.read_manifest(root)
     problems = [p for what in ("paths", "rejects") if (p := _file_problem(root, manifest, what))]
-    try:  # the index file, its rows against the manifest, its SHA-256; the pixel limit
+    try:  # the index file, its rows against the manifest, its SHA-256
         index = fmt.load_index(root, mmap=False, manifest=manifest)
-        limit = fmt.pixel_limit(root, manifest, index, max_pixels)
     except fmt.StoreError as e:  # without a sound index the records cannot be checked
         return [_relative(root, e), *problems]
+    limit = fmt.pixel_limit(root, manifest, index, max_pixels)  # the readers' refusal
     bar = tqdm(
         total=len(index), unit="img", desc="verify", smoothing=0.05,
         disable=None if progress is None else not progress,
@@ -236,7 +237,7 @@ def _check_record(
         return "key outside the index"
     row = index[i]
     if int(row["height"]) * int(row["width"]) > max_pixels:  # as a reader refuses it: unread
-        return (f"{row['width']}x{row['height']} pixels is over the store's limit of "
+        return (f"{row['width']}x{row['height']} pixels is over the pixel limit of "
                 f"{max_pixels} (a decompression bomb?)")  # fmt: skip
     if len(value) != row["nbytes"] or crc != row["crc32"]:
         return "record bytes differ from those recorded at build time (CRC-32 mismatch)"

@@ -164,7 +164,7 @@ class Store:
         row = self.index[i]
         if int(row["height"]) * int(row["width"]) > self.max_pixels:
             raise fmt.RecordError(
-                f"{self._where(i)}: {row['width']}x{row['height']} pixels is over the store's "
+                f"{self._where(i)}: {row['width']}x{row['height']} pixels is over the pixel "
                 f"limit of {self.max_pixels} (a decompression bomb?); rebuild the store"
             )
         if len(value) != row["nbytes"] or zlib.crc32(value) != row["crc32"]:

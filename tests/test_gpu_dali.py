@@ -511,6 +511,7 @@ def test_close_lets_go_of_the_pipelines_and_a_loader_let_go_is_freed_at_once(sto
         assert all_freed(refs)
 
 
+@needs_dali
 def test_the_stage_trims_the_heap_when_its_pipelines_go_and_before_the_first(store, monkeypatch):
     """What a DALI pipeline's threads freed stays resident (20 loaders built one after
     another on the H200: 407 MiB, free in malloc's arenas): the stage gives it back when

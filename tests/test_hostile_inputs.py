@@ -394,7 +394,7 @@ def test_a_record_over_the_pixel_limit_is_refused_before_decoding(copy: Path):
     manifest["options"]["max_pixels"] = int(pixels[big]) - 1
     (copy / fmt.MANIFEST).write_text(json.dumps(manifest))  # as if built with a lower limit
     message = (
-        f"{index[big]['width']}x{index[big]['height']} pixels is over the store's limit of "
+        f"{index[big]['width']}x{index[big]['height']} pixels is over the pixel limit of "
         f"{pixels[big] - 1} (a decompression bomb?); rebuild the store"
     )
     with pytest.raises(fmt.RecordError, match=re.escape(message)):
@@ -403,6 +403,107 @@ def test_a_record_over_the_pixel_limit_is_refused_before_decoding(copy: Path):
     assert sum(len(labels) for _, labels in dl) == 12
     assert list(dl.bad_samples) == [big] and dl.num_replaced == 1
     assert dl.bad_samples[big].endswith(message)
+
+
+# -- bytes no decoder reads are not stored; a PNG is stored only as readers read it --------
+
+
+def _only_png(tmp_path: Path, name: str, data: bytes) -> tuple[Path, Path]:
+    """A tree of one class holding one photo-derived PNG, replaced by ``data``."""
+    src = tree(tmp_path / "src", 1, 1)
+    jpeg = next((src / "class_00").iterdir())
+    pixels = cv2.imdecode(np.frombuffer(jpeg.read_bytes(), np.uint8), cv2.IMREAD_COLOR)
+    jpeg.unlink()
+    (src / "class_00" / name).write_bytes(data(pixels))
+    return src, tmp_path / "out"
+
+
+def _png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    chunks, pos = [], 8
+    while pos < len(data):
+        (length,) = struct.unpack_from(">I", data, pos)
+        chunks.append((data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]))
+        pos += 12 + length
+    return chunks
+
+
+def _png_of_chunks(chunks) -> bytes:
+    return b"\x89PNG\r\n\x1a\n" + b"".join(
+        struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        for kind, body in chunks
+    )
+
+
+def test_bytes_after_a_jpegs_end_are_dropped_and_its_pixels_kept(tmp_path: Path):
+    """A motion photo's video, a second picture, padding: after the end-of-image marker
+    no decoder reads them, and every epoch would carry them. An end-of-image marker inside
+    a marker segment (as in an EXIF thumbnail) is not the image's end."""
+    src = tree(tmp_path / "src", 1, 2)
+    path = sorted((src / "class_00").iterdir())[0]
+    jpeg = path.read_bytes()
+    marked = jpeg[:2] + b"\xff\xfe\x00\x06\xff\xd9\x00\x00" + jpeg[2:]  # a comment: FFD9
+    trailer = b"\x00\x00\x00\x18ftypmp42" + bytes(1 << 20)
+    path.write_bytes(marked + trailer)
+    for workers in (1, 2):
+        manifest = build(src, tmp_path / f"out{workers}", workers=workers, progress=False)
+        assert counts(manifest) == (2, 2, 0, 0)
+    assert_same_store(tmp_path / "out1", tmp_path / "out2")
+    out = tmp_path / "out1"
+    record = Store(out).record(0)
+    assert record["path"] == f"class_00/{path.name}"
+    assert record["image"] == marked
+    assert record["fixes"] == [f"trailing-bytes-dropped:{len(trailer)}"]
+    assert Store(out).record(1)["fixes"] == []  # the other photo, byte for byte
+    assert manifest["stats"]["fix trailing-bytes-dropped"] == 1
+    assert verify_store(out) == []
+    expected = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+    stored = cv2.imdecode(np.frombuffer(record["image"], np.uint8), cv2.IMREAD_COLOR)
+    np.testing.assert_array_equal(stored, expected)
+
+
+def test_a_png_with_bytes_after_its_end_is_stored_without_them_and_reads_clean(tmp_path):
+    """PIL reads a PNG with bytes after its end chunk; the readers' check refuses it. The
+    build kept it whole, so a fresh store failed `ingest verify` and its sample was
+    replaced in training. It is now stored up to its end chunk."""
+    png = {}
+
+    def padded(pixels):
+        png["bytes"] = cv2.imencode(".png", pixels)[1].tobytes()
+        return png["bytes"] + b"\0\0\0\0"
+
+    src, out = _only_png(tmp_path, "pad.png", padded)
+    assert counts(build(src, out, workers=1, progress=False)) == (1, 1, 0, 0)
+    record = Store(out).record(0)
+    assert record["image"] == png["bytes"] and record["format"] == "png"
+    assert record["fixes"] == ["trailing-bytes-dropped:4"]
+    assert verify_store(out) == []
+    dl = loader.DataLoader(out, batch_size=1, transform="eval", device="cpu", seed=0)
+    assert sum(len(labels) for _, labels in dl) == 1 and not dl.bad_samples
+
+
+def test_a_png_pil_reads_and_the_readers_refuse_is_converted_losslessly(tmp_path: Path):
+    """Bytes after the image data's zlib stream inside IDAT: PIL decodes the image, the
+    readers' check (``plain_png``) refuses it. Stored as a PNG encoded again, the same
+    pixels, so that no reader meets it as a bad sample."""
+    pixels_of = {}
+
+    def junk_in_idat(pixels):
+        pixels_of["rgb"] = pixels
+        chunks = _png_chunks(cv2.imencode(".png", pixels)[1].tobytes())
+        return _png_of_chunks(
+            [(kind, body + b"junk" if kind == b"IDAT" else body) for kind, body in chunks]
+        )
+
+    src, out = _only_png(tmp_path, "junk.png", junk_in_idat)
+    with pytest.raises(PngError, match=r"is not the \d+ bytes the header needs"):
+        plain_png(next((src / "class_00").iterdir()).read_bytes())
+    assert counts(build(src, out, workers=1, progress=False)) == (1, 1, 0, 0)
+    record = Store(out).record(0)
+    assert record["fixes"] == ["reencoded-png"] and record["format"] == "png"
+    assert plain_png(record["image"])  # passes the readers' check
+    stored = cv2.imdecode(np.frombuffer(record["image"], np.uint8), cv2.IMREAD_COLOR)
+    np.testing.assert_array_equal(stored, pixels_of["rgb"])
+    assert verify_store(out) == []
 
 
 # -- a store read from disk is untrusted input ---------------------------------------------
@@ -584,8 +685,8 @@ def test_verify_refuses_unread_what_a_reader_refuses_over_the_pixel_limit(copy: 
     problems = verify_store(copy)
     assert len(problems) == len(over)
     for k, problem in zip(over, problems, strict=True):
-        assert f"key {k}: " in problem and f"is over the store's limit of {limit}" in problem
-        with pytest.raises(fmt.RecordError, match=f"over the store's limit of {limit}"):
+        assert f"key {k}: " in problem and f"is over the pixel limit of {limit}" in problem
+        with pytest.raises(fmt.RecordError, match=f"over the pixel limit of {limit}"):
             Store(copy).image(k)
 
 
@@ -593,6 +694,26 @@ def _allow_pixels(store: Path, limit: int) -> None:
     manifest = json.loads((store / fmt.MANIFEST).read_text())
     manifest["options"]["max_pixels"] = limit
     (store / fmt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _limit_message(store: Path, i: int, size: str, pixels: int, reader: int, allows) -> str:
+    allows = "records no limit" if allows is None else f"allows {allows}"
+    return (
+        f"{store}/index.npy: sample {i} is {size} ({pixels} pixels), over the reader's limit "
+        f"of {reader} (the store {allows}); if you trust the store, raise the limit to "
+        f"{pixels} (max_pixels={pixels} in Python, ingest verify --max-pixels {pixels})"
+    )
+
+
+def _refused_by_every_reader(store: Path, message: str, **limit) -> None:
+    opens = (Store, LMDBDataset, verify_store,
+             lambda p, **kw: loader.DataLoader(p, transform="eval", **kw))  # fmt: skip
+    for open_it in opens:
+        with pytest.raises(fmt.PixelLimitError, match=rf"^{re.escape(message)}$"):
+            open_it(store, **limit)
+    flag = [f"--max-pixels={limit['max_pixels']}"] if limit else []
+    run = run_ingest("verify", str(store), *flag)
+    assert (run.returncode, run.stderr) == (2, f"ingest verify: error: {message}\n")
 
 
 def test_a_store_cannot_raise_the_readers_pixel_limit(copy: Path):
@@ -603,18 +724,8 @@ def test_a_store_cannot_raise_the_readers_pixel_limit(copy: Path):
     row = fmt.load_index(copy)[5]
     size = f"{row['width']}x{row['height']} pixels"
     _rewrite_index(copy, lambda ix: ix[["height", "width"]].__setitem__(5, (30000, 30000)))
-    message = (
-        f"{copy}/index.npy: sample 5 is 30000x30000 (900000000 pixels), over this reader's "
-        "limit of 178956970 (the store allows 1000000000000); if you trust the store, pass "
-        "max_pixels=900000000 (loader.DataLoader, LMDBDataset, ingest verify --max-pixels)"
-    )
-    for open_it in (Store, LMDBDataset, lambda p: loader.DataLoader(p, transform="eval")):
-        with pytest.raises(fmt.StoreError, match=rf"^{re.escape(message)}$"):
-            open_it(copy)
-    assert verify_store(copy) == [message.removeprefix(f"{copy}/")]
-    run = run_ingest("verify", str(copy))
-    assert run.returncode == 1
-    assert run.stderr.splitlines()[0] == f"ingest verify: {message}"
+    message = _limit_message(copy, 5, "30000x30000", 900_000_000, 178_956_970, 10**12)
+    _refused_by_every_reader(copy, message)
     # Trusted: the limit is the reader's, and the image, whose JPEG is not 30000x30000,
     # is one bad sample.
     store = Store(copy, max_pixels=900_000_000)
@@ -630,23 +741,50 @@ def test_a_store_cannot_raise_the_readers_pixel_limit(copy: Path):
     )
 
 
+def test_the_pixel_limit_at_open_without_overflow_and_within_what_the_store_allows(copy):
+    """Heights and widths are 32-bit: their product is taken without wrapping (a row of
+    4e9 x 4e9 wrapped to a negative count in int64 and opened). A row over the store's own
+    limit is damaged, refused as it is read, and not what the open-time message asks to
+    allow (a value that would not have helped)."""
+    _allow_pixels(copy, 10**20)
+    _rewrite_index(copy, lambda ix: ix[["height", "width"]].__setitem__(5, (4 * 10**9,) * 2))
+    pixels = 16 * 10**18
+    _refused_by_every_reader(
+        copy, _limit_message(copy, 5, "4000000000x4000000000", pixels, 178_956_970, 10**20)
+    )
+    _allow_pixels(copy, 10**9)  # the row is now over what the store allows: damaged
+    assert Store(copy).max_pixels == 178_956_970
+    with pytest.raises(fmt.RecordError, match="4000000000x4000000000 pixels is over the pixel "
+                       "limit of 178956970"):  # fmt: skip
+        Store(copy).image(5)
+
+
+def test_a_version_1_store_records_no_limit_and_takes_the_readers(copy: Path):
+    """Before version 2 stores recorded no pixel limit: the reader's applies, raised or
+    not (a higher one was ignored, and a larger image lost sample by sample with the
+    advice to rebuild)."""
+    manifest = json.loads((copy / fmt.MANIFEST).read_text())
+    manifest["version"] = 1
+    del manifest["build"], manifest["options"]["max_pixels"]
+    (copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    _rewrite_index(copy, lambda ix: ix[["height", "width"]].__setitem__(5, (20000, 20000)))
+    message = _limit_message(copy, 5, "20000x20000", 400_000_000, 178_956_970, None)
+    _refused_by_every_reader(copy, message)
+    assert Store(copy, max_pixels=10**9).max_pixels == 10**9
+    with pytest.raises(fmt.RecordError, match=r"the JPEG header gives .*, the index 20000x20000"):
+        Store(copy, max_pixels=10**9).image(5)
+
+
 def test_a_reader_may_lower_the_pixel_limit(copy: Path):
     index = fmt.load_index(copy)
     pixels = index["height"].astype(int) * index["width"].astype(int)
     big = int(np.argmax(pixels))
     largest = int(pixels[big])
     size = f"{index[big]['width']}x{index[big]['height']}"
-    message = (
-        f"{copy}/index.npy: sample {big} is {size} ({largest} pixels), over this reader's limit of "
-        f"{largest - 1} (the store allows 178956970); if you trust the store, pass "
-        f"max_pixels={largest} (loader.DataLoader, LMDBDataset, ingest verify --max-pixels)"
-    )
-    with pytest.raises(fmt.StoreError, match=rf"^{re.escape(message)}$"):
-        LMDBDataset(copy, max_pixels=largest - 1)
-    assert verify_store(copy, max_pixels=largest - 1) == [message.removeprefix(f"{copy}/")]
-    assert run_ingest("verify", str(copy), "--max-pixels", str(largest - 1)).returncode == 1
+    message = _limit_message(copy, big, size, largest, largest - 1, 178_956_970)
+    _refused_by_every_reader(copy, message, max_pixels=largest - 1)
     assert Store(copy).max_pixels == 178956970  # the store's own, the lower
-    assert Store(copy, max_pixels=largest).max_pixels == largest
+    assert Store(copy, max_pixels=np.int64(largest)).max_pixels == largest
     assert verify_store(copy, max_pixels=largest) == []
     dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu", seed=0,
                            max_pixels=largest)  # fmt: skip
