@@ -176,7 +176,7 @@ def process_file(job: tuple, options: BuildOptions) -> Result:
     value = pack_record(record)
     flags = (
         fmt.FLAG_PROGRESSIVE * conv.progressive
-        | fmt.FLAG_REENCODED * (conv.payload is not data)
+        | fmt.FLAG_REENCODED * (not data.startswith(conv.payload))
         | fmt.FLAG_COMPRESSED * (record["compression"] is not None)
     )
     row = [label, len(value), conv.height, conv.width, zlib.crc32(value),

@@ -16,6 +16,11 @@ from ingest.safeio import FileRefused, kind_of, read_regular, sha256_file
 
 FORMAT_NAME = "imfeed-lmdb"
 FORMAT_VERSION = 2
+# Raised whenever ``ingest.normalize.convert`` would store other bytes for the same file
+# (2: images cut at their end, PNGs kept only as the readers' check passes them). It
+# enters each build's fingerprint, so that a build interrupted under one version starts
+# over under another rather than meet records its plans do not describe.
+CONVERTER_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # v1: no build identity, no file sizes (those checks are skipped)
 
 MANIFEST = "manifest.json"
@@ -58,7 +63,7 @@ SUBSAMPLING_CODES = {
 SUBSAMPLING_NAMES = {v: k for k, v in SUBSAMPLING_CODES.items()}
 
 FLAG_PROGRESSIVE = 1  # progressive JPEG (hardware JPEG decoders take baseline only)
-FLAG_REENCODED = 2  # the payload is not the source file's bytes
+FLAG_REENCODED = 2  # the payload is not the source file's bytes, nor their beginning
 FLAG_COMPRESSED = 4  # the payload is zstd-compressed inside the record
 
 # The one key of a shard that is not a record (records have 8-byte keys): the identity of

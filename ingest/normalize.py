@@ -11,6 +11,7 @@ as baseline JPEG at ``quality``; other sources as lossless PNG.
 from __future__ import annotations
 
 import io
+import struct
 import warnings
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from ingest.probe import (
     parse_jpeg,
     plain_png,
     png_end,
+    png_has_exif,
     sniff,
     walk_scans,
 )
@@ -80,9 +82,13 @@ def convert(data: bytes, opts: Options) -> Converted:
         if opts.verify and problem:  # cost the unverified build a sixth of its speed)
             raise Reject(f"corrupt JPEG data: {problem}")
         if opts.verify:
-            check_jpeg(data)
+            check_jpeg(data[:end])  # what is stored (all of it where ``end`` is None)
         if info.plain and not _too_big(info.height, info.width, opts):
             return _plain_jpeg(data, info, end)
+    if kind == "png":
+        kept = _plain_png(data, opts)
+        if kept is not None:
+            return kept
     return _via_pil(data, kind, opts)
 
 
@@ -143,19 +149,36 @@ def _plain_jpeg(data: bytes, info: JpegInfo, end: int | None) -> Converted:
     )
 
 
-def _png_as_read(data: bytes, fixes: list[str]) -> bytes | None:
-    """The PNG to store as it is: up to its end chunk (what follows no decoder reads), and
-    only where the readers' check passes it (``ingest.probe.plain_png``: PIL reads some
-    PNGs it refuses, such as one with bytes after its end); None: convert it."""
+def _plain_png(data: bytes, opts: Options) -> Converted | None:
+    """An 8-bit gray or RGB PNG as it is (``_png_kept``), read without PIL; None: for PIL
+    to read (other depths and colour types, EXIF data, over ``max_size``, and PNGs the
+    readers' check refuses, which PIL may read and the build then converts)."""
+    if len(data) < 33 or data[12:16] != b"IHDR":
+        return None  # PIL's to reject
+    width, height, depth, color = struct.unpack_from(">IIBB", data, 16)
+    _check_pixels(width, height, opts)  # before anything inflates the image data
+    if depth != 8 or color not in (0, 2) or _too_big(height, width, opts) or png_has_exif(data):
+        return None
+    kept = _png_kept(data)
+    if kept is None:
+        return None
+    return Converted(kept[0], "png", "png", height, width, 1 if color == 0 else 3, fixes=kept[1])
+
+
+def _png_kept(data: bytes) -> tuple[bytes, list[str]] | None:
+    """A PNG to store as it is, and its fixes: up to its end chunk (what follows no
+    decoder reads), where the readers' check passes it (``ingest.probe.plain_png``: every
+    chunk, and all the image data inflated and its rows' filters checked, as a decode
+    would; the readers decode exactly what it passes); None: convert it (PIL reads some
+    PNGs it refuses, such as one with bytes after the end of its image data)."""
     end = png_end(data)
     kept = data if end is None else data[:end]
     try:
         plain_png(kept)
     except PngError:
         return None
-    if len(kept) < len(data):
-        fixes.append(f"trailing-bytes-dropped:{len(data) - len(kept)}")
-    return kept
+    dropped = len(data) - len(kept)
+    return kept, [f"trailing-bytes-dropped:{dropped}"] if dropped else []
 
 
 def _has_eoi(data: bytes) -> bool:
@@ -205,9 +228,9 @@ def _via_pil(data: bytes, kind: str, opts: Options) -> Converted:
         and img.mode in ("L", "RGB")
         and _png_bit_depth(data) == 8
     )
-    stored = _png_as_read(data, fixes) if keep else None
-    if stored is not None:
-        return Converted(stored, "png", kind, *arr.shape[:2], _channels(arr), fixes=fixes)
+    kept = _png_kept(data) if keep else None  # with EXIF data that rotates nothing
+    if kept is not None:
+        return Converted(kept[0], "png", kind, *arr.shape[:2], _channels(arr), fixes=kept[1])
     if _too_big(*arr.shape[:2], opts):
         arr = _resize(arr, opts.max_size)
         fixes.append(f"resized-from:{img.width}x{img.height}")

@@ -328,14 +328,37 @@ def plain_png(data: bytes) -> bytes:
 def png_end(data: bytes) -> int | None:
     """Where a PNG ends: the offset just past its end chunk (IEND), found by the chunks'
     lengths; None where the chunks reach none (checks nothing else: ``plain_png`` does)."""
+    for kind, start, length in _png_walk(data):
+        if kind == b"IEND":
+            end = start + length + 4
+            return end if end <= len(data) else None
+    return None
+
+
+def png_has_exif(data: bytes) -> bool:
+    """Whether a PNG carries EXIF data where PIL finds it (an ``eXIf`` chunk, or a text
+    chunk "Raw profile type exif"): its orientation is then PIL's to apply."""
+    for kind, start, length in _png_walk(data):
+        if kind == b"eXIf":
+            return True
+        if kind in (b"tEXt", b"zTXt", b"iTXt"):
+            keyword = data[start : start + min(length, 80)].split(b"\0", 1)[0]
+            if keyword.lower() == b"raw profile type exif":
+                return True
+    return False
+
+
+def _png_walk(data: bytes) -> Iterator[tuple[bytes, int, int]]:
+    """A PNG's chunks by their lengths, as (type, offset of the body, length), up to and
+    with IEND; nothing checked."""
     pos = len(_PNG_SIGNATURE)
     while pos + 12 <= len(data):
         (length,) = struct.unpack_from(">I", data, pos)
         kind = data[pos + 4 : pos + 8]
-        pos += 12 + length
+        yield kind, pos + 8, length
         if kind == b"IEND":
-            return pos if pos <= len(data) else None
-    return None
+            return
+        pos += 12 + length
 
 
 def _palette_ok(palette: bytes, depth: int) -> bool:

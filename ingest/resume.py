@@ -55,8 +55,9 @@ def check_out_outside(src: Path, out: Path) -> None:
 
 
 def fingerprint(tree: Scan, options: dict, facts: Iterable[bytes] | None = None) -> dict:
-    """What decides a build's content (JSON-able): the format version, the options, the
-    classes and a digest of the inputs with their sizes and mtimes. ``identity`` of it is
+    """What decides a build's content (JSON-able): the format version, the converter's
+    version, the options, the classes and a digest of the inputs with their sizes and
+    mtimes. ``identity`` of it is
     the build's identity (the manifest's "build").
 
     Args:
@@ -70,8 +71,8 @@ def fingerprint(tree: Scan, options: dict, facts: Iterable[bytes] | None = None)
     for chunk in facts:
         h.update(chunk)
     digest = {
-        "version": fmt.FORMAT_VERSION, "options": options, "classes": tree.classes,
-        "files": len(tree.items), "inputs": h.hexdigest(),
+        "version": fmt.FORMAT_VERSION, "converter": fmt.CONVERTER_VERSION, "options": options,
+        "classes": tree.classes, "files": len(tree.items), "inputs": h.hexdigest(),
     }  # fmt: skip
     return json.loads(json.dumps(digest))  # as the state file gives it back (lists, not tuples)
 
@@ -103,6 +104,8 @@ def difference(old, new: dict) -> str:
     """What differs between two fingerprints, in the user's terms (options as flags)."""
     if not isinstance(old, dict) or old.keys() != new.keys():
         return "made by another version of ingest"
+    if old["converter"] != new["converter"]:
+        return "made by another version of ingest (its converter stores other bytes)"
     if old["version"] != new["version"]:
         return f"of store format v{old['version']} (this ingest writes v{new['version']})"
     options = [

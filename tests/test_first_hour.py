@@ -106,6 +106,25 @@ def test_a_discarded_build_says_what_differs(
     assert manifest["num_samples"] == (24 if change else 23)
 
 
+def test_a_build_interrupted_under_another_converter_starts_over(
+    tmp_path, clean_tree, clean_store, monkeypatch, caplog
+):
+    """Its plans hold the records the other converter made (a JPEG not cut at its end):
+    resumed, the second pass made other bytes and the build failed on every rerun with
+    "changed while the build ran"."""
+    out = tmp_path / "store"
+    with monkeypatch.context() as m:
+        m.setattr(fmt, "CONVERTER_VERSION", 1)
+        interrupted_build(clean_tree, out, CLEAN_OPTIONS, monkeypatch, after=15)
+    with caplog.at_level(logging.WARNING, logger="ingest.resume"):
+        build(clean_tree, out, CLEAN_OPTIONS, workers=1, progress=False)
+    assert caplog.messages == [
+        f"ingest: {out} holds an interrupted build made by another version of ingest (its "
+        "converter stores other bytes); starting over"
+    ]
+    assert_same_store(out, clean_store)
+
+
 def test_a_build_state_of_an_older_ingest_is_named_so(clean_tree):
     from ingest.resume import difference, fingerprint
     from ingest.scan import scan
@@ -113,6 +132,11 @@ def test_a_build_state_of_an_older_ingest_is_named_so(clean_tree):
     now = fingerprint(scan(clean_tree), CLEAN_OPTIONS.output_affecting())
     assert now == json.loads(json.dumps(now))  # compares equal to itself read back
     assert difference("3f5a" * 16, now) == "made by another version of ingest"
+    before = {k: v for k, v in now.items() if k != "converter"}  # before it entered
+    assert difference(before, now) == "made by another version of ingest"
+    assert difference({**now, "converter": 1}, now) == (
+        "made by another version of ingest (its converter stores other bytes)"
+    )
     assert difference({**now, "version": 0}, now) == (
         f"of store format v0 (this ingest writes v{fmt.FORMAT_VERSION})"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import io
 import json
 import math
 import os
@@ -32,6 +33,7 @@ import numpy as np
 import pytest
 import zstandard
 from fixtures import REPO, assert_same_store, run_ingest
+from PIL import Image
 
 import ingest.build as ingest_build
 import ingest.writer as ingest_writer
@@ -434,14 +436,31 @@ def _png_of_chunks(chunks) -> bytes:
     )
 
 
+def _progressive_with_a_comment_between_scans(jpeg: bytes, comment: bytes) -> bytes:
+    """``jpeg`` saved progressive by PIL, ``comment`` (a COM segment) put between its first
+    and second scans."""
+    rgb = cv2.cvtColor(cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR),
+                       cv2.COLOR_BGR2RGB)  # fmt: skip
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "JPEG", quality=90, progressive=True)
+    data = buf.getvalue()
+    first = parse_jpeg(data).scan
+    after_header = first + 2 + int.from_bytes(data[first + 2 : first + 4], "big")
+    second = re.compile(rb"\xff(?![\x00\xd0-\xd7\xff])").search(data, after_header).start()
+    assert data[second + 1] in (0xC4, 0xDA)  # the next scan's tables or header
+    segment = b"\xff\xfe" + (len(comment) + 2).to_bytes(2, "big") + comment
+    return data[:second] + segment + data[second:]
+
+
 def test_bytes_after_a_jpegs_end_are_dropped_and_its_pixels_kept(tmp_path: Path):
     """A motion photo's video, a second picture, padding: after the end-of-image marker
     no decoder reads them, and every epoch would carry them. An end-of-image marker inside
-    a marker segment (as in an EXIF thumbnail) is not the image's end."""
+    a marker segment (a comment between two scans, an EXIF thumbnail) is not the image's
+    end: cut there, a progressive JPEG lost its later scans."""
     src = tree(tmp_path / "src", 1, 2)
     path = sorted((src / "class_00").iterdir())[0]
-    jpeg = path.read_bytes()
-    marked = jpeg[:2] + b"\xff\xfe\x00\x06\xff\xd9\x00\x00" + jpeg[2:]  # a comment: FFD9
+    marked = _progressive_with_a_comment_between_scans(path.read_bytes(), b"\xff\xd9\0\0")
+    assert parse_jpeg(marked).progressive
     trailer = b"\x00\x00\x00\x18ftypmp42" + bytes(1 << 20)
     path.write_bytes(marked + trailer)
     for workers in (1, 2):
@@ -455,8 +474,9 @@ def test_bytes_after_a_jpegs_end_are_dropped_and_its_pixels_kept(tmp_path: Path)
     assert record["fixes"] == [f"trailing-bytes-dropped:{len(trailer)}"]
     assert Store(out).record(1)["fixes"] == []  # the other photo, byte for byte
     assert manifest["stats"]["fix trailing-bytes-dropped"] == 1
+    assert "re-encoded" not in manifest["stats"]  # cut, not re-encoded: read once
     assert verify_store(out) == []
-    expected = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+    expected = cv2.imdecode(np.frombuffer(marked, np.uint8), cv2.IMREAD_COLOR)
     stored = cv2.imdecode(np.frombuffer(record["image"], np.uint8), cv2.IMREAD_COLOR)
     np.testing.assert_array_equal(stored, expected)
 
@@ -500,6 +520,33 @@ def test_a_png_with_bytes_after_its_end_is_stored_without_them_and_reads_clean(t
     assert verify_store(out) == []
     dl = loader.DataLoader(out, batch_size=1, transform="eval", device="cpu", seed=0)
     assert sum(len(labels) for _, labels in dl) == 1 and not dl.bad_samples
+
+
+@pytest.mark.parametrize("orientation", [1, 6])
+def test_a_png_with_exif_is_read_by_pil_and_turned_as_it_says(tmp_path: Path, orientation):
+    """PNGs without EXIF data are kept without PIL reading them; one with an eXIf chunk is
+    PIL's to read: turned where its orientation says so, kept as it is where it says 1."""
+    exif = b"II*\0\x08\0\0\0\x01\0\x12\x01\x03\0\x01\0\0\0" + bytes([orientation, 0, 0, 0])
+    exif += b"\0\0\0\0"  # no next IFD
+    png = {}
+
+    def with_exif(pixels):
+        chunks = _png_chunks(cv2.imencode(".png", pixels)[1].tobytes())
+        png["bytes"] = _png_of_chunks([chunks[0], (b"eXIf", exif), *chunks[1:]])
+        png["shape"] = pixels.shape[:2]
+        return png["bytes"]
+
+    src, out = _only_png(tmp_path, "exif.png", with_exif)
+    assert counts(build(src, out, workers=1, progress=False)) == (1, 1, 0, 0)
+    record = Store(out).record(0)
+    height, width = png["shape"]
+    if orientation == 1:
+        assert record["image"] == png["bytes"] and record["fixes"] == []
+        assert (record["height"], record["width"]) == (height, width)
+    else:
+        assert record["fixes"] == ["exif-orientation:6", "reencoded-png"]
+        assert (record["height"], record["width"]) == (width, height)
+    assert verify_store(out) == []
 
 
 def test_a_png_pil_reads_and_the_readers_refuse_is_converted_losslessly(tmp_path: Path):
