@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 from ingest import format as fmt
-from ingest.codec import Compression, compress, pack_record
+from ingest.codec import Compression, compress, pack_record, record_limit
 from ingest.cores import usable_cores
 from ingest.cstderr import captured
 from ingest.normalize import DEFAULT_MAX_PIXELS, Options, Reject, convert
@@ -174,6 +174,10 @@ def process_file(job: tuple, options: BuildOptions) -> Result:
         "fixes": conv.fixes,
     }
     value = pack_record(record)
+    limit = record_limit(conv.height, conv.width)
+    if len(value) > limit:  # as every reader would refuse it, unread
+        why = f"{len(value)} bytes for {conv.width}x{conv.height} pixels (at most {limit})"
+        return ["reject", stored, f"too many bytes for its pixels: {why}"], b""
     flags = (
         fmt.FLAG_PROGRESSIVE * conv.progressive
         | fmt.FLAG_REENCODED * (not data.startswith(conv.payload))

@@ -125,3 +125,10 @@ def encoded_limit(height: int, width: int) -> int:
     """The most bytes an encoded image of ``height`` x ``width`` pixels may take: twice its
     pixels as RGBA, and 64 MiB for its metadata (no JPEG or PNG of it needs more)."""
     return 8 * height * width + (64 << 20)
+
+
+def record_limit(height: int, width: int) -> int:
+    """The most bytes a record of an image of ``height`` x ``width`` pixels may take: the
+    image's ``encoded_limit`` and 64 KiB for the other fields (its path among them). The
+    build refuses a file over it, and readers a record, before reading it."""
+    return encoded_limit(height, width) + (64 << 10)

@@ -14,7 +14,7 @@ import msgpack
 import numpy as np
 
 from ingest import format as fmt
-from ingest.codec import encoded_limit, image_bytes, unpack_record
+from ingest.codec import encoded_limit, image_bytes, record_limit, unpack_record
 from ingest.probe import image_size
 from ingest.safeio import FileRefused, read_regular
 
@@ -126,23 +126,31 @@ class Store:
         if build != self.manifest.get("build"):
             raise fmt.StoreError(_rebuilt(self.root / fmt.shard_name(shard)))
 
-    def raw(self, i: int) -> bytes:
-        """The stored value of sample ``i`` (a packed record), as bytes.
+    def raw(self, i: int, nbytes: int | None = None) -> bytes:
+        """The stored value of sample ``i`` (a packed record), as bytes; with ``nbytes``,
+        a value of another length is refused before it is copied (a forged store's value
+        of gigabytes behind a small index entry costs nothing).
 
         Raises:
             IndexError: ``i`` is outside the store.
             KeyError: the record is missing from its shard (a damaged store).
+            ingest.format.RecordError: the value is not ``nbytes`` long.
         """
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"sample index {i} is out of range for a store of {n} samples")
         i = int(i) % n
         shard = self.shard_of(i)
-        with self._env(shard).begin() as txn:
-            value = txn.get(fmt.encode_key(i))
-        if value is None:
-            raise KeyError(f"{self.root}/{fmt.shard_name(shard)}: key {i} is missing")
-        return value
+        with self._env(shard).begin(buffers=True) as txn:
+            view = txn.get(fmt.encode_key(i))  # the mapped pages, valid in the transaction
+            if view is None:
+                raise KeyError(f"{self.root}/{fmt.shard_name(shard)}: key {i} is missing")
+            if nbytes is not None and len(view) != nbytes:
+                raise fmt.RecordError(
+                    f"{self._where(i)}: the record is {len(view)} bytes, the index says "
+                    f"{nbytes}; check the store with `ingest verify {self.root}`"
+                )
+            return bytes(view)
 
     def record(self, i: int) -> dict:
         """The record of sample ``i``, checked: its size (pixels) within ``max_pixels``
@@ -159,15 +167,24 @@ class Store:
 
     def _checked(self, i: int) -> tuple[int, np.void, dict]:
         """``record``'s work: (``i`` within the store, its index row, its record)."""
-        value = self.raw(i)
-        i = int(i) % len(self)
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} is out of range for a store of {n} samples")
+        i = int(i) % n
         row = self.index[i]
-        if int(row["height"]) * int(row["width"]) > self.max_pixels:
+        height, width, nbytes = int(row["height"]), int(row["width"]), int(row["nbytes"])
+        if height * width > self.max_pixels:
             raise fmt.RecordError(
-                f"{self._where(i)}: {row['width']}x{row['height']} pixels is over the pixel "
+                f"{self._where(i)}: {width}x{height} pixels is over the pixel "
                 f"limit of {self.max_pixels} (a decompression bomb?); rebuild the store"
             )
-        if len(value) != row["nbytes"] or zlib.crc32(value) != row["crc32"]:
+        if nbytes > record_limit(height, width):
+            raise fmt.RecordError(
+                f"{self._where(i)}: a record of {nbytes} bytes is more than an image of "
+                f"{width}x{height} pixels needs; rebuild the store"
+            )
+        value = self.raw(i, nbytes)
+        if zlib.crc32(value) != row["crc32"]:
             raise fmt.RecordError(
                 f"{self._where(i)}: the record's bytes differ from the index (CRC-32 "
                 f"mismatch); check the store with `ingest verify {self.root}`"

@@ -40,7 +40,7 @@ import ingest.writer as ingest_writer
 import loader
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
-from ingest.codec import decompress, encoded_limit, pack_record, unpack_record
+from ingest.codec import decompress, encoded_limit, pack_record, record_limit, unpack_record
 from ingest.probe import PngError, image_size, parse_jpeg, plain_png
 from ingest.resume import OutputError
 from ingest.synth import make_image_folder
@@ -864,6 +864,60 @@ def test_a_reader_may_lower_the_pixel_limit(copy: Path):
         loader.DataLoader(LMDBDataset(copy), transform="eval", max_pixels=largest)
 
 
+def test_a_record_larger_than_its_image_can_need_is_refused_unread(copy: Path):
+    """A forger's record of 68 MB behind a 4 KB image (its index entry, CRC-32 and
+    checksums rewritten to match): refused from the index before it is read, a bad
+    sample, not 68 MB copied at every epoch."""
+    row = fmt.load_index(copy)[2]
+    height, width = int(row["height"]), int(row["width"])
+    padding = bytes(record_limit(height, width))
+    _rewrite_record(copy, 2, lambda record: record.update(pad=padding))
+    nbytes = int(fmt.load_index(copy)[2]["nbytes"])
+    assert nbytes > record_limit(height, width)
+    message = (
+        f"key 2: a record of {nbytes} bytes is more than an image of {width}x{height} pixels "
+        "needs; rebuild the store"
+    )
+    with pytest.raises(fmt.RecordError, match=re.escape(message)):
+        Store(copy).image(2)
+    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu", seed=0)
+    assert sum(len(labels) for _, labels in dl) == 12
+    assert list(dl.bad_samples) == [2] and dl.bad_samples[2].endswith(message)
+    assert verify_store(copy)[0] == (
+        f"shard-00000: key 2: a record of {nbytes} bytes is more than an image of "
+        f"{width}x{height} pixels needs"
+    )
+
+
+def test_a_value_longer_than_its_index_entry_is_refused_before_it_is_copied(copy: Path):
+    """The index (checksummed) says how long each record is; a shard value of another
+    length is refused from the mapped pages, before a copy of it is made."""
+    _put_value(copy, 2, lambda old: bytes(1 << 20))
+    nbytes = int(fmt.load_index(copy)[2]["nbytes"])
+    with pytest.raises(
+        fmt.RecordError,
+        match=re.escape(
+            f"key 2: the record is 1048576 bytes, the index says {nbytes}; check the store"
+        ),
+    ):
+        Store(copy).image(2)
+
+
+def test_a_file_larger_than_its_image_can_need_is_rejected(tmp_path: Path):
+    """68 MB of APP15 segments in a 48x72 JPEG (each a legal 64 KB): no reader would read
+    its record, so the build does not store it."""
+    src = tree(tmp_path / "src", 1, 2)
+    path = sorted((src / "class_00").iterdir())[0]
+    jpeg = path.read_bytes()
+    segment = b"\xff\xef\xff\xff" + bytes(0xFFFD)
+    path.write_bytes(jpeg[:2] + segment * 1100 + jpeg[2:])
+    manifest = build(src, tmp_path / "out", workers=1, progress=False)
+    assert counts(manifest) == (2, 1, 1, 0)
+    reason = rejects(tmp_path / "out")[f"class_00/{path.name}"]
+    assert re.fullmatch(r"too many bytes for its pixels: \d+ bytes for \d+x\d+ pixels \(at "
+                        r"most \d+\)", reason), reason  # fmt: skip
+
+
 def test_verify_reports_an_empty_png_payload(copy: Path):
     _rewrite_record(copy, 3, lambda record: record.update(image=b"", format="png"))
     problems = verify_store(copy)
@@ -987,21 +1041,32 @@ def test_flipped_bytes_fail_the_crc_and_are_replaced_counted(copy: Path, num_wor
 def _rewrite_record(store: Path, i: int, change) -> None:
     """Rewrite record ``i`` as ``change(record)`` says, consistently: its index CRC-32 and
     size and its shard's size in the manifest follow, as a deliberate forger's would."""
-    shard = Store(store).shard_of(i)
-    env = lmdb.open(str(store / fmt.shard_name(shard)), subdir=True, lock=False)
-    with env, env.begin(write=True) as txn:
-        record = unpack_record(txn.get(fmt.encode_key(i)))
+
+    def rewritten(old: bytes) -> bytes:
+        record = unpack_record(old)
         change(record)
-        value = pack_record(record)
-        txn.put(fmt.encode_key(i), value)
+        return pack_record(record)
+
+    value = _put_value(store, i, rewritten)
     _rewrite_index(
         store, lambda ix: ix[["crc32", "nbytes"]].__setitem__(i, (zlib.crc32(value), len(value)))
     )
+
+
+def _put_value(store: Path, i: int, rewritten) -> bytes:
+    """Store ``rewritten(old value)`` as record ``i`` and return it; its shard's size in the
+    manifest follows."""
+    shard = Store(store).shard_of(i)
+    env = lmdb.open(str(store / fmt.shard_name(shard)), subdir=True, lock=False, map_size=1 << 31)
+    with env, env.begin(write=True) as txn:
+        value = rewritten(txn.get(fmt.encode_key(i)))
+        txn.put(fmt.encode_key(i), value)
     manifest = json.loads((store / fmt.MANIFEST).read_text())
     manifest["shards"][shard]["file_bytes"] = (
         (store / fmt.shard_name(shard) / "data.mdb").stat().st_size
     )
     (store / fmt.MANIFEST).write_text(json.dumps(manifest))
+    return value
 
 
 def test_a_malformed_record_is_a_bad_sample(copy: Path):
