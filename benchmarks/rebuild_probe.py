@@ -20,8 +20,6 @@ Usage (the GPU machine: ``benchmarks/gpu_run.sh rebuild``):
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import gc
 import json
 import os
@@ -35,6 +33,7 @@ from soak import device_mib, heap, pss_parts
 
 import loader
 import loader.gpu_stage
+from loader.hostmem import trim_heap
 
 _WATCHED = ("DataLoader", "GpuStage", "DaliStage", "_Pipeline", "Pipeline", "DaliDecoder",
             "GpuEpochIterator", "EpochIterator", "HostRing", "Workers")  # fmt: skip
@@ -59,14 +58,7 @@ def measure(device: torch.device) -> dict:
         "torch_allocated_mib": round(torch.cuda.memory_allocated(device) / (1 << 20), 1),
         "torch_reserved_mib": round(torch.cuda.memory_reserved(device) / (1 << 20), 1),
     }
-    host = getattr(torch.cuda, "host_memory_stats", None)
-    if host is not None:
-        stats = host()
-        out["pinned_reserved_mib"] = round(
-            stats.get("reserved_bytes.current", stats.get("segment.current", 0)) / (1 << 20), 1
-        )
-        out["pinned_allocated_mib"] = round(stats.get("allocated_bytes.current", 0) / (1 << 20), 1)
-    return out
+    return out  # torch's pinned host memory: heap()'s pinned_mib
 
 
 def streams_of(dl) -> str:
@@ -138,17 +130,10 @@ def probe(a: argparse.Namespace, decoder: str, device: torch.device) -> list[dic
     gc.collect()
     release_pools(device)
     rows.append({"decoder": decoder, "closed": measure(device), "live": live()})
-    trim()
+    trim_heap()  # what stays was in use, or kept by another allocator
     rows[-1]["after_trim"] = measure(device)
     print(json.dumps(rows[-1]), flush=True)
     return rows
-
-
-def trim() -> None:
-    """glibc's ``malloc_trim(0)``: the free memory of its arenas back to the system (what
-    stays was in use, or kept by another allocator)."""
-    with contextlib.suppress(AttributeError, OSError):  # not glibc
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def main(argv: list[str] | None = None) -> int:

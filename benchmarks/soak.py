@@ -146,11 +146,6 @@ def census() -> Counter:
     return Counter(type(o).__name__ for o in gc.get_objects())
 
 
-def pss_mib() -> float:
-    """PSS of this process and its descendants (MiB)."""
-    return pss_parts()["pss_mib"]
-
-
 def held() -> dict[str, int]:
     """What this process holds that a leak would pile up: open file descriptors, threads,
     and descendant processes (the workers, alive or not yet reaped)."""

@@ -132,3 +132,15 @@ def record_limit(height: int, width: int) -> int:
     image's ``encoded_limit`` and 64 KiB for the other fields (its path among them). The
     build refuses a file over it, and readers a record, before reading it."""
     return encoded_limit(height, width) + (64 << 10)
+
+
+def size_problem(height: int, width: int, nbytes: int, max_pixels: int) -> str | None:
+    """What makes the record of an index row (``height`` x ``width`` pixels, ``nbytes``)
+    refused unread by every reader: over ``max_pixels``, or longer than ``record_limit``;
+    None where neither."""
+    if height * width > max_pixels:
+        return (f"{width}x{height} pixels is over the pixel limit of {max_pixels} (a "
+                "decompression bomb?)")  # fmt: skip
+    if nbytes > record_limit(height, width):
+        return f"a record of {nbytes} bytes is more than an image of {width}x{height} pixels needs"
+    return None

@@ -18,7 +18,7 @@ import simplejpeg
 from tqdm import tqdm
 
 from ingest import format as fmt
-from ingest.codec import encoded_limit, image_bytes, record_limit, unpack_record
+from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
 from ingest.cstderr import captured
 from ingest.normalize import Reject, check_jpeg
 from ingest.probe import PngError, plain_png
@@ -236,12 +236,9 @@ def _check_record(
     if not 0 <= i < len(index):
         return "key outside the index"
     row = index[i]
-    if int(row["height"]) * int(row["width"]) > max_pixels:  # as a reader refuses it: unread
-        return (f"{row['width']}x{row['height']} pixels is over the pixel limit of "
-                f"{max_pixels} (a decompression bomb?)")  # fmt: skip
-    if int(row["nbytes"]) > record_limit(int(row["height"]), int(row["width"])):
-        return (f"a record of {row['nbytes']} bytes is more than an image of "
-                f"{row['width']}x{row['height']} pixels needs")  # fmt: skip
+    problem = size_problem(int(row["height"]), int(row["width"]), int(row["nbytes"]), max_pixels)
+    if problem:  # as a reader refuses it: unread
+        return problem
     if len(value) != row["nbytes"] or crc != row["crc32"]:
         return "record bytes differ from those recorded at build time (CRC-32 mismatch)"
     try:

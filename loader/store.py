@@ -14,7 +14,7 @@ import msgpack
 import numpy as np
 
 from ingest import format as fmt
-from ingest.codec import encoded_limit, image_bytes, record_limit, unpack_record
+from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
 from ingest.probe import image_size
 from ingest.safeio import FileRefused, read_regular
 
@@ -136,10 +136,7 @@ class Store:
             KeyError: the record is missing from its shard (a damaged store).
             ingest.format.RecordError: the value is not ``nbytes`` long.
         """
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"sample index {i} is out of range for a store of {n} samples")
-        i = int(i) % n
+        i = self._position(i)
         shard = self.shard_of(i)
         with self._env(shard).begin(buffers=True) as txn:
             view = txn.get(fmt.encode_key(i))  # the mapped pages, valid in the transaction
@@ -151,6 +148,17 @@ class Store:
                     f"{nbytes}; check the store with `ingest verify {self.root}`"
                 )
             return bytes(view)
+
+    def _position(self, i: int) -> int:
+        """Sample ``i`` (negative: from the end) as a position in the store.
+
+        Raises:
+            IndexError: ``i`` is outside the store.
+        """
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} is out of range for a store of {n} samples")
+        return int(i) % n
 
     def record(self, i: int) -> dict:
         """The record of sample ``i``, checked: its size (pixels) within ``max_pixels``
@@ -167,22 +175,12 @@ class Store:
 
     def _checked(self, i: int) -> tuple[int, np.void, dict]:
         """``record``'s work: (``i`` within the store, its index row, its record)."""
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"sample index {i} is out of range for a store of {n} samples")
-        i = int(i) % n
+        i = self._position(i)
         row = self.index[i]
-        height, width, nbytes = int(row["height"]), int(row["width"]), int(row["nbytes"])
-        if height * width > self.max_pixels:
-            raise fmt.RecordError(
-                f"{self._where(i)}: {width}x{height} pixels is over the pixel "
-                f"limit of {self.max_pixels} (a decompression bomb?); rebuild the store"
-            )
-        if nbytes > record_limit(height, width):
-            raise fmt.RecordError(
-                f"{self._where(i)}: a record of {nbytes} bytes is more than an image of "
-                f"{width}x{height} pixels needs; rebuild the store"
-            )
+        nbytes = int(row["nbytes"])
+        problem = size_problem(int(row["height"]), int(row["width"]), nbytes, self.max_pixels)
+        if problem:
+            raise fmt.RecordError(f"{self._where(i)}: {problem}; rebuild the store")
         value = self.raw(i, nbytes)
         if zlib.crc32(value) != row["crc32"]:
             raise fmt.RecordError(

@@ -420,22 +420,6 @@ def _only_png(tmp_path: Path, name: str, data: bytes) -> tuple[Path, Path]:
     return src, tmp_path / "out"
 
 
-def _png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
-    chunks, pos = [], 8
-    while pos < len(data):
-        (length,) = struct.unpack_from(">I", data, pos)
-        chunks.append((data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]))
-        pos += 12 + length
-    return chunks
-
-
-def _png_of_chunks(chunks) -> bytes:
-    return b"\x89PNG\r\n\x1a\n" + b"".join(
-        struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-        for kind, body in chunks
-    )
-
-
 def _progressive_with_a_comment_between_scans(jpeg: bytes, comment: bytes) -> bytes:
     """``jpeg`` saved progressive by PIL, ``comment`` (a COM segment) put between its first
     and second scans."""
@@ -532,7 +516,7 @@ def test_a_png_with_exif_is_read_by_pil_and_turned_as_it_says(tmp_path: Path, or
 
     def with_exif(pixels):
         chunks = _png_chunks(cv2.imencode(".png", pixels)[1].tobytes())
-        png["bytes"] = _png_of_chunks([chunks[0], (b"eXIf", exif), *chunks[1:]])
+        png["bytes"] = _png_of([chunks[0], (b"eXIf", exif), *chunks[1:]])
         png["shape"] = pixels.shape[:2]
         return png["bytes"]
 
@@ -558,7 +542,7 @@ def test_a_png_pil_reads_and_the_readers_refuse_is_converted_losslessly(tmp_path
     def junk_in_idat(pixels):
         pixels_of["rgb"] = pixels
         chunks = _png_chunks(cv2.imencode(".png", pixels)[1].tobytes())
-        return _png_of_chunks(
+        return _png_of(
             [(kind, body + b"junk" if kind == b"IDAT" else body) for kind, body in chunks]
         )
 
