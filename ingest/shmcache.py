@@ -24,6 +24,7 @@ import lmdb
 from ingest import cachedir as cd
 from ingest import format as fmt
 from ingest.cachestats import Counters
+from ingest.lmdbpages import pages_problem
 from ingest.shardcopy import copy_bytes, file_sha256, records_digest
 
 log = logging.getLogger(__name__)
@@ -185,11 +186,14 @@ class ShmCache:
                 sha = copy_bytes(src, fd, size)
             finally:
                 os.close(fd)
-            if records_digest(tmp, entry) != entry["digest"]:
+            # LMDB reads the copy only once its pages are found sound (it trusts them)
+            problem = pages_problem(tmp / DATA)
+            if problem is not None or records_digest(tmp, entry) != entry["digest"]:
                 log.warning(
-                    "shm cache: %s differs from the checksum in its manifest; it is read "
-                    "from the store, not cached; check the store with `ingest verify %s`",
-                    src.parent, self.store_root,
+                    "shm cache: %s %s; it is read from the store, not cached; check the "
+                    "store with `ingest verify %s`", src.parent,
+                    f"has damaged LMDB pages ({problem})" if problem
+                    else "differs from the checksum in its manifest", self.store_root,
                 )  # fmt: skip
                 return None
             made = {"sha256": sha, "bytes": size, "digest": entry["digest"]}

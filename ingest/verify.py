@@ -20,6 +20,7 @@ from tqdm import tqdm
 from ingest import format as fmt
 from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
 from ingest.cstderr import captured
+from ingest.lmdbpages import pages_problem
 from ingest.normalize import Reject, check_jpeg
 from ingest.probe import PngError, plain_png
 from ingest.safeio import FileRefused, sha256_file
@@ -36,10 +37,11 @@ def verify_store(
 
     Checks every file through ``ingest.format.store_file`` (named as the format says,
     inside the store, a regular file of the recorded size), the SHA-256 of the index,
-    paths and rejects files and the index against the manifest; then reads every record
-    of every shard, checking its key, its CRC-32 and length (recorded in the index), its
-    fields and, with ``decode``, that its image decodes without a warning to the recorded
-    size; and each shard's build identity and content checksum
+    paths and rejects files and the index against the manifest; then each shard's LMDB
+    pages (``ingest.lmdbpages``) and every record of every shard, checking its key, its
+    CRC-32 and length (recorded in the index), its fields and, with ``decode``, that its
+    image decodes without a warning to the recorded size; and each shard's build
+    identity and content checksum
     (``ingest.format.records_digest``) against the manifest. Problems name the shard, and
     the key where one record is at fault.
     ``progress`` shows a progress bar, as ``ingest build`` does (default: when stderr is
@@ -80,9 +82,10 @@ def _check_shard_apart(
 ) -> list[str]:
     """``_check_shard`` in a process of its own. LMDB trusts its pages: a shard damaged in
     place (its size unchanged) can kill the process that reads it (SIGBUS past the end of
-    the file, an assertion's abort), and the tool that checks a damaged store must not die
-    of one. The child's death is this shard's problem; what it wrote to fd 2 (LMDB's
-    assertion) is quoted, never shown."""
+    the file, an assertion's abort). ``ingest.lmdbpages`` refuses such pages before LMDB
+    reads them; should a damage it does not foresee get past it, the tool that checks a
+    damaged store must still not die of it. The child's death is this shard's problem;
+    what it wrote to fd 2 (LMDB's assertion) is quoted, never shown."""
     ctx = multiprocessing.get_context("fork")  # the index and manifest, not pickled
     reader, writer = ctx.Pipe(duplex=False)
     with tempfile.TemporaryFile() as err:
@@ -169,8 +172,11 @@ def _check_shard(
     name = entry["name"]
     try:
         path = fmt.store_file(root, manifest, shard).parent
-    except fmt.StoreError as e:
+        problem = pages_problem(path / "data.mdb")  # before LMDB trusts them
+    except (fmt.StoreError, OSError) as e:
         return [_relative(root, e)]
+    if problem is not None:
+        return [f"{name}: damaged LMDB pages ({problem}); rebuild the store"]
     crcs: list[int] = []
     sizes: list[int] = []
     try:

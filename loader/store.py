@@ -14,6 +14,7 @@ import msgpack
 import numpy as np
 
 from ingest import format as fmt
+from ingest import lmdbpages
 from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
 from ingest.probe import image_size
 from ingest.safeio import FileRefused, read_regular
@@ -99,8 +100,10 @@ class Store:
 
     def _open_checked(self, shard: int) -> lmdb.Environment:
         """Shard ``shard``'s environment, once its file has the recorded size (mapping a
-        truncated file kills the process with SIGBUS) and it was written by the build that
-        wrote this manifest (a store rebuilt while open must not mix two builds).
+        truncated file kills the process with SIGBUS), LMDB's pages in the file it opens
+        (the original or the cache's copy) lead nowhere outside it (``ingest.lmdbpages``:
+        LMDB trusts them), and it was written by the build that wrote this manifest (a
+        store rebuilt while open must not mix two builds).
 
         Raises:
             ingest.format.StoreError: naming the shard and what differs.
@@ -113,8 +116,15 @@ class Store:
         key = self._keys[shard]
         if self.cache is not None:  # a RAM copy, or the original when it has none
             key = _env_key(Path(self.cache.shard_path(shard)))
-        env = _open_env(key)
-        check_build(env, self.manifest, self.root / fmt.shard_name(shard))
+        lmdbpages.require_sound(Path(key) / "data.mdb")
+        try:
+            env = _open_env(key)
+            check_build(env, self.manifest, self.root / fmt.shard_name(shard))
+        except lmdb.Error as e:  # the whole shard, not one sample: no replacement helps
+            raise fmt.StoreError(
+                f"{key}: LMDB cannot open the shard ({e}); check the store with "
+                f"`ingest verify {self.root}`"
+            ) from None
         return env
 
     def _check_not_rebuilt(self, shard: int) -> None:

@@ -21,6 +21,7 @@ from multiprocessing.connection import wait
 import numpy as np
 import torch
 
+from ingest import format as fmt
 from ingest.parallel import freeze_inherited, inherited_objects_frozen
 from loader.decode import mark_worker_process
 
@@ -112,6 +113,8 @@ def _worker_loop(wid: int, producer, tensors: dict, conn, init_fn, parent: int) 
         try:
             report = producer.fill({k: v[slot] for k, v in views.items()}, *args)
             conn.send(("ok", slot, step, report))
+        except fmt.StoreError as e:  # the store is unusable: the same one line as without workers
+            conn.send(("store", slot, step, str(e)))
         except Exception:
             conn.send(("error", slot, step, traceback.format_exc()))
 
@@ -251,6 +254,8 @@ class WorkerPool:
             kind, slot, step, payload = self._conns[wid].recv()
         except (EOFError, OSError):
             self._raise_dead(wid, read=False)
+        if kind == "store":
+            raise fmt.StoreError(payload)
         if kind == "error":
             where = f"on batch {step}" if step is not None else "while starting"
             raise RuntimeError(f"DataLoader worker {wid} failed {where}:\n{payload}")

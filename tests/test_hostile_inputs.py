@@ -1266,9 +1266,10 @@ def test_plain_png_takes_what_libpng_decodes_silently(capfd, width, height, dept
                            (b"IDAT", zlib.compress(b"".join(rows))), (b"IEND", b"")]))  # fmt: skip
 
 
-def _damage_last_leaf_page(shard: Path) -> None:
+def _damage_last_leaf_page(shard: Path) -> int:
     """Point the first node of the shard's last leaf page 64 KiB past the page, in place
-    (the file's size unchanged): LMDB reads past the end of the file and dies of SIGBUS."""
+    (the file's size unchanged), and return that page's number: unchecked, LMDB reads past
+    the end of the file and dies of SIGBUS."""
     path = shard / "data.mdb"
     data = bytearray(path.read_bytes())
     page, leaves = 4096, []
@@ -1282,21 +1283,63 @@ def _damage_last_leaf_page(shard: Path) -> None:
         k += max(1, ovpages)
     struct.pack_into("<H", data, leaves[-1] * page + 16, 0xFFFF)
     path.write_bytes(bytes(data))
+    return leaves[-1]
 
 
-def test_verify_reports_a_shard_whose_lmdb_pages_kill_the_reader(copy: Path):
-    """LMDB trusts its pages: reading a shard damaged in place kills the process. Verify
-    reads each shard in a process of its own, and reports the death as that shard's
-    problem; the other shards are checked, and nothing from LMDB reaches the terminal."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_damaged_in_place_is_refused_before_lmdb_reads_it(copy: Path, workers: int):
+    """LMDB trusts its pages: unchecked, this damage kills the process that reads the
+    shard. Readers check the pages first (ingest.lmdbpages) and raise the store's error,
+    the same one line with workers as without; verify names the shard."""
+    leaf = _damage_last_leaf_page(copy / "shard-00001")
+    problem = f"damaged LMDB pages (page {leaf} has a node outside its node area)"
+    message = f"{copy}/shard-00001/data.mdb: {problem}; rebuild the store"
+    first = fmt.read_manifest(copy)["shards"][1]["first"]
+    with pytest.raises(fmt.StoreError, match=rf"^{re.escape(message)}$"):
+        LMDBDataset(copy)[first]
+    dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu",
+                           num_workers=workers)  # fmt: skip
+    with pytest.raises(fmt.StoreError, match=rf"^{re.escape(message)}$"):
+        list(dl)
+    assert verify_store(copy) == [f"shard-00001: {problem}; rebuild the store"]
+    if workers:
+        return
+    result = run_ingest("verify", copy)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"ingest verify: {copy}/shard-00001: {problem}; rebuild the store",
+        "ingest verify: 1 problem(s); rebuild the store",
+    ]
+
+
+def test_verify_survives_a_damage_the_page_check_misses(copy: Path, monkeypatch):
+    """Should a damage get past the page check, verify still reads each shard in a process
+    of its own and reports the death as that shard's problem; the other shards are
+    checked, and nothing from LMDB reaches the terminal."""
+    import ingest.verify
+
+    monkeypatch.setattr(ingest.verify, "pages_problem", lambda path: None)
     _damage_last_leaf_page(copy / "shard-00001")
     problems = verify_store(copy)
     assert len(problems) == 1
     assert problems[0].startswith("shard-00001: reading its LMDB pages killed the reader "
                                   "(signal SIGBUS")  # fmt: skip
     assert problems[0].endswith("the shard is damaged; rebuild the store")
-    result = run_ingest("verify", copy)
-    assert result.returncode == 1
-    assert result.stderr.splitlines() == [
-        f"ingest verify: {copy}/{problems[0]}",
-        "ingest verify: 1 problem(s); rebuild the store",
-    ]
+
+
+def test_a_shard_lmdb_will_not_open_is_a_store_error_not_bad_samples(copy: Path):
+    """LMDB refuses a meta page whose free database has foreign flags. That is the whole
+    shard, not one sample: no replacement can help, and readers say so."""
+    path = copy / "shard-00002" / "data.mdb"
+    data = bytearray(path.read_bytes())
+    for meta in (0, 4096):
+        struct.pack_into("<H", data, meta + 44, 0x48)  # the free database's flags
+    path.write_bytes(bytes(data))
+    first = fmt.read_manifest(copy)["shards"][2]["first"]
+    match = rf"^{re.escape(str(path.parent))}: LMDB cannot open the shard \(.*MDB_INVALID"
+    with pytest.raises(fmt.StoreError, match=match):
+        LMDBDataset(copy)[first]
+    with pytest.raises(fmt.StoreError, match=match):
+        list(loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu", num_workers=2))
+    (problem,) = verify_store(copy)
+    assert problem.startswith("shard-00002: LMDB cannot read the shard: ")

@@ -1,0 +1,156 @@
+"""A check of a shard's LMDB pages before LMDB reads them.
+
+LMDB trusts its file: a page number, a node's offset or a value's length damaged in place
+(the file's size unchanged) makes it read past the end of the file (SIGBUS), or fail one of
+its assertions (SIGABRT), in the process that reads it. No binding offers a check. This
+one walks the tree of a shard's main database as LMDB's lookups and cursors do (LMDB
+0.9's file format, `mdb.c`), and refuses what would lead them outside the file or into a
+code path a store never uses:
+
+- the meta page LMDB picks (the one with the higher transaction id): its magic number,
+  version, page size, last page within the file, and a main database without flags;
+- every branch and leaf page, from the root: its number and kind, the bounds of its
+  pointer array, each node with its key and inline value inside the page, no node flags
+  but "value on overflow pages", at least two keys a branch page (LMDB asserts it), every
+  child a page of the file reached once, every leaf at the database's depth;
+- every value on overflow pages: its first page and its length within the file.
+
+It reads the tree's pages only, not the values (a few pages in a thousand of an image
+store), through a read-only map of the file that Python bounds-checks.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+import numpy as np
+
+from ingest.format import StoreError
+
+MAGIC, VERSION = 0xBEEFC0DE, 1
+HEADER = 16  # a page's header: number (8), pad (2), flags (2), lower and upper bounds (2, 2)
+NODE = 8  # a node's header: value size or child page (2 + 2 + 2 of it), flags, key size
+P_BRANCH, P_LEAF = 0x01, 0x02
+P_WRITTEN = 0x10 | 0x8000  # dirty and keep: in-memory flags that may be left on a page
+F_BIGDATA = 0x01  # a leaf node whose value lies on overflow pages
+MAX_DEPTH = 31  # LMDB's cursor stack holds 32 pages
+# struct MDB_meta after the page header: magic, version, address, map size, two MDB_db of
+# 48 bytes (pad, flags, depth, branch, leaf and overflow pages, entries, root), last page,
+# transaction id.
+_META = struct.Struct("<IIQQ48s48sQQ")
+_DB = struct.Struct("<IHHQQQQQ")
+
+
+def pages_problem(path: str | os.PathLike) -> str | None:
+    """What in the LMDB file ``path`` (a shard's ``data.mdb``) could kill a reader, or
+    None when its tree is sound."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 2 * 512:
+            return f"{size} bytes, too short for LMDB's two meta pages"
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return _problem(m, size)
+
+
+def _problem(m: mmap.mmap, size: int) -> str | None:
+    metas = []
+    for k in range(2):
+        at = 0 if k == 0 else metas[0][1]
+        if at + HEADER + _META.size > size:
+            return "the second meta page lies past the end of the file"
+        flags = struct.unpack_from("<H", m, at + 10)[0]
+        magic, version, _, _, free, main, last, txnid = _META.unpack_from(m, at + HEADER)
+        if not flags & 0x08 or magic != MAGIC or version != VERSION:
+            return f"meta page {k} is not an LMDB 0.9 meta page"
+        psize = _DB.unpack(free)[0]  # the page size is kept in the free database's pad
+        if k == 0 and (psize < 512 or psize > 32768 or psize & (psize - 1)):
+            return f"a page size of {psize} bytes"
+        metas.append((txnid, psize, _DB.unpack(main), last))
+    if metas[1][1] != metas[0][1]:
+        return "the two meta pages give different page sizes"
+    _, psize, main, last = metas[metas[0][0] < metas[1][0]]  # LMDB's pick: the newer
+    if (last + 1) * psize > size:
+        return f"its last page ({last}) lies past the end of the file ({size // psize} pages)"
+    _, flags, depth, *_, root = main
+    if flags:
+        return f"its database has flags {flags:#x}, which a store never uses"
+    if root == 2**64 - 1:
+        return None  # an empty database: nothing to read
+    return _tree_problem(np.frombuffer(m, np.uint8), psize, last, root, depth)
+
+
+def _tree_problem(data: np.ndarray, psize: int, last: int, root: int, depth: int) -> str | None:
+    if not 1 <= depth <= MAX_DEPTH:
+        return f"a tree of depth {depth}"
+    seen = np.zeros(last + 1, dtype=bool)
+    stack = [(root, 1)]
+    while stack:
+        pgno, level = stack.pop()
+        if not 2 <= pgno <= last:
+            return f"a page number ({pgno}) outside the file's pages 2-{last}"
+        if seen[pgno]:
+            return f"page {pgno} is reached twice"
+        seen[pgno] = True
+        page = data[pgno * psize : (pgno + 1) * psize]
+        number, _, flags, lower, upper = struct.unpack_from("<QHHHH", page)
+        kind = flags & ~P_WRITTEN
+        where = f"page {pgno}"
+        if number != pgno:
+            return f"{where} says it is page {number}"
+        if kind not in (P_BRANCH, P_LEAF) or (kind == P_LEAF) != (level == depth):
+            return f"{where} at depth {level} of {depth} has flags {flags:#x}"
+        if not HEADER <= lower <= upper <= psize or lower % 2:
+            return f"{where} has bounds {lower}-{upper}"
+        nkeys = (lower - HEADER) // 2
+        if nkeys < (2 if kind == P_BRANCH else 1):
+            return f"{where} has {nkeys} key(s)"
+        ptrs = page[HEADER:lower].view("<u2").astype(np.int64)
+        if ptrs.min() < upper or ptrs.max() > psize - NODE:
+            return f"{where} has a node outside its node area"
+        lo, hi, nflags, ksize = page[ptrs[:, None] + np.arange(NODE)].view("<u2").astype(np.int64).T
+        ends = ptrs + NODE + ksize  # where each node's key ends
+        if kind == P_BRANCH:
+            if ends.max() > psize:
+                return f"{where} has a key past the page"
+            children = lo | hi << 16 | nflags << 32
+            stack.extend((int(c), level + 1) for c in children[::-1])
+            continue
+        big = nflags == F_BIGDATA
+        if (nflags & ~F_BIGDATA).any():
+            return f"{where} has a node with flags {int(nflags.max()):#x}"
+        dsize = lo | hi << 16
+        if (ends + np.where(big, 8, dsize)).max() > psize:
+            return f"{where} has a key or value past the page"
+        if big.any():
+            at = ends[big][:, None] + np.arange(8)
+            first = page[at].view("<u8").ravel()
+            pages = ((HEADER + dsize[big] + psize - 1) // psize).astype(np.uint64)
+            if first.min() < 2 or first.max() > last or (first + pages - 1).max() > last:
+                return f"{where} has a value on pages outside the file's pages 2-{last}"
+    return None
+
+
+_SOUND: set[tuple[int, ...]] = set()  # files found sound by this process (or its parent)
+
+
+def require_sound(path: str | os.PathLike) -> None:
+    """Raise StoreError unless the LMDB file ``path`` passes ``pages_problem``. A file
+    found sound is not walked again by this process, nor by its forks, while its identity,
+    size and times are unchanged.
+
+    Raises:
+        ingest.format.StoreError: naming the file and what is wrong with its pages.
+    """
+    try:
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if key in _SOUND:
+            return
+        problem = pages_problem(path)
+    except OSError as e:
+        raise StoreError(f"{path}: {e.strerror or e}; check the store's files") from None
+    if problem is not None:
+        raise StoreError(f"{path}: damaged LMDB pages ({problem}); rebuild the store")
+    _SOUND.add(key)
