@@ -1327,6 +1327,74 @@ def test_verify_survives_a_damage_the_page_check_misses(copy: Path, monkeypatch)
     assert problems[0].endswith("the shard is damaged; rebuild the store")
 
 
+# A child process damages one shard of the store at random (1, 2 or 8 bytes anywhere in
+# its file, at fixed seeds), reads an epoch in a grandchild, and checks the store with
+# verify. It prints how many epochs read clean, read with samples replaced, or were refused
+# with the store's error, and each seed where anything else happened.
+_STORE_FUZZ = r"""
+import json, logging, os, random, shutil, signal, sys
+from pathlib import Path
+import loader
+from ingest import format as fmt
+from ingest.verify import verify_store
+store, work, seeds = Path(sys.argv[1]), Path(sys.argv[2]), range(*map(int, sys.argv[3:5]))
+logging.disable(logging.CRITICAL)  # the replaced samples' warnings
+n = fmt.read_manifest(store)["num_samples"]
+counts = {"clean": 0, "replaced": 0, "refused": 0, "wrong": []}
+for seed in seeds:
+    rng = random.Random(seed)
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(store, work)
+    shard = rng.choice(sorted(work.glob("shard-*"))) / "data.mdb"
+    data = bytearray(shard.read_bytes())
+    for _ in range(rng.choice([1, 2, 8])):
+        data[rng.randrange(len(data))] = rng.randrange(256)
+    shard.write_bytes(data)
+    r, w = os.pipe()
+    if (pid := os.fork()) == 0:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # whatever a C library would say
+        signal.alarm(60)
+        try:
+            dl = loader.DataLoader(work, batch_size=4, transform="eval", device="cpu", seed=0)
+            said = ["read", sum(len(labels) for _, labels in dl), dl.num_replaced]
+        except fmt.StoreError as e:
+            said = ["refused", str(e)]
+        except BaseException as e:
+            said = ["raised", repr(e)]
+        os.write(w, json.dumps(said).encode())
+        os._exit(0)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    said = json.loads(os.read(r, 1 << 16) or json.dumps(["died", status]))
+    os.close(r)
+    found = verify_store(work, progress=False)
+    if said[0] == "read" and said[1] == n and (said[2] == 0 or found):
+        counts["replaced" if said[2] else "clean"] += 1
+    elif said[0] == "refused" and found:
+        counts["refused"] += 1
+    else:
+        counts["wrong"].append([seed, said, found])
+print(json.dumps(counts))
+"""
+
+
+def test_random_damage_to_a_shard_never_kills_or_lies(store: Path, tmp_path: Path):
+    """Whatever a few bytes damaged anywhere in a shard do, an epoch either reads every
+    sample (a damaged one replaced and counted, and then verify finds the damage too) or
+    stops with the store's one-line error (verify agrees); never a dead process, another
+    error, a hang or a sample lost."""
+    result = subprocess.run(
+        [sys.executable, "-c", _STORE_FUZZ, str(store), str(tmp_path / "work"), "0", "60"],
+        capture_output=True, text=True, timeout=HANG_S - 5, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    counts = json.loads(result.stdout)
+    assert counts["wrong"] == []
+    assert counts["clean"] + counts["replaced"] + counts["refused"] == 60
+    assert min(counts["clean"], counts["replaced"], counts["refused"]) > 0  # all exercised
+
+
 def test_a_shard_lmdb_will_not_open_is_a_store_error_not_bad_samples(copy: Path):
     """LMDB refuses a meta page whose free database has foreign flags. That is the whole
     shard, not one sample: no replacement can help, and readers say so."""
