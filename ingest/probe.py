@@ -151,6 +151,17 @@ def image_size(data: bytes, kind: str) -> tuple[int, int] | None:
     return None
 
 
+def header_problem(data: bytes, kind: str, height: int, width: int) -> str | None:
+    """What differs between the size ``data``'s header gives (``image_size``) and the
+    index's ``height`` x ``width``, or None: the check every reader and ``ingest verify``
+    make before anything decodes."""
+    size = image_size(data, kind)
+    if size == (height, width):
+        return None
+    says = "no readable size" if size is None else f"{size[1]}x{size[0]} pixels"
+    return f"the {kind.upper()} header gives {says}, the index {width}x{height}"
+
+
 def _frame_info(sof: int, seg: bytes, orientation: int, adobe: int, scan: int) -> JpegInfo:
     if len(seg) < 6:
         raise JpegHeaderError("frame header too short")

@@ -22,7 +22,7 @@ from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
 from ingest.cstderr import captured
 from ingest.lmdbpages import pages_problem
 from ingest.normalize import Reject, check_jpeg
-from ingest.probe import PngError, plain_png
+from ingest.probe import PngError, header_problem, plain_png
 from ingest.safeio import FileRefused, sha256_file
 
 
@@ -39,10 +39,11 @@ def verify_store(
     inside the store, a regular file of the recorded size), the SHA-256 of the index,
     paths and rejects files and the index against the manifest; then each shard's LMDB
     pages (``ingest.lmdbpages``) and every record of every shard, checking its key, its
-    CRC-32 and length (recorded in the index), its fields and, with ``decode``, that its
+    CRC-32 and length (recorded in the index), its fields, the size its image's header
+    gives against the index's (as readers refuse it) and, with ``decode``, that its
     image decodes without a warning to the recorded size; and each shard's build
-    identity and content checksum
-    (``ingest.format.records_digest``) against the manifest. Problems name the shard, and
+    identity and content checksum (``ingest.format.records_digest``) against the
+    manifest. Problems name the shard, and
     the key where one record is at fault.
     ``progress`` shows a progress bar, as ``ingest build`` does (default: when stderr is
     a terminal). Images are decoded within the pixel limit a reader applies
@@ -252,15 +253,14 @@ def _check_record(
         problem = fmt.check_record(rec)
         if problem:
             return f"malformed record: {problem}"
-        img = (
-            image_bytes(rec, encoded_limit(int(row["height"]), int(row["width"])))
-            if decode
-            else b""
-        )
+        img = image_bytes(rec, encoded_limit(int(row["height"]), int(row["width"])))
     except Exception as e:  # msgpack and zstd raise several types
         return f"record does not unpack: {type(e).__name__}: {e}"
     if rec["label"] != row["label"]:
         return f"label {rec['label']} differs from the index ({row['label']})"
+    problem = header_problem(img, rec["format"], int(row["height"]), int(row["width"]))
+    if problem:  # as a reader refuses it: undecoded
+        return problem
     return _decode_problem(img, rec) if decode else None
 
 

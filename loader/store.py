@@ -16,7 +16,7 @@ import numpy as np
 from ingest import format as fmt
 from ingest import lmdbpages
 from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
-from ingest.probe import image_size
+from ingest.probe import header_problem
 from ingest.safeio import FileRefused, read_regular
 
 
@@ -229,13 +229,10 @@ class Store:
             data = image_bytes(rec, encoded_limit(int(row["height"]), int(row["width"])))
         except Exception as e:  # zstandard raises its own error type
             raise fmt.RecordError(f"{self._where(i)}: payload does not decompress: {e}") from None
-        stated = int(row["height"]), int(row["width"])
-        size = image_size(data, rec["format"])
-        if size != stated:
-            says = "no readable size" if size is None else f"{size[1]}x{size[0]} pixels"
+        problem = header_problem(data, rec["format"], int(row["height"]), int(row["width"]))
+        if problem:
             raise fmt.RecordError(
-                f"{self._where(i)}: the {rec['format'].upper()} header gives {says}, the "
-                f"index {stated[1]}x{stated[0]}; check the store with `ingest verify "
+                f"{self._where(i)}: {problem}; check the store with `ingest verify "
                 f"{self.root}` and rebuild it"
             )
         return data, rec["format"]

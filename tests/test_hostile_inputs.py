@@ -791,6 +791,10 @@ def test_a_store_cannot_raise_the_readers_pixel_limit(copy: Path):
         f"key 5: the JPEG header gives {size}, the index 30000x30000; check the store with "
         f"`ingest verify {copy}` and rebuild it"
     )
+    shard = fmt.shard_name(store.shard_of(5))  # verify, as it advises, finds it too
+    assert verify_store(copy, max_pixels=900_000_000) == [
+        f"{shard}: key 5: the JPEG header gives {size}, the index 30000x30000"
+    ]
 
 
 def test_the_pixel_limit_at_open_without_overflow_and_within_what_the_store_allows(copy):
@@ -903,11 +907,12 @@ def test_a_file_larger_than_its_image_can_need_is_rejected(tmp_path: Path):
 
 
 def test_verify_reports_an_empty_png_payload(copy: Path):
+    row = Store(copy).index[3]
     _rewrite_record(copy, 3, lambda record: record.update(image=b"", format="png"))
-    problems = verify_store(copy)
-    assert problems[0].startswith("shard-00000: key 3: the PNG is damaged: no PNG signature (")
-    assert problems[1:] == [
-        "shard-00000: content checksum mismatch (records changed since the build)"
+    assert verify_store(copy) == [  # refused, as by the loader, before a decoder sees it
+        f"shard-00000: key 3: the PNG header gives no readable size, the index "
+        f"{row['width']}x{row['height']}",
+        "shard-00000: content checksum mismatch (records changed since the build)",
     ]
 
 
@@ -1120,6 +1125,11 @@ def test_an_image_whose_header_disagrees_with_the_index_is_never_decoded(
     assert sum(len(labels) for _, labels in dl) == 12
     assert list(dl.bad_samples) == [5] and dl.num_replaced == 1
     assert f"the JPEG header gives {says}" in dl.bad_samples[5]
+    shard = fmt.shard_name(Store(copy).shard_of(5))
+    assert verify_store(copy) == [
+        f"{shard}: key 5: the JPEG header gives {says}, {index_says}",
+        f"{shard}: content checksum mismatch (records changed since the build)",
+    ]
 
 
 def test_a_store_rebuilt_while_open_is_an_error_not_a_mix(tmp_path: Path):
@@ -1327,35 +1337,52 @@ def test_verify_survives_a_damage_the_page_check_misses(copy: Path, monkeypatch)
     assert problems[0].endswith("the shard is damaged; rebuild the store")
 
 
-# A child process damages one shard of the store at random (1, 2 or 8 bytes anywhere in
-# its file, at fixed seeds), reads an epoch in a grandchild, and checks the store with
-# verify. It prints how many epochs read clean, read with samples replaced, or were refused
-# with the store's error, and each seed where anything else happened.
+# A child process damages the store at random, at fixed seeds: 1, 2 or 8 bytes anywhere
+# in one shard's file, or (as a forger would, the manifest's checksum of the index
+# rewritten to match) 1 to 3 fields of the index's rows; then it reads an epoch in a
+# grandchild and checks the store with verify. It prints how many epochs read clean, read
+# with samples replaced, or were refused with the store's error, and each seed where
+# anything else happened.
 _STORE_FUZZ = r"""
-import json, logging, os, random, shutil, signal, sys
+import hashlib, json, logging, os, random, shutil, signal, sys
 from pathlib import Path
+import numpy as np
 import loader
 from ingest import format as fmt
 from ingest.verify import verify_store
-store, work, seeds = Path(sys.argv[1]), Path(sys.argv[2]), range(*map(int, sys.argv[3:5]))
+store, work, what = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 logging.disable(logging.CRITICAL)  # the replaced samples' warnings
 n = fmt.read_manifest(store)["num_samples"]
 counts = {"clean": 0, "replaced": 0, "refused": 0, "wrong": []}
-for seed in seeds:
+for seed in range(*map(int, sys.argv[4:6])):
     rng = random.Random(seed)
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(store, work)
-    shard = rng.choice(sorted(work.glob("shard-*"))) / "data.mdb"
-    data = bytearray(shard.read_bytes())
-    for _ in range(rng.choice([1, 2, 8])):
-        data[rng.randrange(len(data))] = rng.randrange(256)
-    shard.write_bytes(data)
+    if what == "shard":
+        shard = rng.choice(sorted(work.glob("shard-*"))) / "data.mdb"
+        data = bytearray(shard.read_bytes())
+        for _ in range(rng.choice([1, 2, 8])):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        shard.write_bytes(data)
+    else:
+        index = np.load(work / "index.npy")
+        for _ in range(rng.choice([1, 2, 3])):
+            row, field = rng.randrange(n), rng.choice(index.dtype.names)
+            low, high = np.iinfo(index.dtype[field]).min, np.iinfo(index.dtype[field]).max
+            value = rng.choice([0, 1, 2, low, high, int(index[field][row]) + 1,
+                                rng.randrange(low, high + 1)])
+            index[field][row] = min(value, high)
+        np.save(work / "index.npy", index)
+        data = (work / "index.npy").read_bytes()
+        manifest = json.loads((work / "manifest.json").read_text())
+        manifest["index"].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+        (work / "manifest.json").write_text(json.dumps(manifest))
     r, w = os.pipe()
     if (pid := os.fork()) == 0:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # whatever a C library would say
         signal.alarm(60)
         try:
-            dl = loader.DataLoader(work, batch_size=4, transform="eval", device="cpu", seed=0)
+            dl = loader.DataLoader(work, batch_size=4, transform="train", device="cpu", seed=0)
             said = ["read", sum(len(labels) for _, labels in dl), dl.num_replaced]
         except fmt.StoreError as e:
             said = ["refused", str(e)]
@@ -1367,7 +1394,10 @@ for seed in seeds:
     _, status = os.waitpid(pid, 0)
     said = json.loads(os.read(r, 1 << 16) or json.dumps(["died", status]))
     os.close(r)
-    found = verify_store(work, progress=False)
+    try:
+        found = verify_store(work, progress=False)
+    except fmt.StoreError as e:
+        found = [str(e)]
     if said[0] == "read" and said[1] == n and (said[2] == 0 or found):
         counts["replaced" if said[2] else "clean"] += 1
     elif said[0] == "refused" and found:
@@ -1378,13 +1408,15 @@ print(json.dumps(counts))
 """
 
 
-def test_random_damage_to_a_shard_never_kills_or_lies(store: Path, tmp_path: Path):
-    """Whatever a few bytes damaged anywhere in a shard do, an epoch either reads every
-    sample (a damaged one replaced and counted, and then verify finds the damage too) or
-    stops with the store's one-line error (verify agrees); never a dead process, another
-    error, a hang or a sample lost."""
+@pytest.mark.parametrize("what", ["shard", "index"])
+def test_random_damage_never_kills_or_lies(store: Path, tmp_path: Path, what: str):
+    """Whatever a few bytes damaged anywhere in a shard, or a few forged fields in the
+    index, do, an epoch either reads every sample (a damaged one replaced and counted,
+    and then verify finds the damage too: the loader's advice to run it never meets a
+    store it calls sound) or stops with the store's one-line error (verify agrees);
+    never a dead process, another error, a hang or a sample lost."""
     result = subprocess.run(
-        [sys.executable, "-c", _STORE_FUZZ, str(store), str(tmp_path / "work"), "0", "60"],
+        [sys.executable, "-c", _STORE_FUZZ, str(store), str(tmp_path / "work"), what, "0", "60"],
         capture_output=True, text=True, timeout=HANG_S - 5, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
