@@ -2,10 +2,10 @@
 
 LMDB trusts its file: a page number, a node's offset or a value's length damaged in place
 (the file's size unchanged) makes it read past the end of the file (SIGBUS), or fail one of
-its assertions (SIGABRT), in the process that reads it. No binding offers a check. This
-one walks the tree of a shard's main database as LMDB's lookups and cursors do (LMDB
-0.9's file format, `mdb.c`), and refuses what would lead them outside the file or into a
-code path a store never uses:
+its assertions (SIGABRT), in the process that reads it. This check walks the tree of a
+shard's main database as LMDB's lookups and cursors do (LMDB 0.9's file format, data
+format 1, `mdb.c`), and refuses what would lead them outside the file or into a code path
+a store never uses:
 
 - the meta page LMDB picks (the one with the higher transaction id): its magic number,
   version, page size, last page within the file, and a main database without flags;
@@ -15,19 +15,32 @@ code path a store never uses:
   child a page of the file reached once, every leaf at the database's depth;
 - every value on overflow pages: its first page and its length within the file.
 
-It reads the tree's pages only, not the values (a few pages in a thousand of an image
-store), through a read-only map of the file that Python bounds-checks.
+It reads the tree's pages only, not the values (a few pages in a thousand of a store of
+images over 2 KB; every page where the images are smaller), through a read-only map of
+the file that Python bounds-checks. py-lmdb 3's ``lmdb.verify`` checks every invariant of
+LMDB's write paths, and so reads every value's first page and marks every page of the
+file: a random read per record on a cold disk, where a reader needs the read paths only.
+
+py-lmdb 3 holds two engines, LMDB 0.9 and 1.0, and picks one for an existing file from its
+first bytes, which a damaged file can make the 1.0 engine's: every LMDB environment of a
+store is opened with ``ENGINE``, the 0.9 engine whose format this check models.
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import struct
 
+import lmdb
 import numpy as np
 
 from ingest.format import StoreError
+
+# lmdb.open's arguments that choose LMDB 0.9's engine (data format 1), where the binding
+# has several (py-lmdb 3); older bindings have that engine only.
+ENGINE = {"lib_version": 0} if hasattr(lmdb.Environment, "lib_version") else {}
 
 MAGIC, VERSION = 0xBEEFC0DE, 1
 HEADER = 16  # a page's header: number (8), pad (2), flags (2), lower and upper bounds (2, 2)
@@ -55,14 +68,19 @@ def pages_problem(path: str | os.PathLike) -> str | None:
 
 
 def _problem(m: mmap.mmap, size: int) -> str | None:
+    words = struct.unpack_from("<16I", m)  # where py-lmdb 3 reads a file's format
+    version = next((after for word, after in itertools.pairwise(words) if word == MAGIC), VERSION)
+    if version != VERSION:
+        return (f"LMDB data format {version}, where a store's shards are of format "
+                f"{VERSION} (LMDB 0.9)")  # fmt: skip
     metas = []
     for k in range(2):
         at = 0 if k == 0 else metas[0][1]
         if at + HEADER + _META.size > size:
             return "the second meta page lies past the end of the file"
-        flags = struct.unpack_from("<H", m, at + 10)[0]
+        number, flags = struct.unpack_from("<Q2xH", m, at)
         magic, version, _, _, free, main, last, txnid = _META.unpack_from(m, at + HEADER)
-        if not flags & 0x08 or magic != MAGIC or version != VERSION:
+        if number != k or not flags & 0x08 or magic != MAGIC or version != VERSION:
             return f"meta page {k} is not an LMDB 0.9 meta page"
         psize = _DB.unpack(free)[0]  # the page size is kept in the free database's pad
         if k == 0 and (psize < 512 or psize > 32768 or psize & (psize - 1)):

@@ -11,6 +11,7 @@ import lmdb
 import numpy as np
 
 from ingest import format as fmt
+from ingest.lmdbpages import ENGINE
 
 CHUNK = 8 << 20
 
@@ -37,7 +38,9 @@ def records_digest(shard_dir: Path, entry: dict) -> str | None:
     """The content checksum (FORMAT.md) of the records in ``shard_dir``; None when its keys
     are not exactly those the manifest gives the shard."""
     crcs, sizes, keys = [], [], []
-    env = lmdb.open(str(shard_dir), readonly=True, lock=False, readahead=False, max_readers=1)
+    env = lmdb.open(
+        str(shard_dir), readonly=True, lock=False, readahead=False, max_readers=1, **ENGINE
+    )
     try:
         with env.begin(buffers=True) as txn:
             for i, value in fmt.shard_records(txn):

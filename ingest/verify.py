@@ -20,7 +20,7 @@ from tqdm import tqdm
 from ingest import format as fmt
 from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
 from ingest.cstderr import captured
-from ingest.lmdbpages import pages_problem
+from ingest.lmdbpages import ENGINE, pages_problem
 from ingest.normalize import Reject, check_jpeg
 from ingest.probe import PngError, header_problem, plain_png
 from ingest.safeio import FileRefused, sha256_file
@@ -193,7 +193,7 @@ def _check_shard(
 def _build_problem(path: Path, name: str, manifest: dict) -> list[str]:
     if "build" not in manifest:  # a version 1 store
         return []
-    env = lmdb.open(str(path), readonly=True, lock=False, readahead=False)
+    env = lmdb.open(str(path), readonly=True, lock=False, readahead=False, **ENGINE)
     try:
         with env.begin() as txn:
             build = txn.get(fmt.BUILD_KEY)
@@ -213,7 +213,7 @@ def _check_records(
     sizes: list,
     tick=None,
 ) -> Iterator[str]:
-    env = lmdb.open(str(path), readonly=True, lock=False, readahead=False)
+    env = lmdb.open(str(path), readonly=True, lock=False, readahead=False, **ENGINE)
     try:
         with env.begin() as txn:
             expected = entry["first"]

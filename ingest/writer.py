@@ -14,6 +14,7 @@ from pathlib import Path
 import lmdb
 
 from ingest.format import BUILD_KEY, encode_key, fsync_path
+from ingest.lmdbpages import ENGINE
 
 MiB = 1 << 20
 TXN_BYTES = 16 * MiB  # commit this often: bounds the dirty pages LMDB keeps in memory
@@ -44,7 +45,7 @@ class ShardWriter:
         keep_heap()
         self._env = lmdb.open(
             str(tmp_dir), map_size=map_size, subdir=True, sync=False, metasync=False,
-            readahead=False, max_dbs=0,
+            readahead=False, max_dbs=0, **ENGINE,
         )  # fmt: skip
 
     def put(self, index: int, value: bytes) -> None:

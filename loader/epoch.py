@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ingest import format as fmt
 from loader.batch import BatchReport
 from loader.sampler import EpochPlan, batch_seed
 
@@ -368,7 +369,7 @@ class EpochIterator:
         try:
             while self._pending and time.monotonic() < deadline:
                 self._take(self._pool.receive(min(_POLL_S, deadline - time.monotonic())))
-        except RuntimeError:
+        except (RuntimeError, fmt.StoreError):  # what a worker's failure raises
             return False
         return not self._pending
 

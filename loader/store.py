@@ -27,9 +27,11 @@ class Store:
     are opened on first use in each process, read-only and without a lock file, so a
     store on a read-only filesystem reads fine. The index is memory-mapped.
 
-    A store is untrusted input: the manifest and the index are checked when the store is
-    opened, each shard file (its size, its build identity) before it is mapped, and each
-    record (CRC-32, fields, pixel count) as it is read; see ``record``.
+    A store is untrusted input: the manifest, the index and each shard file's size and
+    LMDB pages (``ingest.lmdbpages``) are checked when the store is opened, the file each
+    process maps (the shard's, or a cache's copy) again before it maps it, with the shard's
+    build identity, and each record (CRC-32, fields, pixel count) as it is read; see
+    ``record``.
 
     Args:
         root: the store directory.
@@ -57,6 +59,10 @@ class Store:
         self._first = np.array([s["first"] for s in self.manifest["shards"]], dtype=np.int64)
         self._keys = [_env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
         self._envs: dict[int, lmdb.Environment] = {}  # keeps the shared environments open
+        # Every shard file's size and LMDB pages now: a damaged store is refused at open,
+        # not hours in, and the workers forked from this process inherit the walk.
+        for shard in range(len(self._first)):
+            lmdbpages.require_sound(fmt.store_file(self.root, self.manifest, shard))
         _LIVE.add(self)
 
     def __len__(self) -> int:
@@ -261,7 +267,7 @@ def _open_env(key: str) -> lmdb.Environment:
     if env is None:
         env = lmdb.open(
             key, readonly=True, lock=False, readahead=False, subdir=True,
-            max_readers=1, max_spare_txns=1,
+            max_readers=1, max_spare_txns=1, **lmdbpages.ENGINE,
         )  # fmt: skip
         _ENVS[key] = env
     return env

@@ -114,7 +114,7 @@ def _worker_loop(wid: int, producer, tensors: dict, conn, init_fn, parent: int) 
             report = producer.fill({k: v[slot] for k, v in views.items()}, *args)
             conn.send(("ok", slot, step, report))
         except fmt.StoreError as e:  # the store is unusable: the same one line as without workers
-            conn.send(("store", slot, step, str(e)))
+            conn.send(("store", slot, step, e.with_traceback(None)))
         except Exception:
             conn.send(("error", slot, step, traceback.format_exc()))
 
@@ -255,7 +255,7 @@ class WorkerPool:
         except (EOFError, OSError):
             self._raise_dead(wid, read=False)
         if kind == "store":
-            raise fmt.StoreError(payload)
+            raise payload
         if kind == "error":
             where = f"on batch {step}" if step is not None else "while starting"
             raise RuntimeError(f"DataLoader worker {wid} failed {where}:\n{payload}")

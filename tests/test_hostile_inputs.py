@@ -48,7 +48,7 @@ from ingest.verify import verify_store
 from loader import LMDBDataset
 from loader.store import Store
 
-HANG_S = 90  # no test here takes a tenth of this; a hang fails the test, not the suite
+HANG_S = 90  # the random-damage tests take a fifth of this; a hang fails the test, not the suite
 KiB = 1 << 10
 
 
@@ -1425,6 +1425,25 @@ def test_random_damage_never_kills_or_lies(store: Path, tmp_path: Path, what: st
     assert counts["wrong"] == []
     assert counts["clean"] + counts["replaced"] + counts["refused"] == 60
     assert min(counts["clean"], counts["replaced"], counts["refused"]) > 0  # all exercised
+
+
+def test_a_store_error_while_draining_stops_persistent_workers(store: Path, monkeypatch):
+    """A worker's StoreError (a store rebuilt under a running loader) read while an epoch
+    left early drains its batches in flight: the workers are stopped, as after any
+    worker's failure, not kept with a stale batch, and the next epoch starts new ones."""
+    dl = loader.DataLoader(store, batch_size=2, transform="eval", device="cpu",
+                           num_workers=2, persistent_workers=True)  # fmt: skip
+    it = iter(dl)
+    next(it)
+    pool = dl._workers.pool
+
+    def rebuilt(timeout):
+        raise fmt.StoreError(f"{store}/shard-00001: written by another build than the store's")
+
+    monkeypatch.setattr(pool, "receive", rebuilt)
+    it.close()  # the error ends the draining, not the close
+    assert dl._workers.pool is None  # stopped: the batches in flight will never come
+    assert sum(len(labels) for _, labels in dl) == 12
 
 
 def test_a_shard_lmdb_will_not_open_is_a_store_error_not_bad_samples(copy: Path):

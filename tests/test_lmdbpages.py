@@ -100,6 +100,9 @@ def _damaged(sound: bytes, damage: str) -> tuple[bytes, str]:
     if damage == "not a meta page":
         struct.pack_into("<I", data, 16, 0xDEADBEEF)
         return data, "meta page 0 is not an LMDB 0.9 meta page"
+    if damage == "meta page number":  # py-lmdb 3 reads a file's format from its first words
+        struct.pack_into("<II", data, 0, 0xBEEFC0DE, 1)
+        return data, "meta page 0 is not an LMDB 0.9 meta page"
     if damage == "page size":
         struct.pack_into("<I", data, 40, 3000)
         return data, "a page size of 3000 bytes"
@@ -156,8 +159,9 @@ def _damaged(sound: bytes, damage: str) -> tuple[bytes, str]:
 
 
 DAMAGES = [
-    "last page past the end", "not a meta page", "page size", "database flags", "depth",
-    "root outside", "a cycle", "a page twice", "page number", "page kind", "bounds",
+    "last page past the end", "not a meta page", "meta page number", "page size",
+    "database flags", "depth", "root outside", "a cycle", "a page twice", "page number",
+    "page kind", "bounds",
     "one key in a branch page", "node outside", "key past the page", "node flags",
     "overflow page outside", "value past the end",
 ]  # fmt: skip
@@ -274,3 +278,45 @@ def test_without_the_check_random_damage_kills_readers(sound: bytes, tmp_path: P
     counts = _fuzz(sound, tmp_path, (0, 1500), check=False)
     assert len(counts["died"]) >= 3
     assert counts["read"] + len(counts["died"]) == 1500
+
+
+TWO_ENGINES = pytest.mark.skipif(
+    not hasattr(lmdb.Environment, "lib_version"), reason="py-lmdb < 3 has one LMDB engine"
+)
+
+
+@TWO_ENGINES
+def test_an_lmdb_1_file_is_named_as_such(tmp_path: Path):
+    """py-lmdb 3 writes LMDB 1.0's format (3) when asked; a store's shards are of 0.9's."""
+    env = lmdb.open(str(tmp_path), lib_version=1)
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"v")
+    env.close()
+    assert pages_problem(tmp_path / "data.mdb") == (
+        "LMDB data format 3, where a store's shards are of format 1 (LMDB 0.9)"
+    )
+
+
+@TWO_ENGINES
+def test_stores_are_written_and_read_by_lmdb_0_9_whatever_the_default(tmp_path: Path):
+    """py-lmdb 3 picks an engine for a new file from LMDB_DEFAULT_LIB_VERSION, and for an
+    existing one from its first bytes, which a damaged file can make 1.0's: the build and
+    every reader name LMDB 0.9's, whose format the page check models."""
+    from ingest.synth import make_image_folder
+
+    make_image_folder(tmp_path / "src", 2, 2, short_side=(48, 72))
+    result = subprocess.run(
+        [sys.executable, "-m", "ingest", "build", str(tmp_path / "src"), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "LMDB_DEFAULT_LIB_VERSION": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    shard = tmp_path / "out" / "shard-00000"
+    data = (shard / "data.mdb").read_bytes()
+    assert struct.unpack_from("<I", data, 20)[0] == 1  # data format 1: LMDB 0.9's
+    assert pages_problem(shard / "data.mdb") is None
+    from loader.store import Store
+
+    store = Store(tmp_path / "out")
+    assert store._env(0).lib_version()[:2] == (0, 9)
+    assert len(store.raw(0)) == int(store.index["nbytes"][0])
