@@ -49,6 +49,7 @@ P_BRANCH, P_LEAF = 0x01, 0x02
 P_WRITTEN = 0x10 | 0x8000  # dirty and keep: in-memory flags that may be left on a page
 F_BIGDATA = 0x01  # a leaf node whose value lies on overflow pages
 MAX_DEPTH = 31  # LMDB's cursor stack holds 32 pages
+CHUNK = 4096  # pages walked at once: bounds the memory of a level's nodes
 # struct MDB_meta after the page header: magic, version, address, map size, two MDB_db of
 # 48 bytes (pad, flags, depth, branch, leaf and overflow pages, entries, root), last page,
 # transaction id.
@@ -100,57 +101,125 @@ def _problem(m: mmap.mmap, size: int) -> str | None:
 
 
 def _tree_problem(data: np.ndarray, psize: int, last: int, root: int, depth: int) -> str | None:
+    """The walk, a level of the tree at a time and ``CHUNK`` pages of it at once."""
     if not 1 <= depth <= MAX_DEPTH:
         return f"a tree of depth {depth}"
+    pages = data[: (last + 1) * psize].reshape(last + 1, psize)
     seen = np.zeros(last + 1, dtype=bool)
-    stack = [(root, 1)]
-    while stack:
-        pgno, level = stack.pop()
-        if not 2 <= pgno <= last:
-            return f"a page number ({pgno}) outside the file's pages 2-{last}"
-        if seen[pgno]:
-            return f"page {pgno} is reached twice"
-        seen[pgno] = True
-        page = data[pgno * psize : (pgno + 1) * psize]
-        number, _, flags, lower, upper = struct.unpack_from("<QHHHH", page)
-        kind = flags & ~P_WRITTEN
-        where = f"page {pgno}"
-        if number != pgno:
-            return f"{where} says it is page {number}"
-        if kind not in (P_BRANCH, P_LEAF) or (kind == P_LEAF) != (level == depth):
-            return f"{where} at depth {level} of {depth} has flags {flags:#x}"
-        if not HEADER <= lower <= upper <= psize or lower % 2:
-            return f"{where} has bounds {lower}-{upper}"
-        nkeys = (lower - HEADER) // 2
-        if nkeys < (2 if kind == P_BRANCH else 1):
-            return f"{where} has {nkeys} key(s)"
-        ptrs = page[HEADER:lower].view("<u2").astype(np.int64)
-        if ptrs.min() < upper or ptrs.max() > psize - NODE:
-            return f"{where} has a node outside its node area"
-        lo, hi, nflags, ksize = page[ptrs[:, None] + np.arange(NODE)].view("<u2").astype(np.int64).T
-        ends = ptrs + NODE + ksize  # where each node's key ends
-        if kind == P_BRANCH:
-            if ends.max() > psize:
-                return f"{where} has a key past the page"
-            children = lo | hi << 16 | nflags << 32
-            stack.extend((int(c), level + 1) for c in children[::-1])
-            continue
-        big = nflags == F_BIGDATA
-        if (nflags & ~F_BIGDATA).any():
-            return f"{where} has a node with flags {int(nflags.max()):#x}"
-        dsize = lo | hi << 16
-        if (ends + np.where(big, 8, dsize)).max() > psize:
-            return f"{where} has a key or value past the page"
-        if big.any():
-            at = ends[big][:, None] + np.arange(8)
-            first = page[at].view("<u8").ravel()
-            pages = ((HEADER + dsize[big] + psize - 1) // psize).astype(np.uint64)
-            if first.min() < 2 or first.max() > last or (first + pages - 1).max() > last:
-                return f"{where} has a value on pages outside the file's pages 2-{last}"
+    level, at = np.array([root], dtype=np.uint64), 1
+    while len(level):
+        children = []
+        for start in range(0, len(level), CHUNK):
+            chunk = level[start : start + CHUNK]
+            problem = _pages_problem(pages, chunk, seen, psize, last, at, depth, children)
+            if problem:
+                return problem
+        level, at = (np.concatenate(children) if children else np.empty(0, np.uint64)), at + 1
+    return None
+
+
+def _first(bad: np.ndarray, pgnos: np.ndarray) -> int:
+    return int(pgnos[np.flatnonzero(bad)[0]])
+
+
+def _pages_problem(
+    pages: np.ndarray, pgnos: np.ndarray, seen: np.ndarray, psize: int, last: int,
+    level: int, depth: int, children: list,
+) -> str | None:  # fmt: skip
+    """The first problem of the pages ``pgnos`` at ``level``; a branch level's children go
+    to ``children``."""
+    out = (pgnos < 2) | (pgnos > last)
+    if out.any():
+        return f"a page number ({_first(out, pgnos)}) outside the file's pages 2-{last}"
+    p = pgnos.astype(np.int64)
+    order = np.argsort(p, kind="stable")
+    dup = np.zeros(len(p), bool)
+    dup[order[1:]] = p[order[1:]] == p[order[:-1]]
+    dup |= seen[p]
+    if dup.any():
+        return f"page {_first(dup, p)} is reached twice"
+    seen[p] = True
+    head = pages[p, :HEADER]
+    number = head[:, :8].copy().view("<u8").ravel()
+    flags, lower, upper = head[:, 10:16].copy().view("<u2").astype(np.int64).T
+    bad = number != pgnos
+    if bad.any():
+        k = np.flatnonzero(bad)[0]
+        return f"page {p[k]} says it is page {number[k]}"
+    kind = flags & ~P_WRITTEN
+    want = P_LEAF if level == depth else P_BRANCH
+    bad = kind != want
+    if bad.any():
+        k = np.flatnonzero(bad)[0]
+        return f"page {p[k]} at depth {level} of {depth} has flags {int(flags[k]):#x}"
+    bad = (lower < HEADER) | (lower > upper) | (upper > psize) | (lower % 2 == 1)
+    if bad.any():
+        k = np.flatnonzero(bad)[0]
+        return f"page {p[k]} has bounds {lower[k]}-{upper[k]}"
+    nkeys = (lower - HEADER) // 2
+    bad = nkeys < (2 if want == P_BRANCH else 1)
+    if bad.any():
+        k = np.flatnonzero(bad)[0]
+        return f"page {p[k]} has {nkeys[k]} key(s)"
+    owner = np.repeat(np.arange(len(p)), nkeys)  # the page of each node
+    slot = np.arange(len(owner)) - np.repeat(np.cumsum(nkeys) - nkeys, nkeys)
+    rows = p[owner]
+    at = HEADER + 2 * slot
+    ptrs = pages[rows, at].astype(np.int64) | pages[rows, at + 1].astype(np.int64) << 8
+    bad = (ptrs < upper[owner]) | (ptrs > psize - NODE)
+    if bad.any():
+        return f"page {p[owner[np.flatnonzero(bad)[0]]]} has a node outside its node area"
+    lo, hi, nflags, ksize = (
+        pages[rows[:, None], ptrs[:, None] + np.arange(NODE)].view("<u2").astype(np.int64).T
+    )
+    ends = ptrs + NODE + ksize
+    if want == P_BRANCH:
+        bad = ends > psize
+        if bad.any():
+            return f"page {p[owner[np.flatnonzero(bad)[0]]]} has a key past the page"
+        children.append((lo | hi << 16 | nflags << 32).astype(np.uint64))
+        return None
+    bad = (nflags & ~F_BIGDATA) != 0
+    if bad.any():
+        k = owner[np.flatnonzero(bad)[0]]
+        return f"page {p[k]} has a node with flags {int(nflags[owner == k].max()):#x}"
+    big = nflags == F_BIGDATA
+    dsize = lo | hi << 16
+    bad = ends + np.where(big, 8, dsize) > psize
+    if bad.any():
+        return f"page {p[owner[np.flatnonzero(bad)[0]]]} has a key or value past the page"
+    if big.any():
+        first = pages[rows[big][:, None], ends[big][:, None] + np.arange(8)].view("<u8").ravel()
+        npages = ((HEADER + dsize[big] + psize - 1) // psize).astype(np.uint64)
+        bad = (first < 2) | (first > last) | (first + npages - 1 > last)
+        if bad.any():
+            k = owner[big][np.flatnonzero(bad)[0]]
+            return f"page {p[k]} has a value on pages outside the file's pages 2-{last}"
     return None
 
 
 _SOUND: set[tuple[int, ...]] = set()  # files found sound by this process (or its parent)
+
+
+def _identity(path: str | os.PathLike) -> tuple[int, ...]:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def mark_sound(path: str | os.PathLike) -> None:
+    """Record the file ``path`` as sound, as ``require_sound`` does once it walked it: for
+    a file this process (or one it trusts, the shm cache's copier) has checked."""
+    _SOUND.add(_identity(path))
+
+
+def sound_files() -> list[tuple[int, ...]]:
+    """The files found sound, to carry to a process started without this one's memory
+    (a spawned worker): ``trust_sound`` there."""
+    return sorted(_SOUND)
+
+
+def trust_sound(identities: list) -> None:
+    _SOUND.update(tuple(k) for k in identities)
 
 
 def require_sound(path: str | os.PathLike) -> None:
@@ -162,8 +231,7 @@ def require_sound(path: str | os.PathLike) -> None:
         ingest.format.StoreError: naming the file and what is wrong with its pages.
     """
     try:
-        st = os.stat(path)
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        key = _identity(path)
         if key in _SOUND:
             return
         problem = pages_problem(path)

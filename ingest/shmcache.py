@@ -24,7 +24,7 @@ import lmdb
 from ingest import cachedir as cd
 from ingest import format as fmt
 from ingest.cachestats import Counters
-from ingest.lmdbpages import pages_problem
+from ingest.lmdbpages import mark_sound, pages_problem
 from ingest.shardcopy import copy_bytes, file_sha256, records_digest
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,7 @@ class ShmCache:
         if path is None:
             self._counters.add("from_original")
             return str(self.store_root / entry["name"])
+        mark_sound(path / DATA)  # its pages were walked when it was made or checked
         return str(path)
 
     def _cached(self, entry: dict) -> Path | None:
@@ -168,6 +169,7 @@ class ShmCache:
         try:
             made = json.loads((final / COPY_INFO).read_text(encoding="utf-8"))
             ok = made["digest"] == entry["digest"] and made["sha256"] == file_sha256(final / DATA)
+            ok = ok and pages_problem(final / DATA) is None  # (copies made before the walk)
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
         if ok:

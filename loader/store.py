@@ -60,8 +60,10 @@ class Store:
         self._keys = [_env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
         self._envs: dict[int, lmdb.Environment] = {}  # keeps the shared environments open
         # Every shard file's size and LMDB pages now: a damaged store is refused at open,
-        # not hours in, and the workers forked from this process inherit the walk.
-        for shard in range(len(self._first)):
+        # not hours in, and the workers forked from this process inherit the walk. With a
+        # cache, a process walks what it maps, the cache's copy (once, by its copier) or
+        # the shard, when it first opens it.
+        for shard in range(len(self._first) if cache is None else 0):
             lmdbpages.require_sound(fmt.store_file(self.root, self.manifest, shard))
         _LIVE.add(self)
 
@@ -73,9 +75,11 @@ class Store:
         state["_envs"] = {}
         state.pop("index", None)  # re-mapped in the receiving process, not copied
         state.pop("paths", None)
+        state["_sound"] = lmdbpages.sound_files()  # a spawned process walks none again
         return state
 
     def __setstate__(self, state: dict) -> None:
+        lmdbpages.trust_sound(state.pop("_sound", []))
         self.__dict__.update(state)
         _LIVE.add(self)
 

@@ -114,7 +114,10 @@ def _worker_loop(wid: int, producer, tensors: dict, conn, init_fn, parent: int) 
             report = producer.fill({k: v[slot] for k, v in views.items()}, *args)
             conn.send(("ok", slot, step, report))
         except fmt.StoreError as e:  # the store is unusable: the same one line as without workers
-            conn.send(("store", slot, step, e.with_traceback(None)))
+            try:
+                conn.send(("store", slot, step, e.with_traceback(None)))
+            except Exception:  # an argument that does not pickle: its message, then
+                conn.send(("store", slot, step, fmt.StoreError(str(e))))
         except Exception:
             conn.send(("error", slot, step, traceback.format_exc()))
 

@@ -29,6 +29,7 @@ from PIL import Image, ImageOps
 
 from ingest import format as fmt
 from ingest.build import BuildOptions
+from ingest.lmdbpages import ENGINE
 from ingest.probe import parse_jpeg
 from ingest.synth import make_image_folder, random_view, sample_photos
 
@@ -279,7 +280,8 @@ def read_shards(store: Path) -> list[tuple[str, bytes, bytes]]:
     order (the build identity, the one key that is not 8 bytes long, left out)."""
     out = []
     for entry in fmt.read_manifest(store)["shards"]:
-        env = lmdb.open(str(store / entry["name"]), readonly=True, lock=False, subdir=True)
+        env = lmdb.open(str(store / entry["name"]), readonly=True, lock=False, subdir=True,
+                        **ENGINE)  # fmt: skip
         with env.begin() as txn:
             out.extend((entry["name"], bytes(k), bytes(v)) for k, v in txn.cursor() if len(k) == 8)
         env.close()

@@ -20,7 +20,7 @@ import pytest
 from fixtures import REPO
 
 from ingest.format import StoreError
-from ingest.lmdbpages import pages_problem, require_sound
+from ingest.lmdbpages import ENGINE, pages_problem, require_sound
 
 PAGE = 4096
 KEYS = 400  # two levels: a branch page over leaf pages
@@ -30,7 +30,7 @@ def _lmdb_file(root: Path) -> Path:
     """An LMDB file laid out as a shard's: 8-byte keys, every third value on overflow
     pages (3,000 bytes), the others inline (100 bytes), and a build identity."""
     root.mkdir()
-    env = lmdb.open(str(root), map_size=64 << 20)
+    env = lmdb.open(str(root), map_size=64 << 20, **ENGINE)
     with env.begin(write=True) as txn:
         for i in range(KEYS):
             txn.put(i.to_bytes(8, "big"), bytes([i % 251]) * (3000 if i % 3 == 0 else 100))
@@ -207,7 +207,7 @@ def test_a_sound_file_is_walked_once_until_it_changes(sound: bytes, tmp_path: Pa
 _FUZZ = r"""
 import json, os, random, struct, sys, lmdb
 from pathlib import Path
-from ingest.lmdbpages import pages_problem
+from ingest.lmdbpages import ENGINE, pages_problem
 base, seeds, check = Path(sys.argv[1]), range(*map(int, sys.argv[2:4])), sys.argv[4] == "1"
 sound = base.read_bytes()
 tree = [k for k in range(len(sound) // 4096)
@@ -228,7 +228,7 @@ for seed in seeds:
     if pid == 0:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # LMDB's assertion message
         try:  # an error from LMDB is safe: the reader lives
-            env = lmdb.open(str(work), readonly=True, lock=False, max_readers=1)
+            env = lmdb.open(str(work), readonly=True, lock=False, max_readers=1, **ENGINE)
             txn = env.begin(buffers=True)
         except lmdb.Error:
             os._exit(0)
@@ -298,7 +298,7 @@ def test_an_lmdb_1_file_is_named_as_such(tmp_path: Path):
 
 
 @TWO_ENGINES
-def test_stores_are_written_and_read_by_lmdb_0_9_whatever_the_default(tmp_path: Path):
+def test_stores_are_written_and_read_by_lmdb_0_9_whatever_the_default(tmp_path: Path, monkeypatch):
     """py-lmdb 3 picks an engine for a new file from LMDB_DEFAULT_LIB_VERSION, and for an
     existing one from its first bytes, which a damaged file can make 1.0's: the build and
     every reader name LMDB 0.9's, whose format the page check models."""
@@ -315,8 +315,15 @@ def test_stores_are_written_and_read_by_lmdb_0_9_whatever_the_default(tmp_path: 
     data = (shard / "data.mdb").read_bytes()
     assert struct.unpack_from("<I", data, 20)[0] == 1  # data format 1: LMDB 0.9's
     assert pages_problem(shard / "data.mdb") is None
-    from loader.store import Store
+    import loader.store
 
-    store = Store(tmp_path / "out")
-    assert store._env(0).lib_version()[:2] == (0, 9)
+    asked, real_open = [], lmdb.open
+
+    def open_env(*args, **kwargs):
+        asked.append(kwargs)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(loader.store.lmdb, "open", open_env)
+    store = loader.store.Store(tmp_path / "out")
     assert len(store.raw(0)) == int(store.index["nbytes"][0])
+    assert [kw["lib_version"] for kw in asked] == [0]  # whatever the file's first bytes say

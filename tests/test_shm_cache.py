@@ -356,3 +356,37 @@ def test_the_real_dev_shm(clean_store: Path, tmp_path: Path) -> None:
         if made_base:
             with contextlib.suppress(OSError):
                 base.rmdir()  # only when empty: another run may be using it
+
+
+@pytest.mark.parametrize("cache", [None, "shm"])
+def test_each_file_is_walked_once(clean_store: Path, tmp_path: Path, monkeypatch, cache) -> None:
+    """The LMDB pages of what is mapped are walked once (ingest.lmdbpages), whatever the
+    processes: without a cache each shard when the store is opened, its forked workers
+    never again at any epoch; with one each copy as it is made, never the shard it copies,
+    nor the copy again in the other workers."""
+    import ingest.lmdbpages
+    import ingest.shmcache
+
+    log, real = tmp_path / "walks", ingest.lmdbpages.pages_problem
+
+    def walk(path):
+        with open(log, "a") as f:  # from every process: a line each
+            f.write(f"{os.getpid()} {path}\n")
+        return real(path)
+
+    monkeypatch.setattr(ingest.lmdbpages, "pages_problem", walk)
+    monkeypatch.setattr(ingest.shmcache, "pages_problem", walk)
+    extra = {"cache": cache, "cache_root": tmp_path} if cache else {}
+    dl = eval_loader(clean_store, num_workers=2, **extra)
+    for _ in range(2):  # workers started again at each epoch
+        assert sum(len(indices) for _, _, indices in dl) == 24
+    walks = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    assert len(walks) == 4  # the 4 shards, once each
+    if cache is None:
+        assert {pid for pid, _ in walks} == {str(os.getpid())}
+        assert sorted(path for _, path in walks) == [
+            f"{clean_store}/shard-0000{k}/data.mdb" for k in range(4)
+        ]
+    else:
+        assert not any(path.startswith(str(clean_store)) for _, path in walks)
+        release(dl.dataset)
