@@ -376,6 +376,7 @@ def test_each_file_is_walked_once(clean_store: Path, tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(ingest.lmdbpages, "pages_problem", walk)
     monkeypatch.setattr(ingest.shmcache, "pages_problem", walk)
+    monkeypatch.setattr(ingest.lmdbpages, "_SOUND", set())  # what earlier tests walked
     extra = {"cache": cache, "cache_root": tmp_path} if cache else {}
     dl = eval_loader(clean_store, num_workers=2, **extra)
     for _ in range(2):  # workers started again at each epoch
