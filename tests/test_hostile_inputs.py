@@ -1284,7 +1284,7 @@ def _damage_last_leaf_page(shard: Path) -> int:
     the end of the file and dies of SIGBUS."""
     path = shard / "data.mdb"
     data = bytearray(path.read_bytes())
-    page, leaves = 4096, []
+    page, leaves = struct.unpack_from("<I", data, 40)[0], []  # the first meta page's size
     k = 2  # pages 0 and 1 are the meta pages
     while (k + 1) * page <= len(data):
         flags, ovpages = struct.unpack_from("<H", data, k * page + 10)[0], 1
@@ -1458,7 +1458,7 @@ def test_a_shard_lmdb_will_not_open_is_a_store_error_not_bad_samples(copy: Path)
     shard, not one sample: no replacement can help, and readers say so."""
     path = copy / "shard-00002" / "data.mdb"
     data = bytearray(path.read_bytes())
-    for meta in (0, 4096):
+    for meta in (0, struct.unpack_from("<I", data, 40)[0]):  # at 0 and one page on
         struct.pack_into("<H", data, meta + 44, 0x48)  # the free database's flags
     path.write_bytes(bytes(data))
     first = fmt.read_manifest(copy)["shards"][2]["first"]

@@ -9,6 +9,7 @@ reader.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import subprocess
@@ -22,7 +23,7 @@ from fixtures import REPO
 from ingest.format import StoreError
 from ingest.lmdbpages import ENGINE, pages_problem, require_sound
 
-PAGE = 4096
+PAGE = min(mmap.PAGESIZE, 32768)  # LMDB's page: the system's, at most 32 KiB
 KEYS = 400  # two levels: a branch page over leaf pages
 
 
@@ -210,15 +211,16 @@ from pathlib import Path
 from ingest.lmdbpages import ENGINE, pages_problem
 base, seeds, check = Path(sys.argv[1]), range(*map(int, sys.argv[2:4])), sys.argv[4] == "1"
 sound = base.read_bytes()
-tree = [k for k in range(len(sound) // 4096)
-        if k < 2 or struct.unpack_from("<H", sound, k * 4096 + 10)[0] & 3]
+page = struct.unpack_from("<I", sound, 40)[0]  # the page size, in the first meta page
+tree = [k for k in range(len(sound) // page)
+        if k < 2 or struct.unpack_from("<H", sound, k * page + 10)[0] & 3]
 work = base.parent / "damaged"
 work.mkdir()
 counts = {"refused": 0, "read": 0, "died": []}
 for seed in seeds:
     rng, data = random.Random(seed), bytearray(sound)
     for _ in range(rng.choice([1, 1, 2, 4])):
-        at = rng.choice(tree) * 4096 + rng.randrange(64 if rng.random() < 0.5 else 4096)
+        at = rng.choice(tree) * page + rng.randrange(64 if rng.random() < 0.5 else page)
         data[at] = data[at] ^ (1 << rng.randrange(8)) if rng.random() < 0.5 else rng.randrange(256)
     (work / "data.mdb").write_bytes(data)
     if check and pages_problem(work / "data.mdb") is not None:
