@@ -49,7 +49,7 @@ P_BRANCH, P_LEAF = 0x01, 0x02
 P_WRITTEN = 0x10 | 0x8000  # dirty and keep: in-memory flags that may be left on a page
 F_BIGDATA = 0x01  # a leaf node whose value lies on overflow pages
 MAX_DEPTH = 31  # LMDB's cursor stack holds 32 pages
-CHUNK = 4096  # pages walked at once: bounds the memory of a level's nodes
+MAX_NODES = 1 << 20  # nodes walked at once (some 100 MiB of numpy's temporaries)
 # struct MDB_meta after the page header: magic, version, address, map size, two MDB_db of
 # 48 bytes (pad, flags, depth, branch, leaf and overflow pages, entries, root), last page,
 # transaction id.
@@ -101,20 +101,28 @@ def _problem(m: mmap.mmap, size: int) -> str | None:
 
 
 def _tree_problem(data: np.ndarray, psize: int, last: int, root: int, depth: int) -> str | None:
-    """The walk, a level of the tree at a time and ``CHUNK`` pages of it at once."""
+    """The walk, a level of the tree at a time and at most ``MAX_NODES`` nodes of it at once
+    (a page may point all its slots at one node: pages alone would not bound the memory).
+    A page is queued once: a child already queued is a page reached twice, so a level
+    holds at most every page of the file."""
     if not 1 <= depth <= MAX_DEPTH:
         return f"a tree of depth {depth}"
+    if not 2 <= root <= last:
+        return f"a page number ({root}) outside the file's pages 2-{last}"
     pages = data[: (last + 1) * psize].reshape(last + 1, psize)
-    seen = np.zeros(last + 1, dtype=bool)
-    level, at = np.array([root], dtype=np.uint64), 1
+    queued = np.zeros(last + 1, dtype=bool)
+    queued[root] = True
+    level, at = np.array([root], dtype=np.int64), 1
     while len(level):
-        children = []
-        for start in range(0, len(level), CHUNK):
-            chunk = level[start : start + CHUNK]
-            problem = _pages_problem(pages, chunk, seen, psize, last, at, depth, children)
+        lower = pages[level, 12].astype(np.int64) | pages[level, 13].astype(np.int64) << 8
+        weight = np.cumsum(np.maximum(lower - HEADER, 0) // 2 + 1)  # a page's nodes, and it
+        cuts = np.searchsorted(weight, np.arange(MAX_NODES, weight[-1], MAX_NODES))
+        children: list[np.ndarray] = []
+        for chunk in np.split(level, np.unique(np.maximum(cuts, 1))):
+            problem = _pages_problem(pages, chunk, queued, psize, last, at, depth, children)
             if problem:
                 return problem
-        level, at = (np.concatenate(children) if children else np.empty(0, np.uint64)), at + 1
+        level, at = (np.concatenate(children) if children else level[:0]), at + 1
     return None
 
 
@@ -123,26 +131,16 @@ def _first(bad: np.ndarray, pgnos: np.ndarray) -> int:
 
 
 def _pages_problem(
-    pages: np.ndarray, pgnos: np.ndarray, seen: np.ndarray, psize: int, last: int,
+    pages: np.ndarray, pgnos: np.ndarray, queued: np.ndarray, psize: int, last: int,
     level: int, depth: int, children: list,
 ) -> str | None:  # fmt: skip
-    """The first problem of the pages ``pgnos`` at ``level``; a branch level's children go
-    to ``children``."""
-    out = (pgnos < 2) | (pgnos > last)
-    if out.any():
-        return f"a page number ({_first(out, pgnos)}) outside the file's pages 2-{last}"
-    p = pgnos.astype(np.int64)
-    order = np.argsort(p, kind="stable")
-    dup = np.zeros(len(p), bool)
-    dup[order[1:]] = p[order[1:]] == p[order[:-1]]
-    dup |= seen[p]
-    if dup.any():
-        return f"page {_first(dup, p)} is reached twice"
-    seen[p] = True
+    """The first problem of the pages ``pgnos`` (queued: within the file, each once) at
+    ``level``; a branch level's children, checked and queued, go to ``children``."""
+    p = pgnos
     head = pages[p, :HEADER]
     number = head[:, :8].copy().view("<u8").ravel()
     flags, lower, upper = head[:, 10:16].copy().view("<u2").astype(np.int64).T
-    bad = number != pgnos
+    bad = number != pgnos.astype(np.uint64)
     if bad.any():
         k = np.flatnonzero(bad)[0]
         return f"page {p[k]} says it is page {number[k]}"
@@ -177,7 +175,18 @@ def _pages_problem(
         bad = ends > psize
         if bad.any():
             return f"page {p[owner[np.flatnonzero(bad)[0]]]} has a key past the page"
-        children.append((lo | hi << 16 | nflags << 32).astype(np.uint64))
+        kids = lo | hi << 16 | nflags << 32  # 48-bit page numbers
+        out = (kids < 2) | (kids > last)
+        if out.any():
+            return f"a page number ({_first(out, kids)}) outside the file's pages 2-{last}"
+        order = np.argsort(kids, kind="stable")
+        dup = np.zeros(len(kids), bool)
+        dup[order[1:]] = kids[order[1:]] == kids[order[:-1]]
+        dup |= queued[kids]
+        if dup.any():
+            return f"page {_first(dup, kids)} is reached twice"
+        queued[kids] = True
+        children.append(kids)
         return None
     bad = (nflags & ~F_BIGDATA) != 0
     if bad.any():
@@ -201,24 +210,22 @@ def _pages_problem(
 _SOUND: set[tuple[int, ...]] = set()  # files found sound by this process (or its parent)
 
 
-def _identity(path: str | os.PathLike) -> tuple[int, ...]:
+def identity(path: str | os.PathLike) -> tuple[int, ...]:
+    """What tells a file from the same file changed: device, inode, size, modification
+    and change times (any write, in place or not, changes the last)."""
     st = os.stat(path)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def mark_sound(path: str | os.PathLike) -> None:
-    """Record the file ``path`` as sound, as ``require_sound`` does once it walked it: for
-    a file this process (or one it trusts, the shm cache's copier) has checked."""
-    _SOUND.add(_identity(path))
-
-
 def sound_files() -> list[tuple[int, ...]]:
-    """The files found sound, to carry to a process started without this one's memory
-    (a spawned worker): ``trust_sound`` there."""
+    """The identities of the files found sound, to carry to a process that does not share
+    this one's memory (a spawned worker, another process of the shm cache): there,
+    ``trust_sound``."""
     return sorted(_SOUND)
 
 
 def trust_sound(identities: list) -> None:
+    """Take the files of these identities as walked and sound (``sound_files``)."""
     _SOUND.update(tuple(k) for k in identities)
 
 
@@ -231,7 +238,7 @@ def require_sound(path: str | os.PathLike) -> None:
         ingest.format.StoreError: naming the file and what is wrong with its pages.
     """
     try:
-        key = _identity(path)
+        key = identity(path)
         if key in _SOUND:
             return
         problem = pages_problem(path)

@@ -24,7 +24,7 @@ import lmdb
 from ingest import cachedir as cd
 from ingest import format as fmt
 from ingest.cachestats import Counters
-from ingest.lmdbpages import mark_sound, pages_problem
+from ingest.lmdbpages import identity, pages_problem, trust_sound
 from ingest.shardcopy import copy_bytes, file_sha256, records_digest
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 DEFAULT_SHARE = 0.5  # of what the cache root has free (plus what this cache already holds)
 RESERVE = 256 * MiB  # always left free under the cache root (at most a tenth of its size)
-COPY_INFO, VERIFIED, DATA = "copy.json", "verified", "data.mdb"
+COPY_INFO, VERIFIED, WALKED, DATA = "copy.json", "verified", "walked", "data.mdb"
 _SAID_BUDGET, _SAID_ERROR = 1, 2  # "said once" flags
 
 
@@ -132,7 +132,7 @@ class ShmCache:
         if path is None:
             self._counters.add("from_original")
             return str(self.store_root / entry["name"])
-        mark_sound(path / DATA)  # its pages were walked when it was made or checked
+        _trust_walked(path)
         return str(path)
 
     def _cached(self, entry: dict) -> Path | None:
@@ -168,11 +168,14 @@ class ShmCache:
         """
         try:
             made = json.loads((final / COPY_INFO).read_text(encoding="utf-8"))
+            before = identity(final / DATA)
             ok = made["digest"] == entry["digest"] and made["sha256"] == file_sha256(final / DATA)
             ok = ok and pages_problem(final / DATA) is None  # (copies made before the walk)
+            ok = ok and identity(final / DATA) == before  # what was hashed and walked
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
         if ok:
+            cd.write_atomic(final / WALKED, json.dumps(before))
             cd.write_atomic(final / VERIFIED, self.session)
         return ok
 
@@ -200,6 +203,7 @@ class ShmCache:
                 return None
             made = {"sha256": sha, "bytes": size, "digest": entry["digest"]}
             (tmp / COPY_INFO).write_text(json.dumps(made), encoding="utf-8")
+            (tmp / WALKED).write_text(json.dumps(identity(tmp / DATA)), encoding="utf-8")
             (tmp / VERIFIED).write_text(self.session, encoding="utf-8")
             os.rename(tmp, final)  # complete and checked, or not there at all
         finally:
@@ -283,3 +287,15 @@ def _leave(cache: str, pid: int, exiting: bool = False) -> None:
             cd.leave(Path(cache), cd.me())
         except OSError as e:
             log.warning("shm cache %s: could not unregister: %s", cache, e)
+
+
+def _trust_walked(path: Path) -> None:
+    """Take a copy's pages as sound where they are the bytes its copier (or the check of a
+    copy from an earlier run) walked: the identity recorded then is its identity now. A
+    copy changed since (in place, or replaced) is walked again by the process that maps it."""
+    try:
+        walked = json.loads((path / WALKED).read_text(encoding="utf-8"))
+        if isinstance(walked, list) and tuple(walked) == identity(path / DATA):
+            trust_sound([walked])
+    except (OSError, ValueError):  # no record, or gone: the reader walks it
+        pass

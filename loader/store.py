@@ -28,10 +28,11 @@ class Store:
     store on a read-only filesystem reads fine. The index is memory-mapped.
 
     A store is untrusted input: the manifest, the index and each shard file's size and
-    LMDB pages (``ingest.lmdbpages``) are checked when the store is opened, the file each
-    process maps (the shard's, or a cache's copy) again before it maps it, with the shard's
-    build identity, and each record (CRC-32, fields, pixel count) as it is read; see
-    ``record``.
+    LMDB pages (``ingest.lmdbpages``) are checked when the store is opened; the file a
+    process maps (the shard's, or a cache's copy), before it maps it, with the shard's
+    build identity (its pages walked again unless those very bytes were walked by this
+    process, the one that forked it, or the cache's copier); and each record (CRC-32,
+    fields, pixel count) as it is read; see ``record``.
 
     Args:
         root: the store directory.
@@ -60,10 +61,9 @@ class Store:
         self._keys = [_env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
         self._envs: dict[int, lmdb.Environment] = {}  # keeps the shared environments open
         # Every shard file's size and LMDB pages now: a damaged store is refused at open,
-        # not hours in, and the workers forked from this process inherit the walk. With a
-        # cache, a process walks what it maps, the cache's copy (once, by its copier) or
-        # the shard, when it first opens it.
-        for shard in range(len(self._first) if cache is None else 0):
+        # not hours in, and the workers forked from this process inherit the walk (a
+        # cache's copy is walked by its copier, and trusted while it is those bytes).
+        for shard in range(len(self._first)):
             lmdbpages.require_sound(fmt.store_file(self.root, self.manifest, shard))
         _LIVE.add(self)
 

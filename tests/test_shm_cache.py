@@ -382,12 +382,29 @@ def test_each_file_is_walked_once(clean_store: Path, tmp_path: Path, monkeypatch
     for _ in range(2):  # workers started again at each epoch
         assert sum(len(indices) for _, _, indices in dl) == 24
     walks = [line.split(" ", 1) for line in log.read_text().splitlines()]
-    assert len(walks) == 4  # the 4 shards, once each
-    if cache is None:
-        assert {pid for pid, _ in walks} == {str(os.getpid())}
-        assert sorted(path for _, path in walks) == [
-            f"{clean_store}/shard-0000{k}/data.mdb" for k in range(4)
-        ]
-    else:
-        assert not any(path.startswith(str(clean_store)) for _, path in walks)
+    originals = [(pid, path) for pid, path in walks if path.startswith(str(clean_store))]
+    assert sorted(originals) == [  # at open, by this process
+        (str(os.getpid()), f"{clean_store}/shard-0000{k}/data.mdb") for k in range(4)
+    ]
+    copies = [path for _, path in walks if not path.startswith(str(clean_store))]
+    assert len(copies) == (4 if cache else 0)  # each as it was made, by its copier
+    if cache:
         release(dl.dataset)
+
+
+def test_a_copy_changed_after_its_walk_is_walked_again(clean_store: Path, tmp_path: Path):
+    """A copy's walk is trusted by the processes of its session while the copy is the
+    bytes that were walked; damaged since, it is walked again and refused, not mapped."""
+    from test_hostile_inputs import _damage_last_leaf_page
+
+    first = LMDBDataset(clean_store, cache="shm", cache_root=tmp_path)
+    records(first.store)  # every shard copied, each copy walked
+    shard = cache_of(clean_store, tmp_path) / "shard-00001"
+    leaf = _damage_last_leaf_page(shard)
+    second = LMDBDataset(clean_store, cache="shm", cache_root=tmp_path)  # the same session
+    index = second.store.manifest["shards"][1]["first"]
+    with pytest.raises(fmt.StoreError, match=rf"shard-00001/data.mdb: damaged LMDB pages "
+                       rf"\(page {leaf} has a node outside its node area\)"):  # fmt: skip
+        second[index]
+    release(second)
+    release(first)
