@@ -64,8 +64,8 @@ def pages_problem(path: str | os.PathLike) -> str | None:
         size = os.fstat(f.fileno()).st_size
         if size < 2 * 512:
             return f"{size} bytes, too short for LMDB's two meta pages"
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return _problem(m, size)
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return _problem(m, size)  # the map closes with its last view (an error's frames hold some)
 
 
 def _problem(m: mmap.mmap, size: int) -> str | None:
@@ -118,7 +118,7 @@ def _tree_problem(data: np.ndarray, psize: int, last: int, root: int, depth: int
         weight = np.cumsum(np.maximum(lower - HEADER, 0) // 2 + 1)  # a page's nodes, and it
         cuts = np.searchsorted(weight, np.arange(MAX_NODES, weight[-1], MAX_NODES))
         children: list[np.ndarray] = []
-        for chunk in np.split(level, np.unique(np.maximum(cuts, 1))):
+        for chunk in np.split(level, sorted(set(np.maximum(cuts, 1).tolist()))):
             problem = _pages_problem(pages, chunk, queued, psize, last, at, depth, children)
             if problem:
                 return problem
