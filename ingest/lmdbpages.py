@@ -23,7 +23,7 @@ file: a random read per record on a cold disk, where a reader needs the read pat
 
 py-lmdb 3 holds two engines, LMDB 0.9 and 1.0, and picks one for an existing file from its
 first bytes, which a damaged file can make the 1.0 engine's: every LMDB environment of a
-store is opened with ``ENGINE``, the 0.9 engine whose format this check models.
+store is opened through ``open_lmdb``, with the 0.9 engine whose format this check models.
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ from ingest.format import StoreError
 # lmdb.open's arguments that choose LMDB 0.9's engine (data format 1), where the binding
 # has several (py-lmdb 3); older bindings have that engine only.
 ENGINE = {"lib_version": 0} if hasattr(lmdb.Environment, "lib_version") else {}
+
+
+def open_lmdb(path: str | os.PathLike, **options) -> lmdb.Environment:
+    """``lmdb.open(path, **options)`` with LMDB 0.9's engine: how every shard is opened,
+    written or read (``ENGINE``)."""
+    return lmdb.open(str(path), **options, **ENGINE)
+
 
 MAGIC, VERSION = 0xBEEFC0DE, 1
 HEADER = 16  # a page's header: number (8), pad (2), flags (2), lower and upper bounds (2, 2)
@@ -70,9 +77,9 @@ def pages_problem(path: str | os.PathLike) -> str | None:
 
 def _problem(m: mmap.mmap, size: int) -> str | None:
     words = struct.unpack_from("<16I", m)  # where py-lmdb 3 reads a file's format
-    version = next((after for word, after in itertools.pairwise(words) if word == MAGIC), VERSION)
-    if version != VERSION:
-        return (f"LMDB data format {version}, where a store's shards are of format "
+    named = next((after for word, after in itertools.pairwise(words) if word == MAGIC), VERSION)
+    if named != VERSION:
+        return (f"LMDB data format {named}, where a store's shards are of format "
                 f"{VERSION} (LMDB 0.9)")  # fmt: skip
     metas = []
     for k in range(2):
@@ -136,11 +143,11 @@ def _pages_problem(
 ) -> str | None:  # fmt: skip
     """The first problem of the pages ``pgnos`` (queued: within the file, each once) at
     ``level``; a branch level's children, checked and queued, go to ``children``."""
-    p = pgnos
+    p = pgnos  # (short: it names the page in every message)
     head = pages[p, :HEADER]
     number = head[:, :8].copy().view("<u8").ravel()
     flags, lower, upper = head[:, 10:16].copy().view("<u2").astype(np.int64).T
-    bad = number != pgnos.astype(np.uint64)
+    bad = number != p.astype(np.uint64)
     if bad.any():
         k = np.flatnonzero(bad)[0]
         return f"page {p[k]} says it is page {number[k]}"

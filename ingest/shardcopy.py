@@ -7,11 +7,10 @@ import os
 import zlib
 from pathlib import Path
 
-import lmdb
 import numpy as np
 
 from ingest import format as fmt
-from ingest.lmdbpages import ENGINE
+from ingest.lmdbpages import open_lmdb
 
 CHUNK = 8 << 20
 
@@ -38,9 +37,7 @@ def records_digest(shard_dir: Path, entry: dict) -> str | None:
     """The content checksum (FORMAT.md) of the records in ``shard_dir``; None when its keys
     are not exactly those the manifest gives the shard."""
     crcs, sizes, keys = [], [], []
-    env = lmdb.open(
-        str(shard_dir), readonly=True, lock=False, readahead=False, max_readers=1, **ENGINE
-    )
+    env = open_lmdb(shard_dir, readonly=True, lock=False, readahead=False, max_readers=1)
     try:
         with env.begin(buffers=True) as txn:
             for i, value in fmt.shard_records(txn):

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from ingest import format as fmt
 from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
 from ingest.cstderr import captured
-from ingest.lmdbpages import ENGINE, pages_problem
+from ingest.lmdbpages import open_lmdb, pages_problem
 from ingest.normalize import Reject, check_jpeg
 from ingest.probe import PngError, header_problem, plain_png
 from ingest.safeio import FileRefused, sha256_file
@@ -172,12 +172,13 @@ def _check_shard(
     entry = manifest["shards"][shard]
     name = entry["name"]
     try:
-        path = fmt.store_file(root, manifest, shard).parent
-        problem = pages_problem(path / "data.mdb")  # before LMDB trusts them
+        data = fmt.store_file(root, manifest, shard)
+        problem = pages_problem(data)  # before LMDB trusts them
     except (fmt.StoreError, OSError) as e:
         return [_relative(root, e)]
     if problem is not None:
         return [f"{name}: damaged LMDB pages ({problem}); rebuild the store"]
+    path = data.parent
     crcs: list[int] = []
     sizes: list[int] = []
     try:
@@ -193,7 +194,7 @@ def _check_shard(
 def _build_problem(path: Path, name: str, manifest: dict) -> list[str]:
     if "build" not in manifest:  # a version 1 store
         return []
-    env = lmdb.open(str(path), readonly=True, lock=False, readahead=False, **ENGINE)
+    env = open_lmdb(path, readonly=True, lock=False, readahead=False)
     try:
         with env.begin() as txn:
             build = txn.get(fmt.BUILD_KEY)
@@ -213,7 +214,7 @@ def _check_records(
     sizes: list,
     tick=None,
 ) -> Iterator[str]:
-    env = lmdb.open(str(path), readonly=True, lock=False, readahead=False, **ENGINE)
+    env = open_lmdb(path, readonly=True, lock=False, readahead=False)
     try:
         with env.begin() as txn:
             expected = entry["first"]

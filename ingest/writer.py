@@ -14,7 +14,7 @@ from pathlib import Path
 import lmdb
 
 from ingest.format import BUILD_KEY, encode_key, fsync_path
-from ingest.lmdbpages import ENGINE
+from ingest.lmdbpages import open_lmdb
 
 MiB = 1 << 20
 TXN_BYTES = 16 * MiB  # commit this often: bounds the dirty pages LMDB keeps in memory
@@ -43,9 +43,9 @@ class ShardWriter:
         self._pending_bytes = 0
         self._flusher: threading.Thread | None = None
         keep_heap()
-        self._env = lmdb.open(
-            str(tmp_dir), map_size=map_size, subdir=True, sync=False, metasync=False,
-            readahead=False, max_dbs=0, **ENGINE,
+        self._env = open_lmdb(
+            tmp_dir, map_size=map_size, subdir=True, sync=False, metasync=False,
+            readahead=False, max_dbs=0,
         )  # fmt: skip
 
     def put(self, index: int, value: bytes) -> None:

@@ -269,9 +269,9 @@ def _open_env(key: str) -> lmdb.Environment:
     """The environment of the shard directory ``key`` (a real path), opened once per process."""
     env = _ENVS.get(key)
     if env is None:
-        env = lmdb.open(
+        env = lmdbpages.open_lmdb(
             key, readonly=True, lock=False, readahead=False, subdir=True,
-            max_readers=1, max_spare_txns=1, **lmdbpages.ENGINE,
+            max_readers=1, max_spare_txns=1,
         )  # fmt: skip
         _ENVS[key] = env
     return env

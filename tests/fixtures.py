@@ -23,13 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import cv2
-import lmdb
 import numpy as np
 from PIL import Image, ImageOps
 
 from ingest import format as fmt
 from ingest.build import BuildOptions
-from ingest.lmdbpages import ENGINE
+from ingest.lmdbpages import open_lmdb
 from ingest.probe import parse_jpeg
 from ingest.synth import make_image_folder, random_view, sample_photos
 
@@ -280,8 +279,7 @@ def read_shards(store: Path) -> list[tuple[str, bytes, bytes]]:
     order (the build identity, the one key that is not 8 bytes long, left out)."""
     out = []
     for entry in fmt.read_manifest(store)["shards"]:
-        env = lmdb.open(str(store / entry["name"]), readonly=True, lock=False, subdir=True,
-                        **ENGINE)  # fmt: skip
+        env = open_lmdb(store / entry["name"], readonly=True, lock=False, subdir=True)
         with env.begin() as txn:
             out.extend((entry["name"], bytes(k), bytes(v)) for k, v in txn.cursor() if len(k) == 8)
         env.close()
@@ -304,9 +302,17 @@ def assert_same_store(a: Path, b: Path) -> None:
 
 def run_ingest(*args: str | os.PathLike, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``python3 -m ingest ARGS`` from the repository; capture its output as text."""
+    return run_python("-m", "ingest", *args, timeout=timeout)
+
+
+def run_python(
+    *args: str | os.PathLike, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess:
+    """Run ``python3 ARGS`` from the repository, which it imports, with ``env`` added to
+    the environment; capture its output as text."""
     return subprocess.run(
-        [sys.executable, "-m", "ingest", *map(str, args)],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
+        [sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+        timeout=timeout, check=False, env={**os.environ, "PYTHONPATH": str(REPO), **env},
     )  # fmt: skip
 
 

@@ -21,7 +21,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -32,7 +31,7 @@ import msgpack
 import numpy as np
 import pytest
 import zstandard
-from fixtures import REPO, assert_same_store, run_ingest
+from fixtures import REPO, assert_same_store, run_ingest, run_python
 from PIL import Image
 
 import ingest.build as ingest_build
@@ -41,7 +40,7 @@ import loader
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
 from ingest.codec import decompress, encoded_limit, pack_record, record_limit, unpack_record
-from ingest.lmdbpages import ENGINE
+from ingest.lmdbpages import open_lmdb
 from ingest.probe import PngError, image_size, parse_jpeg, plain_png
 from ingest.resume import OutputError
 from ingest.synth import make_image_folder
@@ -328,9 +327,7 @@ def test_jpegs_that_only_make_libjpeg_warn_are_rejected_silently(tmp_path: Path)
 def _run_python(script: str, timeout: float) -> subprocess.CompletedProcess:
     """Run ``script`` in a new interpreter (its own fd 2), this repository importable; it
     must succeed."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=timeout, check=False, env=env)  # fmt: skip
+    run = run_python("-c", script, timeout=timeout)
     assert run.returncode == 0, run.stderr
     return run
 
@@ -1047,8 +1044,7 @@ def _put_value(store: Path, i: int, rewritten) -> bytes:
     """Store ``rewritten(old value)`` as record ``i`` and return it; its shard's size in the
     manifest follows."""
     shard = Store(store).shard_of(i)
-    env = lmdb.open(str(store / fmt.shard_name(shard)), subdir=True, lock=False, map_size=1 << 31,
-                    **ENGINE)  # fmt: skip
+    env = open_lmdb(store / fmt.shard_name(shard), subdir=True, lock=False, map_size=1 << 31)
     with env, env.begin(write=True) as txn:
         value = rewritten(txn.get(fmt.encode_key(i)))
         txn.put(fmt.encode_key(i), value)
@@ -1419,11 +1415,9 @@ def test_random_damage_never_kills_or_lies(store: Path, tmp_path: Path, what: st
     and then verify finds the damage too: the loader's advice to run it never meets a
     store it calls sound) or stops with the store's one-line error (verify agrees);
     never a dead process, another error, a hang or a sample lost."""
-    result = subprocess.run(
-        [sys.executable, "-c", _STORE_FUZZ, str(store), str(tmp_path / "work"), what, "0", "60"],
-        capture_output=True, text=True, timeout=HANG_S - 5, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    result = run_python(
+        "-c", _STORE_FUZZ, store, tmp_path / "work", what, 0, 60, timeout=HANG_S - 5
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     counts = json.loads(result.stdout)
     assert counts["wrong"] == []

@@ -12,16 +12,14 @@ import json
 import mmap
 import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import lmdb
 import pytest
-from fixtures import REPO
+from fixtures import run_python
 
 from ingest.format import StoreError
-from ingest.lmdbpages import ENGINE, pages_problem, require_sound
+from ingest.lmdbpages import open_lmdb, pages_problem, require_sound
 
 PAGE = min(mmap.PAGESIZE, 32768)  # LMDB's page: the system's, at most 32 KiB
 KEYS = 400  # two levels: a branch page over leaf pages
@@ -31,7 +29,7 @@ def _lmdb_file(root: Path) -> Path:
     """An LMDB file laid out as a shard's: 8-byte keys, every third value on overflow
     pages (3,000 bytes), the others inline (100 bytes), and a build identity."""
     root.mkdir()
-    env = lmdb.open(str(root), map_size=64 << 20, **ENGINE)
+    env = open_lmdb(root, map_size=64 << 20)
     with env.begin(write=True) as txn:
         for i in range(KEYS):
             txn.put(i.to_bytes(8, "big"), bytes([i % 251]) * (3000 if i % 3 == 0 else 100))
@@ -208,7 +206,7 @@ def test_a_sound_file_is_walked_once_until_it_changes(sound: bytes, tmp_path: Pa
 _FUZZ = r"""
 import json, os, random, struct, sys, lmdb
 from pathlib import Path
-from ingest.lmdbpages import ENGINE, pages_problem
+from ingest.lmdbpages import open_lmdb, pages_problem
 base, seeds, check = Path(sys.argv[1]), range(*map(int, sys.argv[2:4])), sys.argv[4] == "1"
 sound = base.read_bytes()
 page = struct.unpack_from("<I", sound, 40)[0]  # the page size, in the first meta page
@@ -230,7 +228,7 @@ for seed in seeds:
     if pid == 0:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # LMDB's assertion message
         try:  # an error from LMDB is safe: the reader lives
-            env = lmdb.open(str(work), readonly=True, lock=False, max_readers=1, **ENGINE)
+            env = open_lmdb(work, readonly=True, lock=False, max_readers=1)
             txn = env.begin(buffers=True)
         except lmdb.Error:
             os._exit(0)
@@ -259,11 +257,7 @@ def _fuzz(sound: bytes, tmp_path: Path, seeds: tuple[int, int], check: bool) -> 
     base = tmp_path / "base" / "data.mdb"
     base.parent.mkdir()
     base.write_bytes(sound)
-    result = subprocess.run(
-        [sys.executable, "-c", _FUZZ, str(base), *map(str, seeds), "1" if check else "0"],
-        capture_output=True, text=True, timeout=240, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    result = run_python("-c", _FUZZ, base, *seeds, "1" if check else "0", timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout)
 
@@ -307,11 +301,9 @@ def test_stores_are_written_and_read_by_lmdb_0_9_whatever_the_default(tmp_path: 
     from ingest.synth import make_image_folder
 
     make_image_folder(tmp_path / "src", 2, 2, short_side=(48, 72))
-    result = subprocess.run(
-        [sys.executable, "-m", "ingest", "build", str(tmp_path / "src"), str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "LMDB_DEFAULT_LIB_VERSION": "1"},
-    )  # fmt: skip
+    result = run_python(
+        "-m", "ingest", "build", tmp_path / "src", tmp_path / "out", LMDB_DEFAULT_LIB_VERSION="1"
+    )
     assert result.returncode == 0, result.stderr
     shard = tmp_path / "out" / "shard-00000"
     data = (shard / "data.mdb").read_bytes()
