@@ -10,6 +10,7 @@ import sys
 from collections import Counter
 
 from ingest import format as fmt
+from ingest import lmdbpages
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     from ingest.scan import SourceError
 
     try:
+        if args.command in ("build", "verify") and (problem := lmdbpages.engine_problem()):
+            raise fmt.StoreError(problem)  # before any worker: each would fail the same way
         commands = {"build": _build, "info": _info, "verify": _verify, "cache": _cache}
         return commands[args.command](args)
     except (SourceError, OutputError, fmt.StoreError, CacheError) as e:

@@ -45,8 +45,28 @@ ENGINE = {"lib_version": 0} if hasattr(lmdb.Environment, "lib_version") else {}
 
 def open_lmdb(path: str | os.PathLike, **options) -> lmdb.Environment:
     """``lmdb.open(path, **options)`` with LMDB 0.9's engine: how every shard is opened,
-    written or read (``ENGINE``)."""
+    written or read (``ENGINE``). A binding without that engine is a StoreError that says
+    how to get one, before LMDB is asked."""
+    if problem := engine_problem():
+        raise StoreError(problem)
     return lmdb.open(str(path), **options, **ENGINE)
+
+
+def engine_problem() -> str | None:
+    """Why this py-lmdb cannot open a store's shards, or None: a py-lmdb 3 built on a
+    system's LMDB 1.x (``LMDB_FORCE_SYSTEM``) has no 0.9 engine, and ``lib_version=0``
+    would raise a bare ``lmdb.Error`` at each open."""
+    if not ENGINE:
+        return None
+    try:
+        lmdb.version(**ENGINE)
+    except lmdb.Error:
+        return (
+            f"py-lmdb {lmdb.__version__} here has no LMDB 0.9 engine (it was built on the "
+            "system's LMDB), and a store's shards are LMDB 0.9 files; install its own build: "
+            "pip install --force-reinstall --no-cache-dir lmdb, with LMDB_FORCE_SYSTEM unset"
+        )
+    return None
 
 
 MAGIC, VERSION = 0xBEEFC0DE, 1

@@ -53,18 +53,28 @@ class Store:
         self.root = Path(root)
         self.cache = cache
         self.manifest = fmt.read_manifest(self.root)
-        _ = self.index  # checked against the manifest now, not at the first batch
+        try:
+            _ = self.index  # checked against the manifest now, not at the first batch
+        except fmt.StoreError:
+            self._check_not_rebuilt(self.root / self.manifest["index"]["file"])
+            raise
         # Records over this many pixels are refused before they are decoded.
         self.max_pixels = fmt.pixel_limit(self.root, self.manifest, self.index, max_pixels)
         self.classes: list[str] = list(self.manifest["classes"])
         self._first = np.array([s["first"] for s in self.manifest["shards"]], dtype=np.int64)
         self._keys = [_env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
         self._envs: dict[int, lmdb.Environment] = {}  # keeps the shared environments open
+        if problem := lmdbpages.engine_problem():  # at open, not at the first batch
+            raise fmt.StoreError(problem)
         # Every shard file's size and LMDB pages now: a damaged store is refused at open,
         # not hours in, and the workers forked from this process inherit the walk (a
         # cache's copy is walked by its copier, and trusted while it is those bytes).
         for shard in range(len(self._first)):
-            lmdbpages.require_sound(fmt.store_file(self.root, self.manifest, shard))
+            try:
+                lmdbpages.require_sound(fmt.store_file(self.root, self.manifest, shard))
+            except fmt.StoreError:  # rebuilt since its manifest was read: say so
+                self._check_not_rebuilt(self.root / fmt.shard_name(shard))
+                raise
         _LIVE.add(self)
 
     def __len__(self) -> int:
@@ -121,7 +131,7 @@ class Store:
         try:
             fmt.store_file(self.root, self.manifest, shard)
         except fmt.StoreError:
-            self._check_not_rebuilt(shard)  # the likelier cause says what to do
+            self._check_not_rebuilt(self.root / fmt.shard_name(shard))  # the likelier cause
             raise
         key = self._keys[shard]
         if self.cache is not None:  # a RAM copy, or the original when it has none
@@ -137,14 +147,15 @@ class Store:
             ) from None
         return env
 
-    def _check_not_rebuilt(self, shard: int) -> None:
-        """Raise the error of a store rebuilt since it was opened, if it was."""
+    def _check_not_rebuilt(self, where: Path) -> None:
+        """Raise the error of a store rebuilt since it was opened (its file ``where``
+        refused), if it was."""
         try:
             build = fmt.read_manifest(self.root).get("build")
         except fmt.StoreError:
             return  # not a (complete) store now: the caller's error says enough
         if build != self.manifest.get("build"):
-            raise fmt.StoreError(_rebuilt(self.root / fmt.shard_name(shard)))
+            raise fmt.StoreError(_rebuilt(where))
 
     def raw(self, i: int, nbytes: int | None = None) -> bytes:
         """The stored value of sample ``i`` (a packed record), as bytes; with ``nbytes``,

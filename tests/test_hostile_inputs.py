@@ -1147,6 +1147,30 @@ def test_a_store_rebuilt_while_open_is_an_error_not_a_mix(tmp_path: Path):
         list(dl)
 
 
+@pytest.mark.parametrize("read_before", ["manifest", "manifest and index"])
+def test_a_store_rebuilt_while_it_is_opened_says_so(tmp_path: Path, monkeypatch, read_before):
+    """A store rebuilt after a reader read its manifest (and index), before it walked the
+    shards: the files refused are named as rebuilt, with what to do (it said "truncated or
+    replaced")."""
+    first, second = tree(tmp_path / "a", 2, 4), tmp_path / "b"
+    make_image_folder(second, 2, 4, seed=9, short_side=(48, 72))
+    out = tmp_path / "store"
+    assert run_ingest("build", first, out, "--shard-size", "8KiB").returncode == 0
+    old = Store(out)
+    assert run_ingest("build", second, out, "--shard-size", "8KiB", "--overwrite").returncode == 0
+    stale = iter([old.manifest])
+    real_read = fmt.read_manifest
+    monkeypatch.setattr(fmt, "read_manifest", lambda root: next(stale, None) or real_read(root))
+    if read_before == "manifest and index":
+        monkeypatch.setattr(fmt, "load_index", lambda root, manifest: old.index)
+    where = "index.npy" if read_before == "manifest" else "shard-00000"
+    with pytest.raises(fmt.StoreError, match=rf"{where}: written by another build than the "
+                       r"store's manifest \(the store was rebuilt or changed since it was "
+                       r"opened\); open the store again"):  # fmt: skip
+        Store(out)
+    assert len(Store(out)) == 8  # opened again: the new store
+
+
 def test_a_rebuild_of_equal_size_is_caught_by_the_build_identity(tmp_path: Path):
     src, out = tree(tmp_path / "src"), tmp_path / "store"
     build(src, out, workers=1, progress=False)

@@ -321,3 +321,37 @@ def test_stores_are_written_and_read_by_lmdb_0_9_whatever_the_default(tmp_path: 
     store = loader.store.Store(tmp_path / "out")
     assert len(store.raw(0)) == int(store.index["nbytes"][0])
     assert [kw["lib_version"] for kw in asked] == [0]  # whatever the file's first bytes say
+
+
+@TWO_ENGINES
+def test_a_binding_without_lmdb_0_9_is_one_line_that_says_what_to_install(
+    tmp_path: Path, monkeypatch, capsys
+):
+    """A py-lmdb 3 built on a system's LMDB 1.x has no 0.9 engine: ``lib_version=0``
+    raised a bare ``lmdb.Error`` at every open. The build, verify and readers now say what
+    to install, before a worker or LMDB is asked."""
+    from ingest import cli
+    from ingest.synth import make_image_folder
+
+    make_image_folder(tmp_path / "src", 2, 2, short_side=(48, 72))
+    assert cli.main(["build", str(tmp_path / "src"), str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    import loader.store
+
+    real_version = lmdb.version
+
+    def version(subpatch=False, lib_version=None):  # as such a build answers
+        if lib_version == 0:
+            raise lmdb.Error("lib_version=0: this build has no LMDB 0.x engine.")
+        return real_version(subpatch)
+
+    monkeypatch.setattr(lmdb, "version", version)
+    for argv in (["build", str(tmp_path / "src"), str(tmp_path / "again")],
+                 ["verify", str(tmp_path / "out")]):  # fmt: skip
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "has no LMDB 0.9 engine" in err, err
+        assert "pip install --force-reinstall --no-cache-dir lmdb" in err
+    assert not (tmp_path / "again").exists()
+    with pytest.raises(StoreError, match=r"has no LMDB 0\.9 engine"):
+        loader.store.Store(tmp_path / "out")
