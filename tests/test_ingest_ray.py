@@ -193,12 +193,20 @@ def test_a_file_changed_between_the_passes_stops_the_build(
     src = tmp_path / "src"
     shutil.copytree(awkward_tree.root, src)
     victim = src / "class_00" / "img_00000.JPEG"
+    changed = bytearray(victim.read_bytes())
+    changed[-3] ^= 0xFF  # the same size, other bytes
+    spare = tmp_path / "changed.JPEG"
+    spare.write_bytes(bytes(changed))
 
     def fault(kind: str, where: int, item: int) -> None:
-        if (kind, where, item) == ("write", 0, 0):  # after the first pass read it
-            data = bytearray(victim.read_bytes())
-            data[-3] ^= 0xFF  # the same size, other bytes
-            victim.write_bytes(bytes(data))
+        # At the second pass's first sample in any task: the victim's shard may be
+        # another task's, which may start first (it did now and then, and the build
+        # passed). Replaced whole, never seen half-written by a task reading it.
+        if kind == "write" and spare.exists():
+            tmp = tmp_path / f"changed.{os.getpid()}"
+            shutil.copyfile(spare, tmp)
+            os.replace(tmp, victim)
+            spare.unlink(missing_ok=True)
 
     with pytest.raises(SourceError, match=f"^{victim} changed while the build ran"):
         build_ray(src, tmp_path / "out", AWKWARD_OPTIONS, progress=False, fault=fault)
