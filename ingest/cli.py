@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
+import signal
 import sys
 from collections import Counter
+from collections.abc import Callable
 
 from ingest import format as fmt
 from ingest import lmdbpages
@@ -116,6 +119,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def quiet_pipe(main: Callable[..., int]) -> Callable[..., int]:
+    """``main`` that ends quietly where its reader has gone (``ingest info | head``): a
+    BrokenPipeError printed a traceback, and another at the interpreter's exit."""
+
+    @functools.wraps(main)
+    def run(argv: list[str] | None = None) -> int:
+        try:
+            status = main(argv)
+            sys.stdout.flush()  # here, not at the interpreter's exit, where it cannot be caught
+            return status
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit's flush
+            return 128 + signal.SIGPIPE  # as a program the pipe's signal ended
+
+    return run
+
+
+@quiet_pipe
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from ingest.cachedir import CacheError

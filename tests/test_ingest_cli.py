@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from fixtures import read_shards, run_ingest
+from fixtures import REPO, read_shards, run_ingest
 
 from ingest import format as fmt
 from ingest.build import build
@@ -172,3 +176,25 @@ def test_verify_names_the_shard_and_key_of_a_flipped_byte(tmp_path: Path, clean_
     assert len(problems) == 2
     assert problems[0].startswith(f"{entry['name']}: key {key}: ") and "CRC-32" in problems[0]
     assert problems[1].startswith(f"{entry['name']}: content checksum mismatch")
+
+
+@pytest.mark.parametrize("command", ["ingest info", "ingest info --json", "loader.bench --replot"])
+def test_a_reader_gone_ends_the_command_quietly(
+    command: str, awkward_store: Path, tmp_path: Path
+) -> None:
+    """``ingest info STORE | head -1``: the reader has gone before the output is written.
+    It printed a BrokenPipeError's traceback (and another at the interpreter's exit)."""
+    module, *args = command.split()
+    if module == "ingest":
+        args.append(str(awkward_store))
+    else:  # imfeed-bench prints a finished run's table again
+        shutil.copy(REPO / "benchmarks" / "results" / "gpu-h200-s34.json", tmp_path / "run.json")
+        args.append(str(tmp_path / "run.json"))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone: every write fails with EPIPE
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO, stdout=write, stderr=subprocess.PIPE,
+        text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False,
+    )  # fmt: skip
+    os.close(write)
+    assert (proc.returncode, proc.stderr) == (128 + signal.SIGPIPE, "")

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from ingest.cli import quiet_pipe
 from ingest.cores import usable_cores
 
 DTYPES = ("float32", "float16", "bfloat16", "uint8")
@@ -133,6 +134,7 @@ def _device(choice: str) -> str:
     return choice
 
 
+@quiet_pipe
 def main(argv: list[str] | None = None) -> int:
     args = settle(parser().parse_args(argv))
     if args.replot:
