@@ -186,14 +186,25 @@ def read_manifest(root: str | os.PathLike) -> dict:
             version, or its manifest is not valid JSON of the expected shape.
     """
     root = Path(root)
+    if os.path.isfile(root):
+        raise StoreError(
+            f"{root}: a file, where a store is the directory `ingest build SRC OUT` writes"
+        )
     if not root.is_dir():
         raise StoreError(
             f"{root}: no such store directory; build one with `ingest build SRC {root}`"
         )
     path = root / MANIFEST
     if not os.path.lexists(path):
-        hint = " (an interrupted build: run the same `ingest build` again to resume)"
-        hint = hint if (root / BUILD_STATE).exists() else ""
+        from ingest.scan import looks_like_image_folder
+
+        if (root / BUILD_STATE).exists():
+            hint = " (an interrupted build: run the same `ingest build` again to resume)"
+        elif looks_like_image_folder(root):  # the likeliest slip when swapping in a store
+            hint = (f" (it is an image folder: convert it once with `ingest build {root} "
+                    f"{root.name or 'images'}.lmdb` and give that store instead)")  # fmt: skip
+        else:
+            hint = ""
         raise StoreError(f"{root}: not a complete store, {MANIFEST} is missing{hint}")
     try:
         manifest = json.loads(read_regular(path, MAX_MANIFEST_BYTES))

@@ -16,6 +16,23 @@ IMAGE_EXTENSIONS = (
 SYSTEM_FILES = {"thumbs.db", "desktop.ini", "ehthumbs.db", "icon\r"}
 
 
+def looks_like_image_folder(root: Path, peek: int = 64) -> bool:
+    """Whether ``root`` holds image files, in it or in its first subfolders (ImageFolder's
+    layout), judged from at most ``peek`` entries of each of at most 8 folders."""
+    folders = [root]
+    for folder in folders:
+        try:
+            with os.scandir(folder) as entries:
+                for _, entry in zip(range(peek), entries, strict=False):
+                    if entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                        return True
+                    if folder == root and len(folders) < 9 and entry.is_dir():
+                        folders.append(Path(entry.path))
+        except OSError:
+            continue
+    return False
+
+
 @dataclass
 class Scan:
     root: Path

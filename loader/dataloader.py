@@ -33,6 +33,7 @@ from loader.output import BatchOutput, resolve_device, resolve_dtype
 from loader.prefetch import GpuEpochIterator, batches_on_gpu, ring_slots
 from loader.sampler import EpochPlan, RankSampler
 from loader.stats import LoaderStats
+from loader.store import verify_advice
 from loader.workers import Ring, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -443,12 +444,11 @@ class DataLoader:
                 self.bad_samples[index] = f"{path}: {reason}"
                 log.warning(
                     "DataLoader: sample %d (%s) could not be decoded (%s); it is replaced "
-                    "by another sample, now and in later epochs (logged once); check "
-                    "the store with `ingest verify %s`",
+                    "by another sample, now and in later epochs (logged once)%s",
                     index,
                     path,
                     reason,
-                    self.store.root,
+                    verify_advice(reason, self.store.root),
                 )
 
     def _iteration_ended(

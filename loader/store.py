@@ -301,6 +301,12 @@ def check_build(env: lmdb.Environment, manifest: dict, where: Path) -> None:
         raise fmt.StoreError(_rebuilt(where))
 
 
+def verify_advice(reason: str, root: Path) -> str:
+    """What a message about a record ``reason`` ends with: ``ingest verify``'s advice,
+    unless ``reason`` (one of the store's errors) gives it already."""
+    return "" if "`ingest verify " in reason else f"; check the store with `ingest verify {root}`"
+
+
 def _rebuilt(where: Path) -> str:
     return (
         f"{where}: written by another build than the store's manifest (the store was "

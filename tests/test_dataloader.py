@@ -24,6 +24,7 @@ from loader_data import NUM_SAMPLES, corrupt, make_store
 
 import loader
 from ingest import format as fmt
+from ingest.synth import make_image_folder
 from loader import workers as loader_workers
 from loader.batch import PixelBatches
 from loader.store import Store
@@ -661,6 +662,8 @@ def test_corrupt_record_is_replaced_counted_and_logged_once(store, tmp_path, cap
     assert dl.num_replaced == 2  # once per epoch
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "sample 17" in warnings[0] and path in warnings[0]
+    assert "(CRC-32 mismatch); check the store with `ingest verify" in warnings[0]
+    assert warnings[0].count("ingest verify") == 1  # the reason's advice, not twice
 
 
 # -- errors users make --------------------------------------------------------------------
@@ -698,8 +701,18 @@ def test_not_a_store(tmp_path, store):
     partial = tmp_path / "partial"
     shutil.copytree(store, partial)
     (partial / fmt.MANIFEST).unlink()
-    with pytest.raises(ValueError, match=r"not a complete store, manifest.json is missing"):
+    with pytest.raises(ValueError, match=r"not a complete store, manifest.json is missing$"):
         make(partial)
+    # The likeliest slip when swapping in a store: the image folder it was made from.
+    folder = tmp_path / "train"
+    make_image_folder(folder, 2, 1, short_side=(48, 56))
+    with pytest.raises(ValueError, match=rf"^{folder}: not a complete store, manifest.json is "
+                       r"missing \(it is an image folder: convert it once with `ingest build "
+                       rf"{folder} train.lmdb` and give that store instead\)$"):  # fmt: skip
+        make(folder)
+    (tmp_path / "notes.txt").write_text("a file")
+    with pytest.raises(ValueError, match=r"notes.txt: a file, where a store is the directory"):
+        make(tmp_path / "notes.txt")
 
 
 def test_stats_of_the_cpu_path(store):
