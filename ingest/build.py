@@ -206,6 +206,10 @@ class Run:
             for rej in self.state["rejects"]:
                 f.write(fmt.json_line(rej) + "\n")
         if not self.state["shards"]:  # nothing to store: a failed build, never a store
+            # Recorded as failed, not as interrupted: a rerun starts over without calling
+            # it an interrupted build. The rejects stay: the error points to them.
+            fmt.write_json_atomic(self.out / fmt.BUILD_STATE, {**self.state, "failed": True})
+            shutil.rmtree(self.partial, ignore_errors=True)
             raise SourceError(
                 f"no valid image in {self.tree.root}: {len(self.state['rejects'])} file(s) "
                 f"rejected (reasons in {self.out / fmt.REJECTS}), {self.tree.num_ignored} "

@@ -184,7 +184,12 @@ def _build(args: argparse.Namespace) -> int:
     if manifest["num_samples"] == 0:
         print("ingest: error: no valid image was found; check SRC", file=sys.stderr)
         return 1
-    return 1 if args.strict and manifest["num_rejected"] else 0
+    if args.strict and manifest["num_rejected"]:
+        print(f"ingest build: error: --strict, and {manifest['num_rejected']} file(s) were "
+              "rejected (the store holds the others); fix or remove them, then build again",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
 
 
 def _build_ray(args: argparse.Namespace, options) -> dict | None:

@@ -153,7 +153,9 @@ def load_state(out: Path, digest: dict, mode: str = "local") -> dict:
     if path.exists():
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
-        if state.get("fingerprint") != digest:
+        if state.get("failed"):  # found no valid image: nothing to resume, nothing to say
+            state = None
+        elif state.get("fingerprint") != digest:
             why = difference(state.get("fingerprint"), digest)
             log.warning("ingest: %s holds an interrupted build %s; starting over", out, why)
             state = None

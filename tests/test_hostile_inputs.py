@@ -284,7 +284,12 @@ def test_no_valid_image_leaves_no_store_and_the_rerun_is_not_refused(tmp_path: P
         result = run_ingest("build", src, tmp_path / "out", "--workers", "1")
         assert (result.returncode, result.stderr) == (2, message)
         assert not (tmp_path / "out" / fmt.MANIFEST).exists()
+        assert not (tmp_path / "out" / fmt.PARTIAL_DIR).exists()  # nothing to resume from
     assert set(rejects(tmp_path / "out")) == {"class_00/bad.jpg", "class_01/bad.jpg"}
+    (src / "class_00" / "good.jpg").write_bytes(_small_jpeg())  # the source mended
+    result = run_ingest("build", src, tmp_path / "out", "--workers", "1")
+    assert (result.returncode, result.stderr) == (0, "")  # it said "holds an interrupted build"
+    assert "seen 3 = kept 1 + rejected 2 + ignored 0" in result.stdout
 
 
 # -- verification catches what training would choke on -----------------------------------

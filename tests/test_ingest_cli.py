@@ -110,8 +110,12 @@ def test_strict_fails_on_a_reject_but_completes_the_store(tmp_path: Path, small_
     lenient = run_ingest("build", small_tree, tmp_path / "lenient", "--workers", "1")
     assert lenient.returncode == 0, lenient.stderr
     strict = run_ingest("build", small_tree, tmp_path / "strict", "--workers", "1", "--strict")
-    assert strict.returncode != 0
+    assert strict.returncode == 1
     assert "seen 7 = kept 6 + rejected 1 + ignored 0" in strict.stdout
+    assert strict.stderr == (  # it said nothing of why it failed
+        "ingest build: error: --strict, and 1 file(s) were rejected (the store holds the "
+        "others); fix or remove them, then build again\n"
+    )
     store = tmp_path / "strict"
     manifest = fmt.read_manifest(store)
     assert (manifest["num_samples"], manifest["num_rejected"]) == (6, 1)
