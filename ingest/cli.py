@@ -222,10 +222,13 @@ def summary(manifest: dict) -> dict:
 
 
 def _info(args: argparse.Namespace) -> int:
-    info = summary(fmt.read_manifest(args.store))
+    manifest = fmt.read_manifest(args.store)
+    info = summary(manifest)
+    info["problems"] = _file_problems(args.store, manifest)
+    status = _say_problems(args.store, info["problems"])
     if args.json:
         print(json.dumps(info, indent=1))
-        return 0
+        return status
     mib = 1 << 20
     print(f"store      {args.store} (format v{info['version']})")
     print(f"samples    {info['num_samples']} in {info['num_classes']} classes")
@@ -240,7 +243,32 @@ def _info(args: argparse.Namespace) -> int:
     ]
     for name, count in rows:
         print(f"  {name:<40} {count}")
-    return 0
+    return status
+
+
+def _file_problems(store: str, manifest: dict) -> list[str]:
+    """What is wrong with the store's files at a glance (where each lies, its kind and its
+    size against the manifest: a ``stat`` each, not ``ingest verify``'s read of them)."""
+    problems = []
+    for what in (*(k for k in ("index", "paths", "rejects") if k in manifest),
+                 *range(len(manifest["shards"]))):  # fmt: skip
+        try:
+            fmt.store_file(store, manifest, what)
+        except fmt.StoreError as e:
+            problems.append(str(e))
+    return problems
+
+
+def _say_problems(store: str, problems: list[str]) -> int:
+    """One line on stderr for the files' problems (the summary is the manifest's); the
+    command's status."""
+    if not problems:
+        return 0
+    more = f"{len(problems)} of its files are not as its manifest says; the first: " * (
+        len(problems) > 1
+    )
+    print(f"ingest info: error: {more}{problems[0]}", file=sys.stderr)
+    return 1
 
 
 def _reject_reasons(store: str) -> Counter:

@@ -155,6 +155,34 @@ def test_info_json(awkward_store: Path) -> None:
     assert "ignored: hidden or system file 3" in lines
 
 
+def test_info_says_when_the_files_are_not_as_the_manifest_says(tmp_path: Path, clean_store):
+    """``ingest info`` prints the manifest's summary; a truncated shard or a missing index
+    made it look healthy (exit 0), where only ``ingest verify`` told."""
+    store = tmp_path / "store"
+    shutil.copytree(clean_store, store)
+    shard = store / fmt.shard_name(1) / "data.mdb"
+    size = shard.stat().st_size
+    os.truncate(shard, size - 4096)
+    result = run_ingest("info", store)
+    assert result.returncode == 1 and "samples    " in result.stdout
+    assert result.stderr == (
+        f"ingest info: error: {shard}: {size - 4096} bytes where the manifest records {size} "
+        "(truncated or replaced); the store is damaged: rebuild it\n"
+    )
+    (store / fmt.INDEX).unlink()
+    result = run_ingest("info", store, "--json")
+    assert result.returncode == 1
+    assert [p.split(":")[0] for p in json.loads(result.stdout)["problems"]] == [
+        str(store / fmt.INDEX),
+        str(shard),
+    ]
+    assert result.stderr.startswith(
+        f"ingest info: error: 2 of its files are not as its manifest says; the first: "
+        f"{store / fmt.INDEX}: No such file or directory; the store is incomplete: rebuild it"
+    )
+    assert run_ingest("info", clean_store).stderr == ""
+
+
 def test_verify_names_the_shard_and_key_of_a_flipped_byte(tmp_path: Path, clean_store: Path):
     store = tmp_path / "store"
     shutil.copytree(clean_store, store)
