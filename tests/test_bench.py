@@ -149,7 +149,26 @@ def test_fingerprint_and_settings(run):
         assert key in m
     s = report["settings"]
     assert (s["batch_size"], s["workers"], s["passes"], s["device"]) == (8, 1, PASSES, "cpu")
-    assert report["data"]["images"] == IMAGES
+    assert report["data"]["images"] == report["data"]["kept"] == IMAGES
+
+
+def test_the_subtitle_says_how_many_images_the_store_kept():
+    """A folder with files the build rejects: the store pipelines read fewer images than
+    the folder holds, and the run's one line said only the folder's count."""
+    from loader.bench.cli import subtitle
+
+    report = {
+        "machine": {"cpu": "CPU", "cpus": 2, "gpu": None}, "date": "today",
+        "settings": {"batch_size": 8, "workers": 1, "dtype": "float32", "channels_last": False,
+                     "eval": False, "device": "cpu"},
+        "data": {"images": 204, "kept": 202},
+    }  # fmt: skip
+    assert subtitle(report) == (
+        "CPU, 2 cores, no GPU; 204 images (202 kept in the store), batch 8, 1 workers, "
+        "float32, train augmentation, on cpu; today"
+    )
+    report["data"] = {"images": 204}  # a report from before "kept"
+    assert "; 204 images, batch 8" in subtitle(report)
 
 
 def test_table_chart_and_stdout(run):
@@ -204,14 +223,31 @@ def test_a_pipeline_that_fails_to_start_is_skipped_with_the_reason(tmp_path):
     assert failed["no-such"].startswith("ValueError: unknown pipeline 'no-such'; known: torch-pil")
     assert failed["loader-cpu"].startswith("StoreError: ")
     assert "no such store directory" in failed["loader-cpu"]
+    assert failed["loader-cpu"].endswith(f"(see {tmp_path / 'loader-cpu.log'})")
     # The traceback went to the pipeline's log, not to the terminal.
     assert "ValueError: unknown pipeline 'no-such'" in (tmp_path / "no-such.log").read_text()
+
+
+def test_a_worker_error_is_told_by_its_last_line():
+    """A torch DataLoader worker's error is its traceback under "Caught ... in DataLoader
+    worker process 1.": the bench showed only that first line."""
+    worker = OSError(
+        "Caught OSError in DataLoader worker process 1.\nOriginal Traceback (most recent "
+        'call last):\n  File "x.py", line 1, in f\nOSError: image file is truncated '
+        "(2 bytes not processed)\n"
+    )
+    assert runner._reason(worker) == (
+        "OSError: Caught OSError in DataLoader worker process 1. ... OSError: image file is "
+        "truncated (2 bytes not processed)"
+    )
+    assert runner._reason(ValueError("one line")) == "ValueError: one line"
+    assert runner._reason(RuntimeError()) == "RuntimeError: "
 
 
 def test_data_is_made_once_and_reused(tmp_path):
     said = []
     first = bench_data.prepare(None, 20, tmp_path, None, said.append)
-    assert first.images == 20 and first.origin == "generated"
+    assert first.images == first.kept == 20 and first.origin == "generated"
     assert len(list(first.folder.glob("class_*"))) == 10
     assert first.store is not None and (first.store / "manifest.json").is_file()
     again = bench_data.prepare(None, 20, tmp_path, None, said.append)

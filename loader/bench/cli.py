@@ -183,10 +183,12 @@ def _write(args, report: dict, device: str, say) -> str:
 
 def subtitle(report: dict) -> str:
     """The machine and the settings of a run, in one line."""
-    m, s = report["machine"], report["settings"]
+    m, s, d = report["machine"], report["settings"], report["data"]
+    kept = d.get("kept")  # reports before it have none
+    kept = f" ({kept} kept in the store)" if kept not in (None, d["images"]) else ""
     return (
-        f"{m['cpu']}, {m['cpus']} cores, {m['gpu'] or 'no GPU'}; {report['data']['images']} "
-        f"images, batch {s['batch_size']}, {s['workers']} workers, {s['dtype']}"
+        f"{m['cpu']}, {m['cpus']} cores, {m['gpu'] or 'no GPU'}; {d['images']} images{kept}, "
+        f"batch {s['batch_size']}, {s['workers']} workers, {s['dtype']}"
         f"{', channels_last' if s['channels_last'] else ''}, "
         f"{'eval' if s['eval'] else 'train'} augmentation, on {s['device']}; {report['date']}"
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ingest.cores import usable_cores
-from ingest.format import MANIFEST
+from ingest.format import MANIFEST, read_manifest
 
 CLASSES = 10
 SHORT_SIDE = (300, 450)  # ImageNet's shape; larger makes photos as cameras take them
@@ -28,6 +28,7 @@ class Data:
     images: int
     mean_kib: float
     origin: str
+    kept: int | None = None  # the store's samples: the folder's images less those rejected
 
 
 def is_store(path: Path) -> bool:
@@ -88,7 +89,8 @@ def prepare(
         count, sizes = _store_sizes(store)
     else:
         count = len(files)
-    return Data(folder, store, count, round(sizes / max(count, 1) / 1024, 1), origin)
+    kept = read_manifest(store)["num_samples"] if store is not None and is_store(store) else None
+    return Data(folder, store, count, round(sizes / max(count, 1) / 1024, 1), origin, kept)
 
 
 def make_folder(

@@ -88,6 +88,7 @@ def run(args, data: Data, device: str, say) -> dict:
         "settings": asdict(s) | {"passes": args.passes, "quick": args.quick},
         "data": {
             "images": data.images,
+            "kept": data.kept,
             "mean_kib": data.mean_kib,
             "origin": data.origin,
             "photos": str(args.photos) if args.photos else "bundled",

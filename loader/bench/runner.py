@@ -38,8 +38,12 @@ WARMUP_PASSES = 6  # at most, while our DALI stage tries its ways (``settling``:
 
 
 def _reason(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+    """``e`` in a line: its message's first line, and its last where it has more (a torch
+    DataLoader worker's error is "Caught OSError in DataLoader worker process 1." over the
+    worker's traceback, whose last line says what failed)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = " ... ".join(dict.fromkeys(lines[:1] + lines[-1:]))
+    return f"{type(e).__name__}: {text}"[:300]
 
 
 def _to_log(path: str) -> None:
@@ -116,7 +120,7 @@ def serve(name: str, s: Settings, conn, log: str) -> None:
         pipe = build(name, s)
     except Exception as e:
         traceback.print_exc()
-        conn.send({"error": _reason(e)})
+        conn.send({"error": f"{_reason(e)} (see {log})"})
         return
     conn.send({"ready": True})
     stream = None
@@ -135,7 +139,7 @@ def serve(name: str, s: Settings, conn, log: str) -> None:
                 answer = train_check(stream, request[1], s, pipe)
         except Exception as e:
             traceback.print_exc()
-            answer = {"error": _reason(e)}
+            answer = {"error": f"{_reason(e)} (see {log})"}
         conn.send(answer)
         if "error" in answer:
             break
