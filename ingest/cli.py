@@ -82,9 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=_positive, default=None, help="processes (default: all cores)")
     b.add_argument("--shard-size", type=parse_size, default="512MiB", metavar="SIZE",
                    help="shards roll over at this many bytes (default: %(default)s)")  # fmt: skip
-    b.add_argument("--compression", type=_compression, default="none", help="none | zstd[:LEVEL]")
+    b.add_argument("--compression", type=_compression, default="none",
+                   help="none | zstd[:LEVEL] (default: none)")  # fmt: skip
     b.add_argument("--max-size", type=_positive, default=None, metavar="PX",
-                   help="cap the longer side; larger images are resized, re-encoded")  # fmt: skip
+                   help="cap the longer side; larger images are resized, re-encoded "
+                   "(default: no cap)")  # fmt: skip
     b.add_argument("--quality", type=_quality, default=95, metavar="Q",
                    help="JPEG quality of re-encoded images (default: %(default)s)")  # fmt: skip
     b.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
@@ -92,7 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                    "at ADDRESS (HOST:6379); OUT must be on storage every node sees; "
                    "needs pip install 'imfeed[ray]'")  # fmt: skip
     b.add_argument("--overwrite", action="store_true", help="replace a complete store at OUT")
-    b.add_argument("--strict", action="store_true", help="exit non-zero if any file is rejected")
+    b.add_argument("--strict", action="store_true",
+                   help="exit non-zero if any file is rejected (default: off; the store "
+                   "holds the rest either way)")  # fmt: skip
     b.add_argument("--no-verify", action="store_true", help="do not decode images to check them")
     b.add_argument("--max-pixels", type=_positive, default=fmt.DEFAULT_MAX_PIXELS, metavar="N",
                    help="reject images of more pixels (decompression bombs); "
