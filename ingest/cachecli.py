@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -61,6 +62,6 @@ def _ident(out: str) -> str:
     path = Path(out)
     if (path / fmt.MANIFEST).is_file():
         return cd.store_id((path / fmt.MANIFEST).read_bytes())
-    if path.exists() or "/" in out:
+    if path.exists() or not re.fullmatch(r"[0-9a-f]{20}", out):  # a path, not an id
         fmt.read_manifest(path)  # raises the StoreError that says what is wrong
     return out

@@ -276,6 +276,14 @@ def test_two_stores_side_by_side_and_the_cli(clean_store, awkward_store, tmp_pat
     assert none.stdout == f"ingest cache: nothing cached under {tmp_path}\n"
     bad = run_ingest("cache", "clear", tmp_path / "nostore", "--root", tmp_path)
     assert bad.returncode == 2 and "nostore: no such store directory" in bad.stderr
+    # A relative path is a path too (it was taken for a cache id: "nothing cached", exit 0)
+    bad = run_ingest("cache", "clear", "nostore.lmdb", "--root", tmp_path)
+    assert bad.returncode == 2 and "nostore.lmdb: no such store directory" in bad.stderr
+    unknown = run_ingest("cache", "clear", "0123456789abcdef0123", "--root", tmp_path)
+    assert (unknown.returncode, unknown.stdout) == (  # an id: nothing cached by that id
+        0,
+        "ingest cache: nothing cached for 0123456789abcdef0123\n",
+    )
 
 
 def test_store_identity_is_its_content(clean_store: Path, tmp_path: Path) -> None:
