@@ -240,10 +240,16 @@ def _info(args: argparse.Namespace) -> int:
           f"{info['record_bytes'] / mib:.1f} MiB of records")  # fmt: skip
     print(f"seen       {info['num_seen']} = kept {info['num_samples']} + rejected "
           f"{info['num_rejected']} + ignored {info['num_ignored']}")  # fmt: skip
+    try:
+        reasons = _reject_reasons(args.store)
+    except fmt.StoreError:
+        if not status:
+            raise
+        reasons = Counter()  # its file's problem is told already
     rows = [
         *info["stats"].items(),
         *((f"ignored: {reason}", n) for reason, n in info["ignored_by_reason"].items()),
-        *((f"rejected: {reason}", n) for reason, n in _reject_reasons(args.store).most_common()),
+        *((f"rejected: {reason}", n) for reason, n in reasons.most_common()),
     ]
     for name, count in rows:
         print(f"  {name:<40} {count}")
