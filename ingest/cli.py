@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import re
+import select
 import signal
 import sys
 from collections import Counter
@@ -131,13 +132,26 @@ def quiet_pipe(main: Callable[..., int]) -> Callable[..., int]:
     def run(argv: list[str] | None = None) -> int:
         try:
             status = main(argv)
-            sys.stdout.flush()  # here, not at the interpreter's exit, where it cannot be caught
+            if sys.stdout is not None:  # None where the process was started with it closed
+                sys.stdout.flush()  # here, not at exit, where its error cannot be caught
             return status
         except BrokenPipeError:
+            if not _stdout_gone():  # another pipe (a dead worker's): not ours to hide
+                raise
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit's flush
             return 128 + signal.SIGPIPE  # as a program the pipe's signal ended
 
     return run
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has gone (poll says POLLERR)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, ValueError, OSError):  # no stdout, or not a file
+        return False
 
 
 @quiet_pipe
@@ -190,7 +204,8 @@ def _build(args: argparse.Namespace) -> int:
         return 1
     if args.strict and manifest["num_rejected"]:
         print(f"ingest build: error: --strict, and {manifest['num_rejected']} file(s) were "
-              "rejected (the store holds the others); fix or remove them, then build again",
+              "rejected (the store holds the others); fix or remove them, then build again "
+              "with --overwrite",
               file=sys.stderr)  # fmt: skip
         return 1
     return 0

@@ -98,7 +98,11 @@ class ForkPool(InlinePool):
 
     def submit(self, key: Hashable, fn: Callable, *args) -> None:
         k = self._free.pop()
-        self._workers[k][1].send((fn, args))
+        pid, conn = self._workers[k]
+        try:
+            conn.send((fn, args))
+        except OSError:  # died while idle (the out-of-memory killer): as one dead in a task
+            raise WorkerDied(f"ingest worker {k} (pid {pid}) died: {_exit_status(pid)}") from None
         self._running[k] = key
 
     def wait(self) -> list[tuple[Hashable, Any]]:

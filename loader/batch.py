@@ -21,7 +21,7 @@ import numpy as np
 from ingest.format import RecordError
 from loader.augment import Transform, plan_crops
 from loader.decode import DecodeError, get_decoder
-from loader.store import Store, verify_advice
+from loader.store import Store
 
 MAX_REPLACEMENTS = 16  # bad records in a row before the store is declared damaged
 
@@ -146,11 +146,13 @@ class PixelBatches:
             i = int(rng.integers(len(self.store)))
             row = self.store.index[i : i + 1]
             crop = plan_crops(self.spec, row["height"], row["width"], rng)[0]
-        last = report.bad[-1][1]
+        failed, last = report.bad[-1]  # not ``i``: the replacement drawn after it
+        todo = [f"check it with `ingest verify {self.store.root}`"] * ("`ingest verify" not in last)
+        todo += ["rebuild it"] * ("rebuild" not in last)  # what ``last`` does not say already
         raise RuntimeError(
             f"{self.store.root}: {MAX_REPLACEMENTS} records in a row failed to decode (last: "
-            f"sample {i}, {last}); the store looks damaged"
-            f"{verify_advice(last, self.store.root)}, and rebuild it"
+            f"sample {failed}, {last}); the store looks damaged"
+            + (f": {' and '.join(todo)}" if todo else "")
         )
 
     def read(self, i: int) -> tuple[bytes, str]:

@@ -114,7 +114,7 @@ def test_strict_fails_on_a_reject_but_completes_the_store(tmp_path: Path, small_
     assert "seen 7 = kept 6 + rejected 1 + ignored 0" in strict.stdout
     assert strict.stderr == (  # it said nothing of why it failed
         "ingest build: error: --strict, and 1 file(s) were rejected (the store holds the "
-        "others); fix or remove them, then build again\n"
+        "others); fix or remove them, then build again with --overwrite\n"
     )
     store = tmp_path / "strict"
     manifest = fmt.read_manifest(store)
@@ -230,3 +230,26 @@ def test_a_reader_gone_ends_the_command_quietly(
     )  # fmt: skip
     os.close(write)
     assert (proc.returncode, proc.stderr) == (128 + signal.SIGPIPE, "")
+
+
+def test_a_closed_stdout_is_no_error(awkward_store: Path) -> None:
+    """Started with standard output closed (``>&-``), Python has no ``sys.stdout``: the
+    pipe handling's flush failed there with an AttributeError, after the work was done."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ingest", "info", str(awkward_store)], cwd=REPO,
+        stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_not_hidden() -> None:
+    """Only a reader of standard output gone ends the command quietly: a worker's pipe
+    broken is an error to show (it ended ``ingest build`` silently with exit 141)."""
+    from ingest.cli import quiet_pipe
+
+    def main(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(BrokenPipeError):
+        quiet_pipe(main)([])

@@ -124,6 +124,19 @@ def test_a_failed_task_is_raised_by_wait(task, error, message, no_workers_left):
             pool.wait()
 
 
+def test_a_worker_killed_while_idle_is_reported_at_the_next_task(no_workers_left):
+    """Sending a task to a worker the out-of-memory killer took while it was idle raised a
+    BrokenPipeError, which the command then took for its reader gone (exit 141, silent)."""
+    with ForkPool(1) as pool:
+        pid = pool._workers[0][0]
+        os.kill(pid, signal.SIGKILL)
+        while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            time.sleep(0.01)  # dead, not yet reaped: its end of the pipe is closed
+        with pytest.raises(WorkerDied, match=rf"^ingest worker 0 \(pid {pid}\) died: killed "
+                           r"by signal SIGKILL$"):  # fmt: skip
+            pool.submit("a", time.sleep, 0)
+
+
 def test_closing_stops_a_worker_in_the_middle_of_a_task(no_workers_left):
     pool = ForkPool(2)
     pool.submit("a", time.sleep, 60)

@@ -126,6 +126,37 @@ def test_grayscale_jpeg_becomes_rgb(store):
     assert (img[..., 0] == img[..., 1]).all() and (img[..., 1] == img[..., 2]).all()
 
 
+@pytest.mark.parametrize(
+    "reason, todo",
+    [
+        ("does not decode", ": check it with `ingest verify {root}` and rebuild it"),
+        ("CRC-32 mismatch; check the store with `ingest verify {root}`", ": rebuild it"),
+        ("the header says 9x9; check the store with `ingest verify {root}` and rebuild it", ""),
+    ],
+)
+def test_a_run_of_bad_records_names_the_last_one_and_advises_once(store, monkeypatch, reason, todo):
+    """16 records failing in a row stop the batch: the message named the replacement drawn
+    after the last failure, not the failure, and repeated the advice its reason gave."""
+    batches = PixelBatches(store, Transform("eval"), batch_size=1)
+    tried = []
+
+    def read(i):
+        tried.append(i)
+        raise DecodeError(f"key {i}: {reason.format(root=store.root)}")
+
+    monkeypatch.setattr(batches, "read", read)
+    slot = {"images": np.zeros((1, 224, 224, 3), np.uint8), "indices": np.zeros(1, np.int64)}
+    indices = np.array([3])
+    with pytest.raises(RuntimeError) as raised:
+        batches.fill(slot, 0, indices, batches.plan(indices, seed=0), seed=0)
+    assert len(tried) == 16 and tried[0] == 3
+    last = tried[-1]
+    assert str(raised.value) == (
+        f"{store.root}: 16 records in a row failed to decode (last: sample {last}, key {last}: "
+        f"{reason.format(root=store.root)}); the store looks damaged{todo.format(root=store.root)}"
+    )
+
+
 def test_decode_errors(store):
     decoder = get_decoder("cpu")
     out = np.empty((224, 224, 3), np.uint8)
