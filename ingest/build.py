@@ -208,7 +208,8 @@ class Run:
         if not self.state["shards"]:  # nothing to store: a failed build, never a store
             # Recorded as failed, not as interrupted: a rerun starts over without calling
             # it an interrupted build. The rejects stay: the error points to them.
-            fmt.write_json_atomic(self.out / fmt.BUILD_STATE, {**self.state, "failed": True})
+            failed = {"fingerprint": self.state["fingerprint"], "failed": True}
+            fmt.write_json_atomic(self.out / fmt.BUILD_STATE, failed)
             shutil.rmtree(self.partial, ignore_errors=True)
             raise SourceError(
                 f"no valid image in {self.tree.root}: {len(self.state['rejects'])} file(s) "

@@ -6,6 +6,7 @@ import hashlib
 import json
 import numbers
 import os
+import shlex
 import stat
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,24 @@ def fsync_path(path: Path, *, data_only: bool = False) -> None:
         os.close(fd)
 
 
+def _build_command(folder: Path) -> str:
+    """The command that converts ``folder`` into a store beside it (outside it, which the
+    build requires), as a shell takes it; relative where ``folder`` was given so."""
+    real = folder.resolve()
+    out = real.parent / f"{real.name or 'images'}.lmdb"
+    shown = out if folder.is_absolute() else os.path.relpath(out)
+    return f"ingest build {shlex.quote(str(folder))} {shlex.quote(str(shown))}"
+
+
+def _failed_build(root: Path) -> bool:
+    """Whether ``root`` holds the state of a build that found no valid image."""
+    try:
+        state = json.loads(read_regular(root / BUILD_STATE, 1 << 20))
+    except (OSError, ValueError, FileRefused):  # none, or not ours to judge: not failed
+        return False
+    return isinstance(state, dict) and state.get("failed") is True
+
+
 def read_manifest(root: str | os.PathLike) -> dict:
     """Read and check the manifest of the store at ``root``.
 
@@ -198,11 +217,14 @@ def read_manifest(root: str | os.PathLike) -> dict:
     if not os.path.lexists(path):
         from ingest.scan import looks_like_image_folder
 
-        if (root / BUILD_STATE).exists():
+        if _failed_build(root):
+            hint = (f" (its last build found no valid image: the reasons are in "
+                    f"{root / REJECTS}; mend the source and build again)")  # fmt: skip
+        elif (root / BUILD_STATE).exists():
             hint = " (an interrupted build: run the same `ingest build` again to resume)"
         elif looks_like_image_folder(root):  # the likeliest slip when swapping in a store
-            hint = (f" (it is an image folder: convert it once with `ingest build {root} "
-                    f"{root.name or 'images'}.lmdb` and give that store instead)")  # fmt: skip
+            hint = (f" (it is an image folder: convert it once with `{_build_command(root)}` "
+                    "and give that store instead)")  # fmt: skip
         else:
             hint = ""
         raise StoreError(f"{root}: not a complete store, {MANIFEST} is missing{hint}")

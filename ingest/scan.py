@@ -17,8 +17,8 @@ SYSTEM_FILES = {"thumbs.db", "desktop.ini", "ehthumbs.db", "icon\r"}
 
 
 def looks_like_image_folder(root: Path, peek: int = 64) -> bool:
-    """Whether ``root`` holds image files, in it or in its first subfolders (ImageFolder's
-    layout), judged from at most ``peek`` entries of each of at most 8 folders."""
+    """Whether ``root`` holds image files, in it or in its first 8 subfolders (ImageFolder's
+    layout), judged from at most ``peek`` entries of each."""
     folders = [root]
     for folder in folders:
         try:

@@ -286,6 +286,11 @@ def test_no_valid_image_leaves_no_store_and_the_rerun_is_not_refused(tmp_path: P
         assert not (tmp_path / "out" / fmt.MANIFEST).exists()
         assert not (tmp_path / "out" / fmt.PARTIAL_DIR).exists()  # nothing to resume from
     assert set(rejects(tmp_path / "out")) == {"class_00/bad.jpg", "class_01/bad.jpg"}
+    info = run_ingest("info", tmp_path / "out")  # not "an interrupted build: ... resume"
+    assert (info.returncode, info.stderr) == (2, (
+        f"ingest info: error: {tmp_path / 'out'}: not a complete store, manifest.json is "
+        f"missing (its last build found no valid image: the reasons are in "
+        f"{tmp_path / 'out' / fmt.REJECTS}; mend the source and build again)\n"))  # fmt: skip
     (src / "class_00" / "good.jpg").write_bytes(_small_jpeg())  # the source mended
     result = run_ingest("build", src, tmp_path / "out", "--workers", "1")
     assert (result.returncode, result.stderr) == (0, "")  # it said "holds an interrupted build"

@@ -253,3 +253,17 @@ def test_a_broken_pipe_that_is_not_stdout_is_not_hidden() -> None:
 
     with pytest.raises(BrokenPipeError):
         quiet_pipe(main)([])
+
+
+def test_the_convert_command_suggested_for_an_image_folder_runs_as_shown(tmp_path, monkeypatch):
+    """Given where a store goes, an image folder's message suggests the build: outside the
+    folder (a store inside its source is refused), quoted for the shell."""
+    make_image_folder(tmp_path / "my imgs", 2, 1, short_side=(48, 56))
+    monkeypatch.chdir(tmp_path / "my imgs")
+    with pytest.raises(fmt.StoreError, match=r"`ingest build \. '\.\./my imgs\.lmdb'`"):
+        fmt.read_manifest(".")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(fmt.StoreError, match=r"`ingest build 'my imgs' 'my imgs\.lmdb'`"):
+        fmt.read_manifest("my imgs")
+    result = run_ingest("build", tmp_path / "my imgs", tmp_path / "my imgs.lmdb", "--workers", "1")
+    assert result.returncode == 0, result.stderr  # the command suggested, run
