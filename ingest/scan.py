@@ -65,13 +65,19 @@ def scan(root: str | os.PathLike) -> Scan:
     (undecodable bytes as surrogate escapes; see ``ingest.format.path_value``).
 
     Raises:
-        SourceError: ``root`` is missing, not a directory, or has no class directories.
+        SourceError: ``root`` is missing, not a directory, a store (or a build of one), or
+            has no class directories.
     """
     root = Path(root)
     if not root.exists():
         raise SourceError(f"source {root} does not exist; pass the image folder to convert")
     if not root.is_dir():
         raise SourceError(f"source {root} is not a directory; pass the image folder to convert")
+    if _is_store(root):  # its shard folders would be classes of no image
+        raise SourceError(
+            f"source {root} is the output of `ingest build` (a store, or a build of one), "
+            "not an image folder; pass the image folder it was built from"
+        )
     result = Scan(root, [], [])
     with os.scandir(root) as entries:
         for entry in entries:

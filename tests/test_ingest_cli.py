@@ -43,8 +43,13 @@ def one_line(text: str) -> str:
         (lambda p: p / "missing", r"source .*missing does not exist; pass the image folder"),
         (lambda p: _touch(p / "file.jpg"), r"source .*file\.jpg is not a directory"),
         (lambda p: _touch(p / "flat" / "a.jpg").parent, r"has no class folders; expected"),
+        (
+            lambda p: _touch(p / "store" / "manifest.json").parent,  # it said "no valid image"
+            r"source .*store is the output of `ingest build` \(a store, or a build of one\), not "
+            r"an image folder; pass the image folder it was built from$",
+        ),
     ],
-    ids=["missing", "file", "no-class-folders"],
+    ids=["missing", "file", "no-class-folders", "a-store"],
 )
 def test_bad_source_is_refused(tmp_path: Path, make_src, match: str) -> None:
     with pytest.raises(SourceError, match=match):
