@@ -247,7 +247,7 @@ def _get(ray, ref):
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
-        if isinstance(cause, (SourceError, OutputError, OSError, lmdb.Error)):
+        if isinstance(cause, (SourceError, OutputError, fmt.StoreError, OSError, lmdb.Error)):
             raise cause from None
         raise
     except ray.exceptions.RayError as e:

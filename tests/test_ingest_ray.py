@@ -5,6 +5,7 @@ One local Ray instance of 2 CPUs serves the module (starting one costs seconds).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -201,16 +202,29 @@ def test_a_file_changed_between_the_passes_stops_the_build(
     def fault(kind: str, where: int, item: int) -> None:
         # At the second pass's first sample in any task: the victim's shard may be
         # another task's, which may start first (it did now and then, and the build
-        # passed). Replaced whole, never seen half-written by a task reading it.
-        if kind == "write" and spare.exists():
-            tmp = tmp_path / f"changed.{os.getpid()}"
-            shutil.copyfile(spare, tmp)
-            os.replace(tmp, victim)
-            spare.unlink(missing_ok=True)
+        # passed). Renamed into place: whole, and by one task only.
+        if kind == "write":
+            with contextlib.suppress(FileNotFoundError):  # another task did it
+                os.replace(spare, victim)
 
     with pytest.raises(SourceError, match=f"^{victim} changed while the build ran"):
         build_ray(src, tmp_path / "out", AWKWARD_OPTIONS, progress=False, fault=fault)
     assert not (tmp_path / "out" / fmt.MANIFEST).exists()
+
+
+def test_a_store_error_in_a_task_is_its_one_line(tmp_path: Path, ray_address: str, awkward_tree):
+    """A StoreError raised on a node (its py-lmdb without LMDB 0.9's engine) reached the
+    command as Ray's task error, whose message is the whole remote traceback."""
+    from ingest.ray_build import build_ray
+
+    def fault(kind: str, where: int, item: int) -> None:
+        if kind == "write":
+            raise fmt.StoreError("py-lmdb here has no LMDB 0.9 engine")
+
+    with pytest.raises(fmt.StoreError) as raised:
+        build_ray(awkward_tree.root, tmp_path / "out", AWKWARD_OPTIONS, progress=False,
+                  fault=fault)  # fmt: skip
+    assert str(raised.value) == "py-lmdb here has no LMDB 0.9 engine"
 
 
 def test_a_killed_driver_resumes_to_the_same_store(tmp_path: Path, ray_address: str) -> None:
