@@ -53,11 +53,7 @@ class Store:
         self.root = Path(root)
         self.cache = cache
         self.manifest = fmt.read_manifest(self.root)
-        try:
-            _ = self.index  # checked against the manifest now, not at the first batch
-        except fmt.StoreError:
-            self._check_not_rebuilt(self.root / self.manifest["index"]["file"])
-            raise
+        _ = self.index  # checked against the manifest now, not at the first batch
         # Records over this many pixels are refused before they are decoded.
         self.max_pixels = fmt.pixel_limit(self.root, self.manifest, self.index, max_pixels)
         self.classes: list[str] = list(self.manifest["classes"])
@@ -97,13 +93,21 @@ class Store:
     def index(self) -> np.ndarray:
         """Per-sample index rows (``ingest.format.INDEX_DTYPE``), memory-mapped, checked
         against the manifest when loaded."""
-        return fmt.load_index(self.root, manifest=self.manifest)
+        try:  # here, not at open only: a spawned worker loads it again
+            return fmt.load_index(self.root, manifest=self.manifest)
+        except fmt.StoreError:
+            self._check_not_rebuilt(self.root / self.manifest["index"]["file"])
+            raise
 
     @cached_property
     def paths(self) -> list[str]:
         """Source path of every sample, relative to the converted folder (names that are
         not UTF-8 as ``os.walk`` gives them, with surrogate escapes)."""
-        return _read_paths(self.root, self.manifest)
+        try:
+            return _read_paths(self.root, self.manifest)
+        except fmt.StoreError:
+            self._check_not_rebuilt(self.root / self.manifest["paths"]["file"])
+            raise
 
     @property
     def labels(self) -> np.ndarray:
@@ -152,8 +156,8 @@ class Store:
         refused), if it was."""
         try:
             build = fmt.read_manifest(self.root).get("build")
-        except fmt.StoreError:
-            return  # not a (complete) store now: the caller's error says enough
+        except fmt.StoreError:  # its manifest gone or replaced since: a rebuild under way
+            build = None
         if build != self.manifest.get("build"):
             raise fmt.StoreError(_rebuilt(where))
 

@@ -15,6 +15,7 @@ import io
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -1179,6 +1180,21 @@ def test_a_store_rebuilt_while_it_is_opened_says_so(tmp_path: Path, monkeypatch,
                        r"opened\); open the store again"):  # fmt: skip
         Store(out)
     assert len(Store(out)) == 8  # opened again: the new store
+
+
+def test_a_spawned_worker_of_a_store_rebuilt_since_says_so(tmp_path: Path):
+    """A spawned worker receives the store without its index and loads it again: after a
+    rebuild, that said "checksum mismatch; the store is damaged or was edited"."""
+    first, second = tree(tmp_path / "a", 2, 4), tmp_path / "b"
+    make_image_folder(second, 2, 4, seed=9, short_side=(48, 72))
+    out = tmp_path / "store"
+    assert run_ingest("build", first, out, "--shard-size", "8KiB").returncode == 0
+    sent = pickle.dumps(Store(out))  # what a spawned worker is given
+    assert run_ingest("build", second, out, "--shard-size", "8KiB", "--overwrite").returncode == 0
+    worker = pickle.loads(sent)
+    with pytest.raises(fmt.StoreError, match=r"index.npy: written by another build than the "
+                       r"store's manifest \(the store was rebuilt"):  # fmt: skip
+        _ = worker.index
 
 
 def test_a_rebuild_of_equal_size_is_caught_by_the_build_identity(tmp_path: Path):
