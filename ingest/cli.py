@@ -258,7 +258,8 @@ def _info(args: argparse.Namespace) -> int:
     try:
         reasons = _reject_reasons(args.store)
     except fmt.StoreError:
-        if not status:
+        told = os.path.join(args.store, fmt.REJECTS)
+        if not any(p.startswith(f"{told}:") for p in info["problems"]):
             raise
         reasons = Counter()  # its file's problem is told already
     rows = [
@@ -289,10 +290,9 @@ def _say_problems(store: str, problems: list[str]) -> int:
     command's status."""
     if not problems:
         return 0
-    more = f"{len(problems)} of its files are not as its manifest says; the first: " * (
-        len(problems) > 1
-    )
-    print(f"ingest info: error: {more}{problems[0]}", file=sys.stderr)
+    more = f"{len(problems)} of its files are not as its manifest says; the first: "
+    print(f"ingest info: error: {more if len(problems) > 1 else ''}{problems[0]}",
+          file=sys.stderr)  # fmt: skip
     return 1
 
 

@@ -205,9 +205,9 @@ def read_manifest(root: str | os.PathLike) -> dict:
             version, or its manifest is not valid JSON of the expected shape.
     """
     root = Path(root)
-    if os.path.isfile(root):
+    if os.path.exists(root) and not root.is_dir():
         raise StoreError(
-            f"{root}: a file, where a store is the directory `ingest build SRC OUT` writes"
+            f"{root}: not a directory, where a store is the directory `ingest build SRC OUT` writes"
         )
     if not root.is_dir():
         raise StoreError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ def looks_like_image_folder(root: Path, peek: int = 64) -> bool:
     for folder in folders:
         try:
             with os.scandir(folder) as entries:
-                for _, entry in zip(range(peek), entries, strict=False):
+                for entry in itertools.islice(entries, peek):
                     if entry.name.lower().endswith(IMAGE_EXTENSIONS):
                         return True
                     if folder == root and len(folders) < 9 and entry.is_dir():

@@ -714,7 +714,7 @@ def test_not_a_store(tmp_path, store):
         "store instead)"
     )
     (tmp_path / "notes.txt").write_text("a file")
-    with pytest.raises(ValueError, match=r"notes.txt: a file, where a store is the directory"):
+    with pytest.raises(ValueError, match=r"notes.txt: not a directory, where a store is the"):
         make(tmp_path / "notes.txt")
 
 

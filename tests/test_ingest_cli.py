@@ -181,9 +181,9 @@ def test_info_says_when_the_files_are_not_as_the_manifest_says(tmp_path: Path, c
         str(store / fmt.INDEX),
         str(shard),
     ]
-    assert result.stderr.startswith(
+    assert result.stderr == (
         f"ingest info: error: 2 of its files are not as its manifest says; the first: "
-        f"{store / fmt.INDEX}: No such file or directory; the store is incomplete: rebuild it"
+        f"{store / fmt.INDEX}: No such file or directory; the store is incomplete: rebuild it\n"
     )
     assert run_ingest("info", clean_store).stderr == ""
 

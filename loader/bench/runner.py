@@ -41,9 +41,8 @@ def _reason(e: BaseException) -> str:
     """``e`` in a line: its message's first line, and its last where it has more (a torch
     DataLoader worker's error is "Caught OSError in DataLoader worker process 1." over the
     worker's traceback, whose last line says what failed)."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    text = " ... ".join(dict.fromkeys(lines[:1] + lines[-1:]))
-    return f"{type(e).__name__}: {text}"[:300]
+    lines = [line.strip()[:200] for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {' ... '.join(dict.fromkeys(lines[:1] + lines[-1:]))}"
 
 
 def _to_log(path: str) -> None:
