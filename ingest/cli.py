@@ -12,6 +12,7 @@ import signal
 import sys
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 from ingest import format as fmt
 from ingest import lmdbpages
@@ -258,7 +259,7 @@ def _info(args: argparse.Namespace) -> int:
     try:
         reasons = _reject_reasons(args.store)
     except fmt.StoreError:
-        told = os.path.join(args.store, fmt.REJECTS)
+        told = Path(args.store) / fmt.REJECTS  # as store_file names it ("./x" is "x")
         if not any(p.startswith(f"{told}:") for p in info["problems"]):
             raise
         reasons = Counter()  # its file's problem is told already

@@ -636,7 +636,9 @@ def test_index_or_paths_replaced_by_a_fifo_or_a_device_never_hangs(copy: Path, w
 def test_info_and_verify_do_not_hang_on_a_fifo_for_rejects(copy: Path):
     (copy / fmt.REJECTS).unlink()
     os.mkfifo(copy / fmt.REJECTS)
-    info = run_ingest("info", copy, timeout=30)
+    for given in (copy, f"{copy}/", f"{copy.parent}/./{copy.name}"):  # told once each way
+        info = run_ingest("info", given, timeout=30)
+        assert info.stderr.count("\n") == 1, info.stderr
     assert (info.returncode, info.stderr) == (  # the summary is the manifest's
         1,
         f"ingest info: error: {copy / fmt.REJECTS}: a FIFO (named pipe), not a regular file; "
