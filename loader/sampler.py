@@ -43,6 +43,13 @@ from collections.abc import Iterator
 import numpy as np
 
 _STATE_KEYS = ("epoch", "seed", "shuffle", "drop_last", "num_samples", "batch_size", "consumed")
+# How a setting a saved state must share reads in a message, from its value.
+_SAVED_WITH = {
+    "num_samples": lambda n: f"a store of {n} samples",
+    "seed": lambda seed: f"seed={seed}",
+    "shuffle": lambda shuffle: f"shuffle={shuffle}",
+    "torch_order": lambda torch: "a DistributedSampler's order" if torch else "the loader's order",
+}
 EVEN = ("pad", "cut")  # how the order is made a multiple of the world size (see the module doc)
 
 
@@ -111,6 +118,12 @@ class EpochPlan:
     ) -> None:  # fmt: skip
         if rank is None or world_size is None:
             dist_rank, dist_world = _dist_rank_world()
+            if rank is None and world_size not in (None, 1, dist_world):
+                raise ValueError(  # each rank would take rank 0's share: half the epoch, twice
+                    f"world_size={world_size!r} without rank=: pass this process's rank "
+                    f"(0 to {world_size - 1 if isinstance(world_size, int) else '...'}), or "
+                    "initialise torch.distributed first"
+                )
             rank = dist_rank if rank is None else rank
             world_size = dist_world if world_size is None else world_size
         check_int("num_samples", num_samples, 1, "the store must hold at least one sample")
@@ -247,6 +260,10 @@ class EpochPlan:
             ValueError: keys are missing, or ``num_samples``/``seed``/``shuffle``/
                 ``torch_order`` differ, so the saved progress would refer to another order.
         """
+        if not isinstance(state, dict):
+            raise ValueError(
+                f"state={type(state).__name__} is not a state dict; pass the output of state_dict()"
+            )
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"state dict lacks {missing}; pass the output of state_dict()")
@@ -254,20 +271,22 @@ class EpochPlan:
             # torch_order is absent from states saved before it existed: numpy's order.
             if state.get(key, False) != getattr(self, key):
                 raise ValueError(
-                    f"state dict has {key}={state[key]!r} but this plan has "
-                    f"{key}={getattr(self, key)!r}; the saved progress is for another order, "
-                    f"create the plan with {key}={state[key]!r} or start afresh"
+                    f"the state was saved with {_SAVED_WITH[key](state.get(key, False))}, and "
+                    f"this loader reads with {_SAVED_WITH[key](getattr(self, key))}: the saved "
+                    "progress is for another order; build the loader as the saved one was, or "
+                    "start afresh"
                 )
-        consumed = state["consumed"]
-        check_int("state['consumed']", consumed, 0, "the state dict is corrupt")
+        hint = "the state dict is corrupt"
+        consumed = check_int("state['consumed']", state["consumed"], 0, hint)
         if consumed > self.num_samples:
             raise ValueError(
-                f"state['consumed']={consumed} exceeds num_samples={self.num_samples}; "
-                "the state dict is corrupt"
+                f"state['consumed']={consumed} exceeds num_samples={self.num_samples}; {hint}"
             )
-        self.set_epoch(state["epoch"])
+        epoch = check_int("state['epoch']", state["epoch"], 0, hint)
         span = self.batch_size * self.world_size
-        self.consumed, self.step = int(consumed), int(state.get("step", -(-consumed // span)))
+        step = check_int("state['step']", state.get("step", -(-consumed // span)), 0, hint)
+        self.set_epoch(epoch)
+        self.consumed, self.step = consumed, step
 
 
 class RankSampler:

@@ -327,7 +327,10 @@ def test_a_state_that_does_not_fit_changes_nothing(store):
     it = iter(dl)
     head = [tuple(t.clone() for t in next(it)) for _ in range(3)]
     before = dl.state_dict()
-    with pytest.raises(ValueError, match="num_samples=1000 but this plan has num_samples=63"):
+    with pytest.raises(
+        ValueError,
+        match="saved with a store of 1000 samples, and this loader reads with a store of 63",
+    ):
         dl.load_state_dict({**before, "seed": 123, "num_samples": 1000})
     assert dl.state_dict() == before
     rest = [tuple(t.clone() for t in batch) for batch in it]  # the iteration goes on

@@ -222,7 +222,18 @@ def test_no_distributed_defaults_to_single_rank() -> None:
         ((10, 2), {"rank": 2, "world_size": 2}, r"rank=2 .*\[0, world_size=2\)"),
         ((10, 2), {"rank": -1, "world_size": 2}, r"rank=-1"),
         ((10, 2), {"rank": 0, "world_size": 0}, r"world_size=0"),
-        ((5, 4), {"drop_last": True, "world_size": 2}, r"drop_last=True.*set drop_last=False"),
+        (
+            (5, 4),
+            {"drop_last": True, "rank": 0, "world_size": 2},
+            r"drop_last=True.*set drop_last=False",
+        ),
+        # Each rank took rank 0's share: half the epoch, twice, without a word.
+        (
+            (10, 2),
+            {"world_size": 2},
+            r"^world_size=2 without rank=: pass this process's rank "
+            r"\(0 to 1\), or initialise torch.distributed first$",
+        ),
     ],
 )
 def test_bad_arguments(args: tuple, kw: dict, match: str) -> None:
@@ -233,12 +244,24 @@ def test_bad_arguments(args: tuple, kw: dict, match: str) -> None:
 def test_bad_state_and_epoch() -> None:
     plan = EpochPlan(10, 2, shuffle=True, seed=1, world_size=1)
     state = plan.state_dict()
-    with pytest.raises(ValueError, match=r"num_samples=11 but this plan has num_samples=10"):
+    with pytest.raises(ValueError, match=r"^the state was saved with a store of 11 samples, "
+                       r"and this loader reads with a store of 10 samples: the saved progress "
+                       r"is for another order; build the loader as the saved one was, or start "
+                       r"afresh$"):  # fmt: skip
         plan.load_state_dict({**state, "num_samples": 11})
-    with pytest.raises(ValueError, match=r"seed=2 .*create the plan with seed=2"):
+    with pytest.raises(ValueError, match=r"saved with seed=2, and this loader reads with seed=1"):
         plan.load_state_dict({**state, "seed": 2})
-    with pytest.raises(ValueError, match=r"shuffle=False"):
+    with pytest.raises(ValueError, match=r"saved with shuffle=False, and this loader reads with "
+                       r"shuffle=True"):  # fmt: skip
         plan.load_state_dict({**state, "shuffle": False})
+    # Each refused before anything changed (a bad step failed later, with numpy's message).
+    with pytest.raises(ValueError, match=r"^state=NoneType is not a state dict; pass the output"):
+        plan.load_state_dict(None)
+    for key, value in (("step", -3), ("step", "x"), ("epoch", 1.5), ("consumed", True)):
+        with pytest.raises(ValueError, match=rf"state\['{key}'\]=.* is invalid: it must be an "
+                           r"integer >= 0; the state dict is corrupt"):  # fmt: skip
+            plan.load_state_dict({**state, key: value})
+    assert plan.state_dict() == state
     with pytest.raises(ValueError, match=r"lacks \['consumed'\]"):
         plan.load_state_dict({k: v for k, v in state.items() if k != "consumed"})
     with pytest.raises(ValueError, match=r"consumed'\]=11 exceeds num_samples=10"):
