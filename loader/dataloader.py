@@ -309,12 +309,22 @@ class DataLoader:
         """Progress (JSON-able): the epoch and the batches delivered so far (at an
         epoch's last batch, that epoch with every batch delivered, as inside a ``for``
         loop: a resume then reads what is left of it, nothing, and goes on)."""
-        return self._plan.state_dict()
+        build = self.store.manifest.get("build")  # a version 1 store records none
+        return self._plan.state_dict() | ({"store": build} if build else {})
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` output, possibly saved with another world size: the
         next iteration yields the rest of that epoch, later ones continue from there. A
-        state that does not fit raises ``ValueError`` and changes nothing."""
+        state that does not fit raises ``ValueError`` and changes nothing: one saved
+        reading another store (its build identity, where both record one) included."""
+        saved, build = (state.get("store") if isinstance(state, dict) else None,
+                        self.store.manifest.get("build"))  # fmt: skip
+        if saved and build and saved != build:  # the same size would have let it through
+            raise ValueError(
+                f"the state was saved reading another store (build {saved}) than this "
+                f"loader's {self.store.root} (build {build}); load it into a loader of "
+                "that store, or start afresh"
+            )
         reseed = not self._seed_chosen and "seed" in state  # a drawn seed yields to it
         probe = copy.copy(self._plan)
         if reseed:

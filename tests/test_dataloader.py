@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -336,6 +337,20 @@ def test_a_state_that_does_not_fit_changes_nothing(store):
     rest = [tuple(t.clone() for t in batch) for batch in it]  # the iteration goes on
     assert same(head + rest, epoch(want))
     dl.close()
+
+
+def test_a_state_of_another_store_of_the_same_size_is_refused(store):
+    """States record the store's build identity: another store of as many samples let a
+    resume through, on other images and labels."""
+    dl = make(store, shuffle=True, seed=5)
+    state, build = dl.state_dict(), fmt.read_manifest(store)["build"]
+    assert state["store"] == build
+    assert json.loads(json.dumps(state)) == state  # still plain JSON
+    with pytest.raises(ValueError, match=rf"^the state was saved reading another store \(build "
+                       rf"{'0' * 32}\) than this loader's {store} \(build {build}\); load it "
+                       r"into a loader of that store, or start afresh$"):  # fmt: skip
+        dl.load_state_dict({**state, "store": "0" * 32})
+    dl.load_state_dict({k: v for k, v in state.items() if k != "store"})  # saved before it
 
 
 @pytest.mark.parametrize("persistent", [False, True])

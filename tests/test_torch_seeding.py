@@ -70,7 +70,7 @@ def test_a_drawn_seed_yields_to_the_saved_one(store):
     resumed.load_state_dict(state)
     assert resumed.seed == first.seed and resumed.state_dict()["seed"] == first.seed
     assert [i for b in head for i in b] + order(resumed) == full
-    with pytest.raises(ValueError, match=rf"state dict has seed={first.seed} but this plan has"):
+    with pytest.raises(ValueError, match=rf"saved with seed={first.seed}, and this loader reads"):
         make(store, seed=first.seed + 1).load_state_dict(state)
 
 
