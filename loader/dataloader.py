@@ -189,6 +189,8 @@ class DataLoader:
         self.seed, self._seed_chosen = opt.resolve_seed(
             seed, generator, follow.pop("seed"), follow["world_size"]
         )
+        if isinstance(drop_last, (str, bytes)) or drop_last not in (True, False):  # "no": True
+            raise ValueError(f"drop_last={drop_last!r} is invalid: pass True or False")
         self.drop_last, self.with_indices = bool(drop_last), bool(with_indices)
         self.pin_memory = self._output.pin
         self.persistent_workers = bool(persistent_workers)

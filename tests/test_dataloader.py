@@ -699,6 +699,7 @@ def test_corrupt_record_is_replaced_counted_and_logged_once(store, tmp_path, cap
         ({"decoder": "pil"}, r"decoder='pil' is unknown; known decoders: auto, cpu, dali, nvjpeg"),
         ({"sampler": [0, 1]}, r"sampler=list cannot be used when reading a store: .* follows only"),
         ({"prefetch_factor": 0}, r"prefetch_factor=0 is invalid"),
+        ({"drop_last": "no"}, r"drop_last='no' is invalid: pass True or False"),  # was True
     ],
 )
 def test_argument_errors(store, kwargs, match):
