@@ -142,6 +142,12 @@ class EpochPlan:
         self.rank, self.world_size = int(rank), int(world_size)
         self.even = even if even is not None else (None if self.drop_last else "pad")
         self.strided, self.torch_order = bool(strided), bool(torch_order)
+        if len(self) == 0 and self.even == "cut" and self.num_samples < self.world_size:
+            raise ValueError(  # the sampler's drop_last, not the loader's
+                f"DistributedSampler(drop_last=True) over {world_size} replicas leaves no "
+                f"sample of {num_samples} to any rank; pass drop_last=False to the sampler, "
+                "or use fewer ranks"
+            )
         if len(self) == 0:
             raise ValueError(
                 f"drop_last=True with num_samples={num_samples} and batch_size*world_size="

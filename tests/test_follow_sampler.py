@@ -68,6 +68,15 @@ def test_plan_reproduces_distributed_sampler_batches(n, world, shuffle, sampler_
         assert [b.tolist() for b in plan.batches()] == ref and len(plan) == len(ref)
 
 
+def test_a_distributed_sampler_that_leaves_no_rank_a_sample_says_so():
+    """torch yields nothing there; the loader refuses, and the advice was the loader's
+    drop_last and batch_size, which were not the cause."""
+    with pytest.raises(ValueError, match=r"^DistributedSampler\(drop_last=True\) over 3 "
+                       r"replicas leaves no sample of 2 to any rank; pass drop_last=False to "
+                       r"the sampler, or use fewer ranks$"):  # fmt: skip
+        EpochPlan(2, 1, rank=0, world_size=3, even="cut", strided=True, torch_order=True)
+
+
 def test_loader_follows_distributed_sampler_and_its_set_epoch(ds):
     for rank in range(3):
         sampler = DistributedSampler(ds, num_replicas=3, rank=rank, seed=4)
