@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Mapping
 
 import torch
 import torch.utils.data
@@ -31,7 +32,7 @@ from loader.epoch import EpochIterator
 from loader.gpu_stage import GpuStage
 from loader.output import BatchOutput, resolve_device, resolve_dtype
 from loader.prefetch import GpuEpochIterator, batches_on_gpu, ring_slots
-from loader.sampler import EpochPlan, RankSampler
+from loader.sampler import EpochPlan, RankSampler, check_int
 from loader.stats import LoaderStats
 from loader.store import verify_advice
 from loader.workers import Ring, WorkerPool
@@ -169,6 +170,8 @@ class DataLoader:
         opt.check_not_for_store(sampler, batch_sampler, collate_fn)
         transform = opt.store_transform(dataset, transform)
         self.batch_size = opt.check_batch_size(batch_size)
+        if isinstance(drop_last, (str, bytes)) or drop_last not in (True, False):  # "no": True
+            raise ValueError(f"drop_last={drop_last!r} is invalid: pass True or False")
         self.num_workers, self.prefetch_factor, self.timeout = opt.check_workers(
             num_workers, prefetch_factor, timeout
         )
@@ -189,8 +192,6 @@ class DataLoader:
         self.seed, self._seed_chosen = opt.resolve_seed(
             seed, generator, follow.pop("seed"), follow["world_size"]
         )
-        if isinstance(drop_last, (str, bytes)) or drop_last not in (True, False):  # "no": True
-            raise ValueError(f"drop_last={drop_last!r} is invalid: pass True or False")
         self.drop_last, self.with_indices = bool(drop_last), bool(with_indices)
         self.pin_memory = self._output.pin
         self.persistent_workers = bool(persistent_workers)
@@ -310,7 +311,8 @@ class DataLoader:
     def state_dict(self) -> dict:
         """Progress (JSON-able): the epoch and the batches delivered so far (at an
         epoch's last batch, that epoch with every batch delivered, as inside a ``for``
-        loop: a resume then reads what is left of it, nothing, and goes on)."""
+        loop: a resume then reads what is left of it, nothing, and goes on), and the store's
+        build identity ("store") where the store records one."""
         build = self.store.manifest.get("build")  # a version 1 store records none
         return self._plan.state_dict() | ({"store": build} if build else {})
 
@@ -319,13 +321,19 @@ class DataLoader:
         next iteration yields the rest of that epoch, later ones continue from there. A
         state that does not fit raises ``ValueError`` and changes nothing: one saved
         reading another store (its build identity, where both record one) included."""
-        saved, build = (state.get("store") if isinstance(state, dict) else None,
-                        self.store.manifest.get("build"))  # fmt: skip
+        if not isinstance(state, Mapping):
+            raise ValueError(
+                f"state={type(state).__name__} is not a state dict; pass the output of state_dict()"
+            )
+        if "seed" in state:  # before a drawn seed yields to it
+            check_int("state['seed']", state["seed"], 0, "the state dict is corrupt")
+        saved, build = state.get("store"), self.store.manifest.get("build")
         if saved and build and saved != build:  # the same size would have let it through
             raise ValueError(
                 f"the state was saved reading another store (build {saved}) than this "
                 f"loader's {self.store.root} (build {build}); load it into a loader of "
-                "that store, or start afresh"
+                "that store, or start afresh (a store built again from files with other "
+                "modification times is another build: drop the state's 'store' to resume)"
             )
         reseed = not self._seed_chosen and "seed" in state  # a drawn seed yields to it
         probe = copy.copy(self._plan)

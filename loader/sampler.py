@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
@@ -116,13 +116,18 @@ class EpochPlan:
         drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
         even: str | None = None, strided: bool = False, torch_order: bool = False,
     ) -> None:  # fmt: skip
+        if world_size is not None:
+            check_int("world_size", world_size, 1, "pass the number of training processes")
         if rank is None or world_size is None:
             dist_rank, dist_world = _dist_rank_world()
-            if rank is None and world_size not in (None, 1, dist_world):
+            if rank is None and world_size == 1:
+                dist_rank = 0  # one rank alone (an evaluation on rank 0): every rank agrees
+            elif rank is None and world_size not in (None, dist_world):
+                group = (f"torch.distributed's group has {dist_world}" if dist_world > 1 else
+                         "or initialise torch.distributed first")  # fmt: skip
                 raise ValueError(  # each rank would take rank 0's share: half the epoch, twice
-                    f"world_size={world_size!r} without rank=: pass this process's rank "
-                    f"(0 to {world_size - 1 if isinstance(world_size, int) else '...'}), or "
-                    "initialise torch.distributed first"
+                    f"world_size={world_size!r} without rank=: pass this process's rank (0 to "
+                    f"{int(world_size) - 1}){'; ' if dist_world > 1 else ', '}{group}"
                 )
             rank = dist_rank if rank is None else rank
             world_size = dist_world if world_size is None else world_size
@@ -263,26 +268,31 @@ class EpochPlan:
         ``batch_size`` and ``drop_last`` of this plan are kept (progress is counted in samples).
 
         Raises:
-            ValueError: keys are missing, or ``num_samples``/``seed``/``shuffle``/
-                ``torch_order`` differ, so the saved progress would refer to another order.
+            ValueError: ``state`` is not a mapping, keys are missing, ``consumed``, ``epoch``
+                or ``step`` is not a non-negative integer (before anything changes), or
+                ``num_samples``/``seed``/``shuffle``/``torch_order`` differ, so the saved
+                progress would refer to another order.
         """
-        if not isinstance(state, dict):
+        if not isinstance(state, Mapping):
             raise ValueError(
                 f"state={type(state).__name__} is not a state dict; pass the output of state_dict()"
             )
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"state dict lacks {missing}; pass the output of state_dict()")
+        hint = "the state dict is corrupt"
+        check_int("state['num_samples']", state["num_samples"], 1, hint)
+        check_int("state['seed']", state["seed"], 0, hint)
         for key in ("num_samples", "seed", "shuffle", "torch_order"):
             # torch_order is absent from states saved before it existed: numpy's order.
             if state.get(key, False) != getattr(self, key):
                 raise ValueError(
                     f"the state was saved with {_SAVED_WITH[key](state.get(key, False))}, and "
                     f"this loader reads with {_SAVED_WITH[key](getattr(self, key))}: the saved "
-                    "progress is for another order; build the loader as the saved one was, or "
-                    "start afresh"
-                )
-        hint = "the state dict is corrupt"
+                    "progress is for another order; "
+                    + ("load it into a loader of that store" if key == "num_samples" else
+                       "build the loader as the saved one was") + ", or start afresh"
+                )  # fmt: skip
         consumed = check_int("state['consumed']", state["consumed"], 0, hint)
         if consumed > self.num_samples:
             raise ValueError(

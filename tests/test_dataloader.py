@@ -348,9 +348,20 @@ def test_a_state_of_another_store_of_the_same_size_is_refused(store):
     assert json.loads(json.dumps(state)) == state  # still plain JSON
     with pytest.raises(ValueError, match=rf"^the state was saved reading another store \(build "
                        rf"{'0' * 32}\) than this loader's {store} \(build {build}\); load it "
-                       r"into a loader of that store, or start afresh$"):  # fmt: skip
+                       r"into a loader of that store, or start afresh \(a store built again from "
+                       r"files with other modification times is another build: drop the "
+                       r"state's 'store' to resume\)$"):  # fmt: skip
         dl.load_state_dict({**state, "store": "0" * 32})
     dl.load_state_dict({k: v for k, v in state.items() if k != "store"})  # saved before it
+    drawn = make(store, shuffle=True, seed=None)  # a drawn seed yields to a saved one
+    with pytest.raises(ValueError, match=r"^state=NoneType is not a state dict; pass the output"):
+        drawn.load_state_dict(None)  # it was a TypeError
+    with pytest.raises(ValueError, match=r"^state\['seed'\]='x' is invalid: it must be an "
+                       r"integer >= 0; the state dict is corrupt$"):  # fmt: skip
+        drawn.load_state_dict({**state, "seed": "x"})  # it said "pass a non-negative seed"
+    assert drawn.state_dict()["seed"] == drawn.seed != state["seed"]  # nothing changed
+    for flag in (np.True_, 1, 0):  # what torch takes, the loader too
+        assert make(store, drop_last=flag).drop_last is bool(flag)
 
 
 @pytest.mark.parametrize("persistent", [False, True])

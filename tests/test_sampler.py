@@ -234,6 +234,7 @@ def test_no_distributed_defaults_to_single_rank() -> None:
             r"^world_size=2 without rank=: pass this process's rank "
             r"\(0 to 1\), or initialise torch.distributed first$",
         ),
+        ((10, 2), {"world_size": "2"}, r"^world_size='2' is invalid: it must be an integer"),
     ],
 )
 def test_bad_arguments(args: tuple, kw: dict, match: str) -> None:
@@ -246,7 +247,7 @@ def test_bad_state_and_epoch() -> None:
     state = plan.state_dict()
     with pytest.raises(ValueError, match=r"^the state was saved with a store of 11 samples, "
                        r"and this loader reads with a store of 10 samples: the saved progress "
-                       r"is for another order; build the loader as the saved one was, or start "
+                       r"is for another order; load it into a loader of that store, or start "
                        r"afresh$"):  # fmt: skip
         plan.load_state_dict({**state, "num_samples": 11})
     with pytest.raises(ValueError, match=r"saved with seed=2, and this loader reads with seed=1"):
