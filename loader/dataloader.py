@@ -294,8 +294,8 @@ class DataLoader:
         once its last batch is out with persistent workers, otherwise once the loop asks
         past it; with a DistributedSampler, its epoch unless a loaded state resumes
         another)."""
-        if self._follows and not self._resume:
-            return self.sampler.epoch
+        if self._follows and not (self._resume and self.sampler.epoch == self._plan.epoch):
+            return self.sampler.epoch  # as _follow_sampler_epoch will decide
         return self._plan.epoch + (self._read is not None)  # read whole, not yet ended
 
     def set_epoch(self, epoch: int) -> None:

@@ -137,6 +137,18 @@ def test_resume_with_a_distributed_sampler(ds):
         make(ds, shuffle=True, seed=1).load_state_dict(state)
 
 
+def test_the_epoch_named_is_the_one_read_with_a_sampler_never_moved_on(ds):
+    """A DistributedSampler without set_epoch repeats its epoch, as in torch; a loader
+    given a state saved after one epoch named epoch 1 (``dl.epoch``) and read epoch 0."""
+    sampler = DistributedSampler(ds, num_replicas=2, rank=0, seed=1)
+    dl = make(ds, sampler=sampler)
+    first = read(dl)
+    assert dl.epoch == 0 and dl.state_dict()["epoch"] == 1  # the sampler was not moved on
+    again = make(ds, sampler=sampler)
+    again.load_state_dict(dl.state_dict())
+    assert again.epoch == 0 and read(again) == first  # named, then read: epoch 0
+
+
 def test_random_and_sequential_samplers(ds):
     gen = torch.Generator()
     gen.manual_seed(4)
