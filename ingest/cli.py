@@ -12,7 +12,6 @@ import signal
 import sys
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 
 from ingest import format as fmt
 from ingest import lmdbpages
@@ -244,7 +243,8 @@ def summary(manifest: dict) -> dict:
 def _info(args: argparse.Namespace) -> int:
     manifest = fmt.read_manifest(args.store)
     info = summary(manifest)
-    info["problems"] = _file_problems(args.store, manifest)
+    problems = _file_problems(args.store, manifest)
+    info["problems"] = list(problems.values())
     status = _say_problems(args.store, info["problems"])
     if args.json:
         print(json.dumps(info, indent=1))
@@ -256,13 +256,8 @@ def _info(args: argparse.Namespace) -> int:
           f"{info['record_bytes'] / mib:.1f} MiB of records")  # fmt: skip
     print(f"seen       {info['num_seen']} = kept {info['num_samples']} + rejected "
           f"{info['num_rejected']} + ignored {info['num_ignored']}")  # fmt: skip
-    try:
-        reasons = _reject_reasons(args.store)
-    except fmt.StoreError:
-        told = Path(args.store) / fmt.REJECTS  # as store_file names it ("./x" is "x")
-        if not any(p.startswith(f"{told}:") for p in info["problems"]):
-            raise
-        reasons = Counter()  # its file's problem is told already
+    # A rejects file not as the manifest says is told already, and has no reasons to read.
+    reasons = Counter() if "rejects" in problems else _reject_reasons(args.store)
     rows = [
         *info["stats"].items(),
         *((f"ignored: {reason}", n) for reason, n in info["ignored_by_reason"].items()),
@@ -273,16 +268,17 @@ def _info(args: argparse.Namespace) -> int:
     return status
 
 
-def _file_problems(store: str, manifest: dict) -> list[str]:
-    """What is wrong with the store's files at a glance (where each lies, its kind and its
-    size against the manifest: a ``stat`` each, not ``ingest verify``'s read of them)."""
-    problems = []
+def _file_problems(store: str, manifest: dict) -> dict[str | int, str]:
+    """What is wrong with the store's files at a glance, by file ("index", "paths",
+    "rejects" or a shard's number): where each lies, its kind and its size against the
+    manifest (a ``stat`` each, not ``ingest verify``'s read of them)."""
+    problems = {}
     for what in (*(k for k in ("index", "paths", "rejects") if k in manifest),
                  *range(len(manifest["shards"]))):  # fmt: skip
         try:
             fmt.store_file(store, manifest, what)
         except fmt.StoreError as e:
-            problems.append(str(e))
+            problems[what] = str(e)
     return problems
 
 

@@ -16,7 +16,6 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Mapping
 
 import torch
 import torch.utils.data
@@ -32,7 +31,7 @@ from loader.epoch import EpochIterator
 from loader.gpu_stage import GpuStage
 from loader.output import BatchOutput, resolve_device, resolve_dtype
 from loader.prefetch import GpuEpochIterator, batches_on_gpu, ring_slots
-from loader.sampler import EpochPlan, RankSampler, check_int
+from loader.sampler import EpochPlan, RankSampler, check_state
 from loader.stats import LoaderStats
 from loader.store import verify_advice
 from loader.workers import Ring, WorkerPool
@@ -321,12 +320,7 @@ class DataLoader:
         next iteration yields the rest of that epoch, later ones continue from there. A
         state that does not fit raises ``ValueError`` and changes nothing: one saved
         reading another store (its build identity, where both record one) included."""
-        if not isinstance(state, Mapping):
-            raise ValueError(
-                f"state={type(state).__name__} is not a state dict; pass the output of state_dict()"
-            )
-        if "seed" in state:  # before a drawn seed yields to it
-            check_int("state['seed']", state["seed"], 0, "the state dict is corrupt")
+        check_state(state)  # before a drawn seed yields to its seed
         saved, build = state.get("store"), self.store.manifest.get("build")
         if saved and build and saved != build:  # the same size would have let it through
             raise ValueError(

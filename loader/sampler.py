@@ -88,6 +88,26 @@ def check_int(name: str, value: int, low: int, hint: str) -> int:
     return int(value)
 
 
+def check_state(state) -> None:
+    """Refuse what is not a ``state_dict()`` output: not a mapping, keys missing, or a count
+    that is not an integer (``step`` may be absent: states saved before it had none).
+
+    Raises:
+        ValueError: naming what is wrong, before anything reads the state.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"state={type(state).__name__} is not a state dict; pass the output of state_dict()"
+        )
+    missing = [k for k in _STATE_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"state dict lacks {missing}; pass the output of state_dict()")
+    for key, low in (("num_samples", 1), ("seed", 0), ("consumed", 0), ("epoch", 0),
+                     ("step", 0)):  # fmt: skip
+        if key in state:
+            check_int(f"state['{key}']", state[key], low, "the state dict is corrupt")
+
+
 class EpochPlan:
     """Seeded epoch order over a store's samples, split across ranks, resumable.
 
@@ -273,16 +293,7 @@ class EpochPlan:
                 ``num_samples``/``seed``/``shuffle``/``torch_order`` differ, so the saved
                 progress would refer to another order.
         """
-        if not isinstance(state, Mapping):
-            raise ValueError(
-                f"state={type(state).__name__} is not a state dict; pass the output of state_dict()"
-            )
-        missing = [k for k in _STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"state dict lacks {missing}; pass the output of state_dict()")
-        hint = "the state dict is corrupt"
-        check_int("state['num_samples']", state["num_samples"], 1, hint)
-        check_int("state['seed']", state["seed"], 0, hint)
+        check_state(state)
         for key in ("num_samples", "seed", "shuffle", "torch_order"):
             # torch_order is absent from states saved before it existed: numpy's order.
             if state.get(key, False) != getattr(self, key):
@@ -293,16 +304,15 @@ class EpochPlan:
                     + ("load it into a loader of that store" if key == "num_samples" else
                        "build the loader as the saved one was") + ", or start afresh"
                 )  # fmt: skip
-        consumed = check_int("state['consumed']", state["consumed"], 0, hint)
+        consumed = int(state["consumed"])
         if consumed > self.num_samples:
             raise ValueError(
-                f"state['consumed']={consumed} exceeds num_samples={self.num_samples}; {hint}"
+                f"state['consumed']={consumed} exceeds num_samples={self.num_samples}; "
+                "the state dict is corrupt"
             )
-        epoch = check_int("state['epoch']", state["epoch"], 0, hint)
         span = self.batch_size * self.world_size
-        step = check_int("state['step']", state.get("step", -(-consumed // span)), 0, hint)
-        self.set_epoch(epoch)
-        self.consumed, self.step = consumed, step
+        self.set_epoch(int(state["epoch"]))
+        self.consumed, self.step = consumed, int(state.get("step", -(-consumed // span)))
 
 
 class RankSampler:

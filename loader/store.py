@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import weakref
 import zlib
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
 
@@ -66,11 +68,8 @@ class Store:
         # not hours in, and the workers forked from this process inherit the walk (a
         # cache's copy is walked by its copier, and trusted while it is those bytes).
         for shard in range(len(self._first)):
-            try:
+            with self._rebuilt_if_refused(self.root / fmt.shard_name(shard)):
                 lmdbpages.require_sound(fmt.store_file(self.root, self.manifest, shard))
-            except fmt.StoreError:  # rebuilt since its manifest was read: say so
-                self._check_not_rebuilt(self.root / fmt.shard_name(shard))
-                raise
         _LIVE.add(self)
 
     def __len__(self) -> int:
@@ -93,21 +92,16 @@ class Store:
     def index(self) -> np.ndarray:
         """Per-sample index rows (``ingest.format.INDEX_DTYPE``), memory-mapped, checked
         against the manifest when loaded."""
-        try:  # here, not at open only: a spawned worker loads it again
+        # Here, not at open only: a spawned worker loads it again.
+        with self._rebuilt_if_refused(self.root / self.manifest["index"]["file"]):
             return fmt.load_index(self.root, manifest=self.manifest)
-        except fmt.StoreError:
-            self._check_not_rebuilt(self.root / self.manifest["index"]["file"])
-            raise
 
     @cached_property
     def paths(self) -> list[str]:
         """Source path of every sample, relative to the converted folder (names that are
         not UTF-8 as ``os.walk`` gives them, with surrogate escapes)."""
-        try:
+        with self._rebuilt_if_refused(self.root / self.manifest["paths"]["file"]):
             return _read_paths(self.root, self.manifest)
-        except fmt.StoreError:
-            self._check_not_rebuilt(self.root / self.manifest["paths"]["file"])
-            raise
 
     @property
     def labels(self) -> np.ndarray:
@@ -132,11 +126,8 @@ class Store:
         Raises:
             ingest.format.StoreError: naming the shard and what differs.
         """
-        try:
+        with self._rebuilt_if_refused(self.root / fmt.shard_name(shard)):
             fmt.store_file(self.root, self.manifest, shard)
-        except fmt.StoreError:
-            self._check_not_rebuilt(self.root / fmt.shard_name(shard))  # the likelier cause
-            raise
         key = self._keys[shard]
         if self.cache is not None:  # a RAM copy, or the original when it has none
             key = _env_key(Path(self.cache.shard_path(shard)))
@@ -151,15 +142,21 @@ class Store:
             ) from None
         return env
 
-    def _check_not_rebuilt(self, where: Path) -> None:
-        """Raise the error of a store rebuilt since it was opened (its file ``where``
-        refused), if it was."""
+    @contextlib.contextmanager
+    def _rebuilt_if_refused(self, where: Path) -> Iterator[None]:
+        """Run the block; its StoreError about the store's file ``where`` becomes the error
+        of a store rebuilt since it was opened, where it was (the likelier cause, and
+        what to do differs: open it again, not rebuild it)."""
         try:
-            build = fmt.read_manifest(self.root).get("build")
-        except fmt.StoreError:  # its manifest gone or replaced since: a rebuild under way
-            build = None
-        if build != self.manifest.get("build"):
-            raise fmt.StoreError(_rebuilt(where))
+            yield
+        except fmt.StoreError:
+            try:
+                build = fmt.read_manifest(self.root).get("build")
+            except fmt.StoreError:  # its manifest gone or replaced since: a rebuild under way
+                build = None
+            if build != self.manifest.get("build"):
+                raise fmt.StoreError(_rebuilt(where)) from None
+            raise
 
     def raw(self, i: int, nbytes: int | None = None) -> bytes:
         """The stored value of sample ``i`` (a packed record), as bytes; with ``nbytes``,
