@@ -61,7 +61,11 @@ def test_fast_loader_is_compute_bound():
     assert (s.steps, s.images) == (5, 20)
     assert 0.0 <= s.wait_share < 0.05
     assert s.seconds >= 5 * SLEEP
-    assert prof.verdict().startswith("compute-bound: the loop waited for data 0% of the time")
+    # The share measured, under 5%: "0%" or, on a busy machine, "1%" (CI once saw 1%).
+    assert prof.verdict().startswith(
+        f"compute-bound: the loop waited for data {s.wait_share:.0%} of the time; the loader "
+        "keeps up"
+    )
 
 
 def test_warmup_steps_are_left_out():
