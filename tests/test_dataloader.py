@@ -214,6 +214,18 @@ def test_persistent_workers_carry_on_into_the_next_epoch(store):
     assert dl.worker_pids == [] and pids and dl._carry is None
 
 
+def test_zero_workers_take_what_torch_refuses_and_change_nothing(store):
+    # torch refuses persistent_workers=True and prefetch_factor without workers; taken
+    # here (a loop that sets them from a flag still runs), they change no batch.
+    with pytest.raises(ValueError, match="persistent_workers option needs num_workers > 0"):
+        torch.utils.data.DataLoader(range(4), persistent_workers=True)
+    dl = make(store, shuffle=True, persistent_workers=True, prefetch_factor=3)
+    want = make(store, shuffle=True)
+    for _ in range(2):
+        assert same(epoch(dl), epoch(want))
+    assert dl._carry is None and dl.stats().get("epochs_carried", 0) == 0
+
+
 def test_a_loop_bounded_by_len_carries_on(store):
     # Every batch taken, StopIteration never asked for: the next iter() ends the iteration
     # as StopIteration would and takes over the next epoch's batches (placed meanwhile),
