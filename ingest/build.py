@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import io
@@ -10,7 +11,7 @@ import os
 import shutil
 import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -86,13 +87,8 @@ def build(
         facts = functools.partial(local_build.file_facts, pool)
         tree, state = start(src, out, options, overwrite, "local", facts)
         run = Run(tree, out, options, state, map_size or default_map_size(options))
-        try:
+        with writing(out):
             return local_build.convert(run, Path(src), pool, progress)
-        except (lmdb.Error, OSError) as e:
-            failure = write_failure(out, e)
-            if failure is None:
-                raise
-            raise failure from e
 
 
 def start(
@@ -106,9 +102,11 @@ def start(
     tree = scan(src)
     for rel, reason in tree.skipped:
         log.warning("ingest: skipped %s: %s", fmt.shown(rel), reason)
-    prepare_out(out, overwrite)
+    with writing(out):  # a folder this user may not write, a read-only or full disk
+        prepare_out(out, overwrite)
     digest = fingerprint(tree, options.output_affecting(), facts(tree) if facts else None)
-    return tree, load_state(out, digest, mode)
+    with writing(out):
+        return tree, load_state(out, digest, mode)
 
 
 def default_map_size(options: BuildOptions) -> int:
@@ -116,13 +114,32 @@ def default_map_size(options: BuildOptions) -> int:
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+_DENIED = (errno.EACCES, errno.EPERM)
+
+
+@contextlib.contextmanager
+def writing(out: Path) -> Iterator[None]:
+    """Failures to write OUT as one-line OutputErrors (``write_failure``); others as they
+    are, with their tracebacks."""
+    try:
+        yield
+    except (lmdb.Error, OSError) as e:
+        failure = write_failure(out, e)
+        if failure is None:
+            raise
+        raise failure from e
 
 
 def write_failure(out: Path, e: Exception) -> OutputError | None:
     """A one-line OutputError for a failure to write OUT (a full disk, an I/O error), or
     None for an error that is not about writing (it keeps its traceback)."""
-    if isinstance(e, OSError) and e.errno not in (*_FULL, errno.EIO, errno.EROFS):
+    if isinstance(e, OSError) and e.errno not in (*_FULL, *_DENIED, errno.EIO, errno.EROFS):
         return None
+    if getattr(e, "errno", None) in _DENIED:
+        return OutputError(
+            f"output {out}: this user may not write there ({e.strerror}: "
+            f"{fmt.shown(str(e.filename or out))}); give it write access, or choose another folder"
+        )
     try:
         st = os.statvfs(out)
         full = st.f_bavail * st.f_frsize < 64 * MiB

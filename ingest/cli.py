@@ -177,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ingest: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout gone: quiet_pipe's
+        raise
+    except OSError as e:  # what the system refused (access, a name too long...): one line
+        what = f"{fmt.shown(str(e.filename))}: " if e.filename else ""
+        print(f"ingest {args.command}: error: {what}{e.strerror or e}", file=sys.stderr)
+        return 2
 
 
 def _build(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ as baseline JPEG at ``quality``; other sources as lossless PNG.
 from __future__ import annotations
 
 import io
+import re
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -34,6 +35,12 @@ from ingest.probe import (
 )
 
 cv2.setNumThreads(1)
+
+# A progressive JPEG's decode costs a pass over its coefficients per scan: libjpeg's own
+# scripts make 6-10 scans, and one of 700 cost 15 times a normal decode. Over KEPT_SCANS
+# the build decodes it once and stores it as baseline; over MAX_SCANS it is refused.
+KEPT_SCANS = 64
+MAX_SCANS = 1000
 
 
 class Reject(Exception):
@@ -76,14 +83,25 @@ def convert(data: bytes, opts: Options) -> Converted:
         except JpegHeaderError as e:
             raise Reject(f"corrupt JPEG header: {e}") from None
         _check_pixels(info.width, info.height, opts)
-        problem, end = None, None
+        if info.precision != 8:
+            raise Reject(
+                f"unsupported JPEG: {info.precision}-bit samples (the readers take 8-bit "
+                "JPEGs; convert it to 8-bit)"
+            )
+        problem, end, scans = None, None, 0
         if opts.verify or not data.endswith(b"\xff\xd9"):  # unverified, and ending as an
-            problem, end = walk_scans(data, info)  # image ends: taken to end there (a walk
-        if opts.verify and problem:  # cost the unverified build a sixth of its speed)
+            problem, end, scans = walk_scans(data, info)  # image ends: taken to end there
+        if opts.verify and problem:  # (a walk cost the unverified build a sixth of its speed)
             raise Reject(f"corrupt JPEG data: {problem}")
+        if scans > MAX_SCANS:
+            raise Reject(
+                f"too many scans: {scans} in one JPEG (over {MAX_SCANS}; each decode of it "
+                "would cost seconds): re-encode it"
+            )
         if opts.verify:
-            check_jpeg(data[:end])  # what is stored (all of it where ``end`` is None)
-        if info.plain and not _too_big(info.height, info.width, opts):
+            check_jpeg(data[:end], info)  # what is stored (all of it where ``end`` is None)
+        kept = info.plain and scans <= KEPT_SCANS  # more: decoded once here, not each epoch
+        if kept and not _too_big(info.height, info.width, opts):
             return _plain_jpeg(data, info, end)
     if kind == "png":
         kept = _plain_png(data, opts)
@@ -105,7 +123,7 @@ def _check_pixels(width: int, height: int, opts: Options) -> None:
         )
 
 
-def check_jpeg(data: bytes) -> None:
+def check_jpeg(data: bytes, info: JpegInfo | None = None) -> None:
     """Check that ``data`` decodes without a warning.
 
     Decodes ``data`` with libjpeg-turbo in stop-on-warning mode, at 1/8 scale.
@@ -118,10 +136,16 @@ def check_jpeg(data: bytes) -> None:
     Raises:
         Reject: the decoder fails or warns (the reason quotes it).
     """
+    # A lossless JPEG (a source's, never a store's) is neither scaled nor converted.
+    lossless = info is not None and info.sof in (0xC3, 0xC7, 0xCB, 0xCF)
     try:
         colorspace = simplejpeg.decode_jpeg_header(data)[2]
-        out = "CMYK" if colorspace in ("CMYK", "YCCK") else "GRAY"
-        simplejpeg.decode_jpeg(data, out, min_height=1, min_width=1, strict=True)
+        if colorspace in ("CMYK", "YCCK"):
+            out = "CMYK"
+        else:
+            out = "RGB" if lossless and info.components == 3 else "GRAY"
+        least = {} if lossless else {"min_height": 1, "min_width": 1}
+        simplejpeg.decode_jpeg(data, out, strict=True, **least)
     except ValueError as e:
         end = "" if _has_eoi(data) else " (truncated: no end-of-image marker)"
         warning = str(e).removeprefix("Corrupt JPEG data: ")
@@ -166,19 +190,24 @@ def _plain_png(data: bytes, opts: Options) -> Converted | None:
 
 
 def _png_kept(data: bytes) -> tuple[bytes, list[str]] | None:
-    """A PNG to store as it is, and its fixes: up to its end chunk (what follows no
-    decoder reads), where the readers' check passes it (``ingest.probe.plain_png``: every
-    chunk, and all the image data inflated and its rows' filters checked, as a decode
-    would; the readers decode exactly what it passes); None: convert it (PIL reads some
-    PNGs it refuses, such as one with bytes after the end of its image data)."""
+    """A PNG to store as it is, and its fixes: its critical chunks (``ingest.probe.plain_png``:
+    every chunk, and all the image data inflated and its rows' filters checked, as a decode
+    would), which are what the loader's readers decode, where that check passes it; None:
+    convert it (PIL reads some PNGs it refuses, such as one with bytes after the end of its
+    image data). The ancillary chunks (text, colour profile, gamma, time) change no pixel
+    any reader decodes, and one can make PIL refuse the file (a text chunk that inflates
+    past its limit); what follows the end chunk no decoder reads."""
     end = png_end(data)
     kept = data if end is None else data[:end]
     try:
-        plain_png(kept)
+        plain = plain_png(kept)
     except PngError:
         return None
     dropped = len(data) - len(kept)
-    return kept, [f"trailing-bytes-dropped:{dropped}"] if dropped else []
+    fixes = [f"trailing-bytes-dropped:{dropped}"] if dropped else []
+    if len(plain) != len(kept):
+        fixes.append(f"png-ancillary-chunks-dropped:{len(kept) - len(plain)}")
+    return plain, fixes
 
 
 def _has_eoi(data: bytes) -> bool:
@@ -196,8 +225,12 @@ def _pil_load(data: bytes, kind: str, opts: Options) -> Image.Image:
     except Reject:
         raise
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError...)
-        raise Reject(f"corrupt {kind}: {type(e).__name__}: {e}") from None
+        said = _OBJECT_AT.sub("", str(e))  # "<_io.BytesIO object at 0x7f...>": the same file
+        raise Reject(f"corrupt {kind}: {type(e).__name__}: {said}") from None  # same reason
     return img
+
+
+_OBJECT_AT = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")
 
 
 def _open_unlimited(data: bytes) -> Image.Image:
@@ -214,10 +247,12 @@ def _open_unlimited(data: bytes) -> Image.Image:
 def _via_pil(data: bytes, kind: str, opts: Options) -> Converted:
     img = _pil_load(data, kind, opts)
     fixes: list[str] = []
-    orientation = img.getexif().get(0x0112, 1)
-    if orientation not in (1, None) and 1 <= int(orientation) <= 8:
-        img = ImageOps.exif_transpose(img)
-        fixes.append(f"exif-orientation:{orientation}")
+    with warnings.catch_warnings():  # PIL's about malformed EXIF data: not the decoder's
+        warnings.simplefilter("ignore")
+        orientation = _orientation(img)
+        if orientation != 1:
+            img = ImageOps.exif_transpose(img)
+            fixes.append(f"exif-orientation:{orientation}")
     arr = _to_8bit(img, fixes)
     if kind == "png" and _png_bit_depth(data) == 16 and "16bit-to-8bit" not in fixes:
         fixes.append("16bit-to-8bit")  # PIL reads 16-bit RGB(A) as 8-bit, by the high bytes
@@ -239,6 +274,17 @@ def _via_pil(data: bytes, kind: str, opts: Options) -> Converted:
     if kind != "png":
         fixes.append(f"{kind}-to-png")
     return _encode_png(arr, kind, fixes)
+
+
+def _orientation(img: Image.Image) -> int:
+    """The EXIF orientation PIL's ``exif_transpose`` applies: 1..8, where the tag's value
+    equals one (an integer, or a rational such as 6/1), else 1 (text, 6/0, several values:
+    PIL rotates nothing)."""
+    try:
+        value = img.getexif().get(0x0112, 1)
+    except Exception:  # EXIF data PIL cannot parse: it rotates nothing either
+        return 1
+    return int(value) if value in range(1, 9) else 1
 
 
 def _png_bit_depth(data: bytes) -> int:

@@ -114,10 +114,10 @@ def parse_jpeg(data: bytes) -> JpegInfo:
     Raises:
         JpegHeaderError: the header is truncated or malformed.
     """
-    orientation, adobe, frame, scan = 1, -1, None, -1
+    orientation, adobe, frame, scan = None, -1, None, -1
     for pos, marker, seg in _segments(data):
-        if marker == 0xE1 and seg.startswith(b"Exif\x00\x00"):
-            orientation = _exif_orientation(seg[6:])
+        if marker == 0xE1 and seg.startswith(b"Exif\x00\x00") and orientation is None:
+            orientation = _exif_orientation(seg[6:])  # the first EXIF block's, as PIL's
         elif marker == 0xEE and seg.startswith(b"Adobe") and len(seg) >= 12:
             adobe = seg[11]
         elif marker in _SOF_MARKERS and frame is None:
@@ -126,7 +126,7 @@ def parse_jpeg(data: bytes) -> JpegInfo:
             scan = pos
     if frame is None:
         raise JpegHeaderError("no frame header (SOF) before the image data")
-    return _frame_info(*frame, orientation, adobe, scan)
+    return _frame_info(*frame, orientation or 1, adobe, scan)
 
 
 def image_size(data: bytes, kind: str) -> tuple[int, int] | None:
@@ -181,33 +181,36 @@ _MARKER = re.compile(rb"\xff(?![\x00\xd0-\xd7\xff])")
 _BETWEEN_SCANS = {0xC4, 0xCC, 0xDA, 0xDB, 0xDC, 0xDD, 0xFE, *range(0xE0, 0xF0)}
 
 
-def walk_scans(data: bytes, info: JpegInfo) -> tuple[str | None, int | None]:
+def walk_scans(data: bytes, info: JpegInfo) -> tuple[str | None, int | None, int]:
     """The image data's marker structure, walked once from the first scan to its end: (what
     is wrong with it, or None, also when the data ends early: decoding tells truncation;
-    where the image ends, or None where its scans reach no end-of-image marker).
+    where the image ends, or None where its scans reach no end-of-image marker; how many
+    scans it has, as far as it was walked: a progressive decode's cost grows with them).
 
     libjpeg (so OpenCV and PIL) only warns about a bad marker in the image data, fills the
     rest with gray and returns an image: random or overwritten data would pass decoding.
     The end is the offset just past the end-of-image marker that closes the scans: what
     follows is no decoder's (a phone's motion-photo video, a second picture, padding);
     one inside a marker segment (an EXIF thumbnail's) is not the image's."""
-    pos, n = info.scan, len(data)
+    pos, n, scans = info.scan, len(data), 0
     while pos >= 0:
         if pos + 4 > n:
-            return None, None
+            return None, None, scans
+        scans += data[pos + 1] == 0xDA
         end = pos + 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
         if end > n:
-            return f"marker segment at byte {pos} runs past the end of the file", None
+            return f"marker segment at byte {pos} runs past the end of the file", None, scans
         m = _MARKER.search(data, end)
         pos = m.start() if m else n
         if pos + 1 >= n:
-            return None, None
+            return None, None, scans
         marker = data[pos + 1]
         if marker == 0xD9:  # end of image
-            return None, pos + 2
+            return None, pos + 2, scans
         if marker not in _BETWEEN_SCANS:
-            return f"unexpected marker 0xFF{marker:02X} in the image data at byte {pos}", None
-    return None, None
+            where = f"at byte {pos}"
+            return f"unexpected marker 0xFF{marker:02X} in the image data {where}", None, scans
+    return None, None, scans
 
 
 def _subsampling(factors: list[tuple[int, int]]) -> str:
@@ -225,8 +228,14 @@ def _subsampling(factors: list[tuple[int, int]]) -> str:
     }.get((h0, v0), "other")
 
 
+_EXIF_INTEGERS = {3: "H", 4: "I", 8: "h", 9: "i"}  # SHORT, LONG, SSHORT, SLONG
+_EXIF_RATIONALS = {5: "II", 10: "ii"}  # RATIONAL, SRATIONAL: stored at an offset
+
+
 def _exif_orientation(tiff: bytes) -> int:
-    """Orientation tag (0x0112) of IFD0 in an EXIF TIFF block; 1 when absent or unreadable."""
+    """Orientation tag (0x0112) of IFD0 in an EXIF TIFF block, as PIL's ``exif_transpose``
+    takes it: the first value, of an integer type or a rational that equals one, 1..8; 1
+    when absent, unreadable or anything else (PIL then rotates nothing)."""
     if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
         return 1
     end = "<" if tiff[:2] == b"II" else ">"
@@ -238,10 +247,20 @@ def _exif_orientation(tiff: bytes) -> int:
         entry = ifd + 2 + 12 * i
         if entry + 12 > len(tiff):
             return 1
-        tag, typ = struct.unpack_from(end + "HH", tiff, entry)
-        if tag == 0x0112 and typ == 3:
-            (value,) = struct.unpack_from(end + "H", tiff, entry + 8)
-            return value if 1 <= value <= 8 else 1
+        tag, typ, count = struct.unpack_from(end + "HHI", tiff, entry)
+        if tag != 0x0112:
+            continue
+        value, code = None, _EXIF_INTEGERS.get(typ) or _EXIF_RATIONALS.get(typ)
+        if count >= 1 and code:  # several values: PIL warns and takes the first
+            at = entry + 8  # the values themselves where they fit in 4 bytes, else where
+            if count * struct.calcsize(code) > 4:
+                (at,) = struct.unpack_from(end + "I", tiff, at)
+            if at + struct.calcsize(code) <= len(tiff):
+                value = struct.unpack_from(end + code, tiff, at)
+        if value is not None and len(value) == 2:  # a rational: one only if it is whole
+            num, den = value
+            value = (num // den,) if den and num % den == 0 else None
+        return value[0] if value is not None and value[0] in range(1, 9) else 1
     return 1
 
 

@@ -46,7 +46,7 @@ from ingest.build import (
     Run,
     default_map_size,
     start,
-    write_failure,
+    writing,
 )
 from ingest.ray_tasks import Fault, check_range, write_shard
 from ingest.resume import OutputError
@@ -106,14 +106,10 @@ def build_ray(
     run = Run(tree, out, options, state, map_size or default_map_size(options))
     started = _connect(ray, address)
     try:
-        plans = _check_all(ray, run, src, range_items, progress, fault)
-        _write_all(ray, run, src, plans, progress, fault)
-        return twopass.finish(run, plans)
-    except (lmdb.Error, OSError) as e:
-        failure = write_failure(out, e)
-        if failure is None:
-            raise
-        raise failure from e
+        with writing(out):
+            plans = _check_all(ray, run, src, range_items, progress, fault)
+            _write_all(ray, run, src, plans, progress, fault)
+            return twopass.finish(run, plans)
     finally:
         if started:
             ray.shutdown()

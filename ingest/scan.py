@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import os
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ingest.format import BUILD_STATE, MANIFEST, PARTIAL_DIR
+from ingest.format import BUILD_STATE, FORMAT_NAME, INDEX, MANIFEST, MAX_MANIFEST_BYTES, PARTIAL_DIR
 
 # torchvision's IMG_EXTENSIONS plus GIF and JFIF; matched case-insensitively, as it does.
 IMAGE_EXTENSIONS = (
@@ -80,17 +83,24 @@ def scan(root: str | os.PathLike) -> Scan:
             "not an image folder; pass the image folder it was built from"
         )
     result = Scan(root, [], [])
-    with os.scandir(root) as entries:
-        for entry in entries:
-            is_dir = _is_dir(entry)
-            if is_dir and _is_store(entry.path):
-                result.skipped.append((entry.name, "a store (ingest build output), not a class"))
-            elif is_dir and not entry.name.startswith("."):
-                result.classes.append(entry.name)
-            elif is_dir:
-                result.ignored["hidden folder"] += _count_files(entry.path)
-            else:
-                result.ignored["file outside class folders"] += 1
+    try:
+        with os.scandir(root) as entries:
+            for entry in entries:
+                is_dir = _is_dir(entry)
+                if is_dir and _is_store(entry.path):
+                    result.skipped.append(
+                        (entry.name, "a store (ingest build output), not a class")
+                    )
+                elif is_dir and not entry.name.startswith("."):
+                    result.classes.append(entry.name)
+                elif is_dir:
+                    result.ignored["hidden folder"] += _count_files(entry.path)
+                else:
+                    result.ignored["file outside class folders"] += 1
+    except OSError as e:
+        raise SourceError(
+            f"source {root} cannot be read ({e.strerror or e}); give this user access to it"
+        ) from None
     result.classes.sort()
     if not result.classes:
         raise SourceError(
@@ -98,7 +108,10 @@ def scan(root: str | os.PathLike) -> Scan:
             f"{root}/CLASS_NAME/IMAGE.jpg"
         )
     # A class folder is walked as a class, never through a link from elsewhere.
-    walked = {_dir_id(root): "the source folder"} | {_dir_id(root / n): n for n in result.classes}
+    walked = {_dir_id(root): "the source folder"}
+    for name in result.classes:
+        with contextlib.suppress(OSError):  # unreachable: walking it says why (_walk)
+            walked[_dir_id(root / name)] = name
     for label, name in enumerate(result.classes):
         _scan_class(root, name, label, result, walked)
     return result
@@ -137,7 +150,10 @@ def _walk(root: Path, top: Path, result: Scan, walked: dict) -> list[tuple[str, 
             rel = _rel(root, entry.path)
             try:
                 key = _dir_id(entry.path)
-            except OSError:  # gone since the listing: its files are not seen
+            except FileNotFoundError:  # gone since the listing: its files are not seen
+                continue
+            except OSError as e:  # a name too long to reach, a folder this user cannot
+                result.skipped.append((rel, f"unreadable folder: {e.strerror or e}"))
                 continue
             if key in walked:
                 what = "a link to a folder" if entry.is_symlink() else "a folder"
@@ -170,8 +186,24 @@ def _rel(root: Path, path: str | os.PathLike) -> str:
 
 
 def _is_store(path: str) -> bool:
-    """A store or an interrupted build: never a class folder or images to convert."""
-    return any(os.path.exists(os.path.join(path, n)) for n in (MANIFEST, BUILD_STATE, PARTIAL_DIR))
+    """A store or an interrupted build: never a class folder or images to convert. A file
+    named manifest.json alone does not make one (a class folder may hold any file): the
+    manifest must be a store's, or unreadable beside a store's index."""
+    if any(os.path.exists(os.path.join(path, n)) for n in (BUILD_STATE, PARTIAL_DIR)):
+        return True
+    manifest = os.path.join(path, MANIFEST)
+    try:
+        st = os.stat(manifest)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:  # a FIFO would hang
+        return False
+    try:
+        with open(manifest, "rb") as f:
+            found = json.load(f)
+    except (OSError, ValueError, RecursionError):  # not JSON: a damaged store's, or not one
+        return os.path.exists(os.path.join(path, INDEX))
+    return isinstance(found, dict) and found.get("format") == FORMAT_NAME
 
 
 def _ignore_reason(fname: str, hidden_dir: bool) -> str | None:

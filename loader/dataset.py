@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -82,8 +83,10 @@ class LMDBDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[Any, Any]:
         data, _ = self.store.image(i)
-        with Image.open(io.BytesIO(data)) as img:
-            image = img.convert("RGB")
+        with warnings.catch_warnings():  # PIL's about EXIF data it cannot parse, which
+            warnings.simplefilter("ignore")  # the build kept (the pixels are whole)
+            with Image.open(io.BytesIO(data)) as img:
+                image = img.convert("RGB")
         target = int(self.store.index["label"][i])
         if self.transform is not None:
             image = self.transform(image)

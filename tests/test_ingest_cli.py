@@ -44,7 +44,7 @@ def one_line(text: str) -> str:
         (lambda p: _touch(p / "file.jpg"), r"source .*file\.jpg is not a directory"),
         (lambda p: _touch(p / "flat" / "a.jpg").parent, r"has no class folders; expected"),
         (
-            lambda p: _touch(p / "store" / "manifest.json").parent,  # it said "no valid image"
+            lambda p: _store_like(p / "store"),  # it said "no valid image"
             r"source .*store is the output of `ingest build` \(a store, or a build of one\), not "
             r"an image folder; pass the image folder it was built from$",
         ),
@@ -55,6 +55,13 @@ def test_bad_source_is_refused(tmp_path: Path, make_src, match: str) -> None:
     with pytest.raises(SourceError, match=match):
         build(make_src(tmp_path), tmp_path / "out", workers=1, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def _store_like(path: Path) -> Path:
+    """A folder with a store's manifest (its format named), nothing else."""
+    path.mkdir(parents=True)
+    (path / fmt.MANIFEST).write_text(json.dumps({"format": fmt.FORMAT_NAME}))
+    return path
 
 
 def _touch(path: Path) -> Path:

@@ -1,0 +1,285 @@
+"""What a fuzz campaign of the converter's inputs found: files and folders it must take
+as PIL and ImageFolder do, or refuse in one line, and a store every reader reads."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fixtures import run_ingest
+from PIL import Image, ImageOps
+
+import ingest.normalize as normalize
+from ingest import format as fmt
+from ingest.build import build
+from ingest.probe import parse_jpeg, plain_png, walk_scans
+from ingest.resume import OutputError
+from ingest.scan import SourceError, scan
+from ingest.synth import make_image_folder
+from loader import LMDBDataset
+from loader.store import Store
+
+
+def _tree(root: Path, classes: int = 2, per_class: int = 3) -> Path:
+    make_image_folder(root, classes, per_class, short_side=(48, 72))
+    return root
+
+
+def _photo(size=(96, 64)) -> Image.Image:
+    """A flat-coloured RGB image of ``size``: these tests are about structure, not pixels."""
+    return Image.new("RGB", size, (30, 120, 200)).quantize(8).convert("RGB")
+
+
+def _counts(manifest: dict) -> tuple[int, int, int, int]:
+    return (manifest["num_seen"], manifest["num_samples"], manifest["num_rejected"],
+            manifest["num_ignored"])  # fmt: skip
+
+
+def _one(tmp_path: Path, name: str, data: bytes) -> tuple[Path, Path]:
+    """A tree of two classes: ``name`` holding ``data`` in class a, one JPEG in class b."""
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "b").mkdir()
+    (src / "a" / name).write_bytes(data)
+    _photo().save(src / "b" / "ok.jpg")
+    return src, tmp_path / "out"
+
+
+def test_a_class_folder_holding_a_manifest_json_is_a_class(tmp_path: Path):
+    # A dataset's own metadata file named manifest.json made a whole class a "store": its
+    # images dropped, counted nowhere, and the labels shifted against ImageFolder's.
+    src = _tree(tmp_path / "src")
+    (src / "class_01" / fmt.MANIFEST).write_text(json.dumps({"name": "my dataset"}))
+    (src / "class_00" / "nested").mkdir()
+    (src / "class_00" / "nested" / fmt.MANIFEST).write_text("not JSON at all")
+    manifest = build(src, tmp_path / "out", workers=1, progress=False)
+    assert manifest["classes"] == ["class_00", "class_01"]
+    assert _counts(manifest) == (8, 6, 0, 2) and manifest["skipped"] == []
+    # A store's manifest, or a damaged one beside a store's index, is still a store.
+    (src / "old").mkdir()
+    (src / "old" / fmt.MANIFEST).write_text(json.dumps({"format": fmt.FORMAT_NAME}))
+    (src / "class_01" / "broken").mkdir()
+    (src / "class_01" / "broken" / fmt.MANIFEST).write_text('{"format": "imfeed-lm')
+    (src / "class_01" / "broken" / fmt.INDEX).write_bytes(b"")
+    found = scan(src)
+    assert found.classes == ["class_00", "class_01"]
+    assert found.skipped == [
+        ("old", "a store (ingest build output), not a class"),
+        ("class_01/broken", "a store (ingest build output), not images"),
+    ]
+
+
+def test_a_fifo_named_manifest_json_does_not_hang_the_scan(tmp_path: Path):
+    src = _tree(tmp_path / "src")
+    os.mkfifo(src / "class_00" / fmt.MANIFEST)
+    found = scan(src)  # opening a FIFO would wait for a writer forever
+    assert found.classes == ["class_00", "class_01"] and len(found.items) == 6
+
+
+def test_a_folder_past_path_max_is_skipped_with_the_reason(tmp_path: Path):
+    src = _tree(tmp_path / "src", 1, 2)
+    jpeg = next((src / "class_00").iterdir()).read_bytes()
+    fd, depth = os.open(src / "class_00", os.O_RDONLY), 0
+    try:
+        while depth * 201 < 4200:  # 21 levels of 200 characters: past PATH_MAX (4096)
+            os.mkdir("d" * 200, dir_fd=fd)
+            inner = os.open("d" * 200, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd, depth = inner, depth + 1
+        image = os.open("deep.jpg", os.O_WRONLY | os.O_CREAT, dir_fd=fd)
+        os.write(image, jpeg)
+        os.close(image)
+    finally:
+        os.close(fd)
+    found = scan(src)
+    assert len(found.items) == 2  # the deep image is not among them...
+    ((where, reason),) = found.skipped  # ...and the folder it could not reach is said
+    assert reason == "unreadable folder: File name too long"
+    assert len(os.fsencode(src / where)) > 4000
+
+
+def test_unreadable_source_and_output_are_one_line(tmp_path: Path, monkeypatch):
+    src = _tree(tmp_path / "src")
+    real = os.scandir
+
+    def refused(path):
+        if Path(path) == src:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", refused)
+    with pytest.raises(SourceError) as e:
+        scan(src)
+    assert str(e.value) == (
+        f"source {src} cannot be read (Permission denied); give this user access to it"
+    )
+    monkeypatch.setattr(os, "scandir", real)
+    out = tmp_path / "out"
+
+    def denied(path, overwrite):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("ingest.build.prepare_out", denied)
+    with pytest.raises(OutputError) as e:
+        build(src, out, workers=1, progress=False)
+    assert str(e.value) == (
+        f"output {out}: this user may not write there (Permission denied: {out}); give it "
+        "write access, or choose another folder"
+    )
+
+
+def test_what_the_system_refuses_is_one_line_from_the_cli(tmp_path: Path):
+    long = tmp_path / ("a" * 300)
+    for command in ("info", "verify"):
+        result = run_ingest(command, long)
+        assert (result.returncode, result.stderr) == (
+            2, f"ingest {command}: error: {long}: File name too long\n"
+        )  # fmt: skip
+    result = run_ingest("build", _tree(tmp_path / "src"), long / "out", "--workers", "1")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.endswith("File name too long\n") and "Traceback" not in result.stderr
+
+
+def _png_with(chunk: tuple[bytes, bytes], pixels: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    pixels.save(buf, "PNG")
+    png = buf.getvalue()
+    kind, body = chunk
+    packed = struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    return png[:33] + packed + png[33:]  # after IHDR
+
+
+def test_a_png_whose_text_pil_refuses_is_stored_without_it(tmp_path: Path):
+    # A zTXt chunk that inflates past PIL's MAX_TEXT_CHUNK: kept whole, LMDBDataset (PIL)
+    # raised on it in training, while the loader and `ingest verify` passed it.
+    pixels = _photo((120, 80))
+    text = (b"zTXt", b"Comment\x00\x00" + zlib.compress(b"A" * (8 << 20), 9))
+    data = _png_with(text, pixels)
+    with pytest.raises(ValueError, match="MAX_TEXT_CHUNK"):
+        Image.open(io.BytesIO(data)).load()
+    src, out = _one(tmp_path, "text.png", data)
+    assert _counts(build(src, out, workers=1, progress=False)) == (2, 2, 0, 0)
+    record = Store(out).record(0)
+    assert record["image"] == plain_png(data)  # the critical chunks, as they were
+    assert record["fixes"] == [f"png-ancillary-chunks-dropped:{12 + len(text[1])}"]
+    image, label = LMDBDataset(out)[0]
+    assert label == 0 and np.array_equal(np.asarray(image), np.asarray(pixels))
+
+
+def test_reject_reasons_are_the_same_in_every_build(tmp_path: Path):
+    # PIL's message named the BytesIO's address: rejects.jsonl, and the manifest's digest
+    # of it, differed from one build of the same files to the next.
+    src, _ = _one(tmp_path, "sig_only.png", b"\x89PNG\r\n\x1a\n")
+    digests = []
+    for out in (tmp_path / "one", tmp_path / "two"):
+        manifest = build(src, out, workers=1, progress=False)
+        lines = (out / fmt.REJECTS).read_text().splitlines()
+        assert [json.loads(line) for line in lines] == [{
+            "path": "a/sig_only.png",
+            "reason": "corrupt png: UnidentifiedImageError: cannot identify image file",
+        }]  # fmt: skip
+        digests.append(manifest["rejects"]["sha256"])
+    assert digests[0] == digests[1]
+
+
+def _exif(entry: bytes, extra: bytes = b"") -> bytes:
+    """A little-endian TIFF block: IFD0 with one entry, then ``extra`` (at offset 26)."""
+    return b"II*\x00" + struct.pack("<IH", 8, 1) + entry + struct.pack("<I", 0) + extra
+
+
+_ORIENTATIONS = {  # how the tag is written: PIL's exif_transpose turns the image or not
+    "short-6": (struct.pack("<HHIHH", 0x0112, 3, 1, 6, 0), b""),
+    "long-6": (struct.pack("<HHII", 0x0112, 4, 1, 6), b""),
+    "short-two-values": (struct.pack("<HHIHH", 0x0112, 3, 2, 6, 3), b""),
+    "rational-12/2": (struct.pack("<HHII", 0x0112, 5, 1, 26), struct.pack("<II", 12, 2)),
+    "rational-6/0": (struct.pack("<HHII", 0x0112, 5, 1, 26), struct.pack("<II", 6, 0)),
+    "text": (struct.pack("<HHI4s", 0x0112, 2, 4, b"abc\x00"), b""),
+    "short-9": (struct.pack("<HHIHH", 0x0112, 3, 1, 9, 0), b""),
+}
+
+
+def _with_exif(kind: str, exif: bytes) -> bytes:
+    pixels = _photo((160, 100))
+    if kind == "png":
+        return _png_with((b"eXIf", exif), pixels)
+    buf = io.BytesIO()
+    (pixels.convert("CMYK") if kind == "cmyk" else pixels).save(buf, "JPEG", quality=90)
+    jpeg, segment = buf.getvalue(), b"Exif\x00\x00" + exif
+    return jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(segment) + 2) + segment + jpeg[2:]
+
+
+@pytest.mark.parametrize("kind", ["jpeg", "cmyk", "png"])
+@pytest.mark.parametrize("form", list(_ORIENTATIONS))
+def test_exif_orientation_is_taken_as_pil_takes_it(tmp_path: Path, kind: str, form: str):
+    # A plain JPEG's orientation came from the build's own header parser (SHORT only), the
+    # others' from PIL, whose warnings were taken for the decoder's: the same tag turned
+    # one image and not another, or rejected it ("invalid literal for int()").
+    data = _with_exif(kind, _exif(*_ORIENTATIONS[form]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).size  # (width, height)
+    assert want == ((100, 160) if form in ("short-6", "long-6", "short-two-values",
+                                           "rational-12/2") else (160, 100))  # fmt: skip
+    src, out = _one(tmp_path, f"x.{'png' if kind == 'png' else 'jpg'}", data)
+    assert _counts(build(src, out, workers=1, progress=False)) == (2, 2, 0, 0)
+    record = Store(out).record(0)
+    assert (record["width"], record["height"]) == want
+
+
+def test_the_first_of_two_exif_blocks_decides_as_in_pil(tmp_path: Path):
+    buf = io.BytesIO()
+    _photo((160, 100)).save(buf, "JPEG", quality=90)
+    jpeg, blocks = buf.getvalue(), b""
+    for orientation in (6, 1):  # the build's parser let the last one win
+        segment = b"Exif\x00\x00" + _exif(struct.pack("<HHIHH", 0x0112, 3, 1, orientation, 0))
+        blocks += b"\xff\xe1" + struct.pack(">H", len(segment) + 2) + segment
+    both = jpeg[:2] + blocks + jpeg[2:]
+    assert Image.open(io.BytesIO(both)).getexif()[0x0112] == 6
+    assert parse_jpeg(both).orientation == 6
+    src, out = _one(tmp_path, "two.jpg", both)
+    build(src, out, workers=1, progress=False)
+    record = Store(out).record(0)
+    assert (record["width"], record["height"]) == (100, 160)
+
+
+def test_a_12_bit_jpeg_is_refused_as_unsupported_not_corrupt(tmp_path: Path):
+    buf = io.BytesIO()
+    _photo().save(buf, "JPEG")
+    data = bytearray(buf.getvalue())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 4] = 12  # the frame's sample precision
+    src, out = _one(tmp_path, "twelve.jpg", bytes(data))
+    assert _counts(build(src, out, workers=1, progress=False)) == (2, 1, 1, 0)
+    assert json.loads((out / fmt.REJECTS).read_text())["reason"] == (
+        "unsupported JPEG: 12-bit samples (the readers take 8-bit JPEGs; convert it to 8-bit)"
+    )
+
+
+def test_a_jpeg_of_many_scans_is_decoded_once_at_the_build(tmp_path: Path, monkeypatch):
+    # Each scan of a progressive JPEG is another pass of its decode: 694 tiny scans cost 15
+    # times a normal decode, in every epoch. Over KEPT_SCANS it is stored as baseline, over
+    # MAX_SCANS refused (the thresholds lowered here to a PIL progressive JPEG's scans).
+    buf = io.BytesIO()
+    _photo((160, 100)).save(buf, "JPEG", progressive=True, quality=90)
+    data = buf.getvalue()
+    scans = walk_scans(data, parse_jpeg(data))[2]
+    assert scans == data.count(b"\xff\xda") == 10  # libjpeg's script for colour images
+    src, out = _one(tmp_path, "prog.jpg", data)
+    monkeypatch.setattr(normalize, "KEPT_SCANS", 9)
+    build(src, out, workers=1, progress=False)
+    record = Store(out).record(0)
+    assert record["fixes"] == ["reencoded-jpeg:q95"] and not parse_jpeg(record["image"]).progressive
+    monkeypatch.setattr(normalize, "MAX_SCANS", 9)
+    manifest = build(src, tmp_path / "refused", workers=1, progress=False)
+    assert _counts(manifest) == (2, 1, 1, 0)
+    assert json.loads((tmp_path / "refused" / fmt.REJECTS).read_text())["reason"] == (
+        "too many scans: 10 in one JPEG (over 9; each decode of it would cost seconds): "
+        "re-encode it"
+    )
