@@ -269,8 +269,8 @@ def _info(args: argparse.Namespace) -> int:
         *((f"ignored: {reason}", n) for reason, n in info["ignored_by_reason"].items()),
         *((f"rejected: {reason}", n) for reason, n in reasons.most_common()),
     ]
-    for name, count in rows:
-        print(f"  {name:<40} {count}")
+    for name, count in rows:  # a store's text, untrusted: without control characters
+        print(f"  {fmt.shown(str(name)):<40} {count}")
     return status
 
 

@@ -252,6 +252,12 @@ _SHARD_KEYS = {"name": str, "first": int, "count": int, "record_bytes": int,
                "file_bytes": int, "digest": str}  # fmt: skip
 
 
+def _is_count(value: int) -> bool:
+    """An integer a count or a size may be: JSON's have no bound (10**400 would overflow
+    every float made of it), nor a sign."""
+    return not isinstance(value, bool) and 0 <= value < 1 << 63
+
+
 def _is_hex(value: object) -> bool:
     return isinstance(value, str) and 0 < len(value) <= 128 and not value.strip("0123456789abcdef")
 
@@ -265,6 +271,10 @@ def _manifest_problem(m: dict) -> str | None:
                      ("record_bytes", int)):  # fmt: skip
         if not isinstance(m.get(key), typ):
             return f"{key!r} is missing or not a {typ.__name__}"
+        if typ is int and not _is_count(m[key]):
+            return f"{key!r} is not a count (an integer from 0 to 2**63 - 1)"
+    if m["num_samples"] == 0:
+        return "'num_samples' is 0, where a build writes a store of at least one sample"
     if m["version"] >= 2 and not _is_hex(m.get("build")):
         return "'build' is missing or not a hexadecimal string"
     limit = m["options"].get("max_pixels", 1)
@@ -275,7 +285,8 @@ def _manifest_problem(m: dict) -> str | None:
     for k, entry in enumerate(m["shards"]):
         if not isinstance(entry, dict):
             return f"shard {k} is not a JSON object"
-        bad = [key for key, typ in _SHARD_KEYS.items() if not isinstance(entry.get(key), typ)]
+        bad = [key for key, typ in _SHARD_KEYS.items() if not isinstance(entry.get(key), typ)
+               or (typ is int and not _is_count(entry[key]))]  # fmt: skip
         if bad:
             return f"shard {k} lacks a valid {bad[0]!r}"
         if entry["name"] != shard_name(k):

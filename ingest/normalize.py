@@ -32,6 +32,7 @@ from ingest.probe import (
     png_has_exif,
     sniff,
     walk_scans,
+    without_icc,
 )
 
 cv2.setNumThreads(1)
@@ -138,6 +139,7 @@ def check_jpeg(data: bytes, info: JpegInfo | None = None) -> None:
     """
     # A lossless JPEG (a source's, never a store's) is neither scaled nor converted.
     lossless = info is not None and info.sof in (0xC3, 0xC7, 0xCB, 0xCF)
+    data = without_icc(data)  # what a decode in a worker (OpenCV) reads, no more
     try:
         colorspace = simplejpeg.decode_jpeg_header(data)[2]
         if colorspace in ("CMYK", "YCCK"):

@@ -129,6 +129,27 @@ def parse_jpeg(data: bytes) -> JpegInfo:
     return _frame_info(*frame, orientation or 1, adobe, scan)
 
 
+def without_icc(data: bytes) -> bytes:
+    """``data`` without its ICC profile segments (APP2 "ICC_PROFILE"), the header walked
+    up to the first scan; ``data`` itself where it has none or the header is malformed.
+    libjpeg-turbo's strict decode warns about a malformed one ("bad ICC marker"); OpenCV's
+    decode never reads them, and the pixels are the same either way."""
+    if b"ICC_PROFILE\x00" not in data[: 1 << 20]:
+        return data
+    cuts = []
+    try:
+        for pos, marker, seg in _segments(data):
+            if marker == 0xE2 and seg.startswith(b"ICC_PROFILE\x00"):
+                cuts.append((pos, pos + 4 + len(seg)))
+    except JpegHeaderError:
+        return data
+    kept, start = [], 0
+    for a, b in cuts:
+        kept.append(data[start:a])
+        start = b
+    return b"".join(kept) + data[start:]
+
+
 def image_size(data: bytes, kind: str) -> tuple[int, int] | None:
     """(height, width) as the header of a JPEG or PNG says (the formats a store holds),
     read without decoding; None where the header says none (malformed, or another kind).

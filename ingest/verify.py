@@ -22,7 +22,7 @@ from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
 from ingest.cstderr import captured
 from ingest.lmdbpages import open_lmdb, pages_problem
 from ingest.normalize import Reject, check_jpeg
-from ingest.probe import PngError, header_problem, plain_png
+from ingest.probe import PngError, header_problem, plain_png, without_icc
 from ingest.safeio import FileRefused, sha256_file
 
 
@@ -271,7 +271,7 @@ def _decode_problem(img: bytes, rec: dict) -> str | None:
     if rec["format"] == "jpeg":
         try:
             check_jpeg(img)
-            shape = simplejpeg.decode_jpeg_header(img)[:2]
+            shape = simplejpeg.decode_jpeg_header(without_icc(img))[:2]
         except Reject as e:
             return f"{e} ({where})"
     else:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import shutil
 import struct
 import warnings
 import zlib
@@ -13,10 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from fixtures import run_ingest
 from PIL import Image, ImageOps
 
 import ingest.normalize as normalize
+import loader
 from ingest import format as fmt
 from ingest.build import build
 from ingest.probe import parse_jpeg, plain_png, walk_scans
@@ -283,3 +287,73 @@ def test_a_jpeg_of_many_scans_is_decoded_once_at_the_build(tmp_path: Path, monke
         "too many scans: 10 in one JPEG (over 9; each decode of it would cost seconds): "
         "re-encode it"
     )
+
+
+# What a fuzz campaign of stores found (a store from elsewhere is untrusted input).
+
+
+def _edited(store: Path, tmp_path: Path, edit) -> Path:
+    """A copy of ``store`` whose manifest ``edit`` changed."""
+    copy = tmp_path / "edited"
+    shutil.copytree(store, copy)
+    manifest = json.loads((copy / fmt.MANIFEST).read_text())
+    edit(manifest)
+    (copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fuzzed")
+    build(_tree(root / "src"), root / "store", workers=1, progress=False)
+    return root / "store"
+
+
+def test_ingest_info_shows_a_stores_text_without_control_characters(small_store, tmp_path):
+    def edit(m):
+        m["stats"]["\x1b]0;title\x07\x1b[2J"] = 1
+        m["ignored_by_reason"]["\x1b[31mred\x1b[0m"] = 1
+
+    result = run_ingest("info", _edited(small_store, tmp_path, edit))
+    assert result.returncode == 0 and "\x1b" not in result.stdout and "\x07" not in result.stdout
+    assert "  \\x1b]0;title\\x07\\x1b[2J" in result.stdout
+    assert "  ignored: \\x1b[31mred\\x1b[0m" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        (lambda m: m.update(record_bytes=10**400), "'record_bytes' is not a count"),
+        (lambda m: m["shards"][0].update(file_bytes=-1), "shard 0 lacks a valid 'file_bytes'"),
+        (lambda m: m.update(num_samples=0), "'num_samples' is 0, where a build writes a store"),
+    ],
+    ids=["too-large", "negative", "no-sample"],
+)
+def test_a_manifest_count_no_build_writes_is_refused_at_open(small_store, tmp_path, edit, said):
+    # 10**400 made `ingest info` die in an OverflowError; 0 samples made the loader raise a
+    # ValueError about an argument the user never gave.
+    store = _edited(small_store, tmp_path, edit)
+    with pytest.raises(fmt.StoreError, match=re.escape(said)):
+        loader.DataLoader(store, batch_size=2, transform="eval")
+    result = run_ingest("info", store)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and said in result.stderr
+
+
+def test_a_malformed_icc_marker_is_read_alike_whatever_num_workers(tmp_path: Path):
+    # libjpeg-turbo's strict check (the main process's, before OpenCV) warned "bad ICC
+    # marker" and replaced the sample; a worker's OpenCV decode never reads the marker.
+    buf = io.BytesIO()
+    _photo((96, 64)).save(buf, "JPEG", quality=90)
+    jpeg = buf.getvalue()
+    bad = jpeg[:2] + b"\xff\xe2\x00\x10ICC_PROFILE\x00\x05\x01" + jpeg[2:]
+    src, out = _one(tmp_path, "icc.jpg", bad)
+    assert _counts(build(src, out, workers=1, progress=False)) == (2, 2, 0, 0)
+    assert Store(out).record(0)["image"] == bad  # kept as it is: its pixels are whole
+    got = []
+    for workers in (0, 2):
+        dl = loader.DataLoader(out, batch_size=2, num_workers=workers, transform="eval",
+                               image_size=32, device="cpu", dtype=torch.uint8)  # fmt: skip
+        got.append([images.clone() for images, _ in dl])
+        assert dl.num_replaced == 0
+    assert torch.equal(got[0][0], got[1][0])
+    assert run_ingest("verify", out).returncode == 0
