@@ -23,7 +23,7 @@ from ingest import format as fmt
 from ingest.codec import Compression, compress, pack_record, record_limit
 from ingest.cores import usable_cores
 from ingest.cstderr import captured
-from ingest.normalize import DEFAULT_MAX_PIXELS, Options, Reject, convert
+from ingest.normalize import DEFAULT_MAX_PIXELS, OBJECT_AT, Options, Reject, convert
 from ingest.resume import (
     OutputError,
     check_out_outside,
@@ -175,7 +175,8 @@ def process_file(job: tuple, options: BuildOptions) -> Result:
     except Reject as e:
         return ["reject", stored, str(e)], b""
     except Exception as e:  # a decoder's surprise on one file rejects that file, not the build
-        return ["reject", stored, f"could not convert: {type(e).__name__}: {e}"], b""
+        said = OBJECT_AT.sub("", str(e))  # the same reason in every build
+        return ["reject", stored, f"could not convert: {type(e).__name__}: {said}"], b""
     record = {
         "image": compress(conv.payload, options.compression),
         "label": label,

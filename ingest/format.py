@@ -18,10 +18,13 @@ from ingest.safeio import FileRefused, kind_of, read_regular, sha256_file
 FORMAT_NAME = "imfeed-lmdb"
 FORMAT_VERSION = 2
 # Raised whenever ``ingest.normalize.convert`` would store other bytes for the same file
-# (2: images cut at their end, PNGs kept only as the readers' check passes them). It
-# enters each build's fingerprint, so that a build interrupted under one version starts
-# over under another rather than meet records its plans do not describe.
-CONVERTER_VERSION = 2
+# (2: images cut at their end, PNGs kept only as the readers' check passes them; 3: PNGs
+# stored with their critical chunks only, EXIF orientation taken as PIL takes it, JPEGs
+# of many scans and lossless ones re-encoded, 12-bit ones and those of over 1,000 scans
+# refused, reject reasons without addresses). It enters each build's fingerprint, so that a build
+# interrupted under one version starts over under another rather than meet records its
+# plans do not describe.
+CONVERTER_VERSION = 3
 READABLE_VERSIONS = (1, 2)  # v1: no build identity, no file sizes (those checks are skipped)
 
 MANIFEST = "manifest.json"
@@ -273,6 +276,9 @@ def _manifest_problem(m: dict) -> str | None:
             return f"{key!r} is missing or not a {typ.__name__}"
         if typ is int and not _is_count(m[key]):
             return f"{key!r} is not a count (an integer from 0 to 2**63 - 1)"
+    for key in ("stats", "ignored_by_reason"):
+        if not all(isinstance(n, int) and _is_count(n) for n in m[key].values()):
+            return f"{key!r} holds a value that is not a count"
     if m["num_samples"] == 0:
         return "'num_samples' is 0, where a build writes a store of at least one sample"
     if m["version"] >= 2 and not _is_hex(m.get("build")):

@@ -1,7 +1,8 @@
 """Verify one source image and normalise it into a payload every loader decoder reads.
 
-Plain 8-bit JPEGs (baseline or progressive, gray or YCbCr, upright) and 8-bit gray/RGB
-PNGs are stored byte for byte. Everything else that decodes is converted once, here:
+Plain 8-bit JPEGs (baseline, or progressive of at most ``KEPT_SCANS`` scans; gray or
+YCbCr; upright) are stored byte for byte, and 8-bit gray/RGB PNGs with their critical
+chunks byte for byte. Everything else that decodes is converted once, here:
 EXIF orientation applied (as PIL's ``ImageOps.exif_transpose``), CMYK/YCCK to RGB,
 16-bit to 8-bit, palette and alpha to RGB (alpha dropped, as ``Image.convert("RGB")``
 does), other formats (GIF, BMP, TIFF, WEBP, PNM) to PNG. JPEG sources are re-encoded
@@ -90,9 +91,11 @@ def convert(data: bytes, opts: Options) -> Converted:
                 "JPEGs; convert it to 8-bit)"
             )
         problem, end, scans = None, None, 0
-        if opts.verify or not data.endswith(b"\xff\xd9"):  # unverified, and ending as an
-            problem, end, scans = walk_scans(data, info)  # image ends: taken to end there
-        if opts.verify and problem:  # (a walk cost the unverified build a sixth of its speed)
+        # Unverified, a JPEG ending as an image ends is taken to end there (a walk cost the
+        # unverified build a sixth of its speed), unless its scans must be counted.
+        if opts.verify or info.progressive or not data.endswith(b"\xff\xd9"):
+            problem, end, scans = walk_scans(data, info)
+        if opts.verify and problem:
             raise Reject(f"corrupt JPEG data: {problem}")
         if scans > MAX_SCANS:
             raise Reject(
@@ -227,12 +230,12 @@ def _pil_load(data: bytes, kind: str, opts: Options) -> Image.Image:
     except Reject:
         raise
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError...)
-        said = _OBJECT_AT.sub("", str(e))  # "<_io.BytesIO object at 0x7f...>": the same file
+        said = OBJECT_AT.sub("", str(e))  # "<_io.BytesIO object at 0x7f...>": the same file
         raise Reject(f"corrupt {kind}: {type(e).__name__}: {said}") from None  # same reason
     return img
 
 
-_OBJECT_AT = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")
+OBJECT_AT = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")  # an object's repr: its address
 
 
 def _open_unlimited(data: bytes) -> Image.Image:
@@ -280,8 +283,8 @@ def _via_pil(data: bytes, kind: str, opts: Options) -> Converted:
 
 def _orientation(img: Image.Image) -> int:
     """The EXIF orientation PIL's ``exif_transpose`` applies: 1..8, where the tag's value
-    equals one (an integer, or a rational such as 6/1), else 1 (text, 6/0, several values:
-    PIL rotates nothing)."""
+    (the first of several) equals one (an integer, or a rational such as 6/1), else 1
+    (text, 6/0: PIL rotates nothing)."""
     try:
         value = img.getexif().get(0x0112, 1)
     except Exception:  # EXIF data PIL cannot parse: it rotates nothing either

@@ -134,7 +134,7 @@ def without_icc(data: bytes) -> bytes:
     up to the first scan; ``data`` itself where it has none or the header is malformed.
     libjpeg-turbo's strict decode warns about a malformed one ("bad ICC marker"); OpenCV's
     decode never reads them, and the pixels are the same either way."""
-    if b"ICC_PROFILE\x00" not in data[: 1 << 20]:
+    if data.find(b"ICC_PROFILE\x00", 0, 1 << 20) < 0:  # in the header, if anywhere
         return data
     cuts = []
     try:
@@ -249,7 +249,8 @@ def _subsampling(factors: list[tuple[int, int]]) -> str:
     }.get((h0, v0), "other")
 
 
-_EXIF_INTEGERS = {3: "H", 4: "I", 8: "h", 9: "i"}  # SHORT, LONG, SSHORT, SLONG
+# SBYTE, SHORT, LONG, SSHORT, SLONG, FLOAT, DOUBLE: PIL takes any number that is whole
+_EXIF_INTEGERS = {6: "b", 3: "H", 4: "I", 8: "h", 9: "i", 11: "f", 12: "d"}
 _EXIF_RATIONALS = {5: "II", 10: "ii"}  # RATIONAL, SRATIONAL: stored at an offset
 
 
@@ -274,14 +275,15 @@ def _exif_orientation(tiff: bytes) -> int:
         value, code = None, _EXIF_INTEGERS.get(typ) or _EXIF_RATIONALS.get(typ)
         if count >= 1 and code:  # several values: PIL warns and takes the first
             at = entry + 8  # the values themselves where they fit in 4 bytes, else where
-            if count * struct.calcsize(code) > 4:
+            size = count * struct.calcsize(code)
+            if size > 4:
                 (at,) = struct.unpack_from(end + "I", tiff, at)
-            if at + struct.calcsize(code) <= len(tiff):
+            if at + size <= len(tiff):  # PIL skips a tag whose values run past the block
                 value = struct.unpack_from(end + code, tiff, at)
         if value is not None and len(value) == 2:  # a rational: one only if it is whole
             num, den = value
             value = (num // den,) if den and num % den == 0 else None
-        return value[0] if value is not None and value[0] in range(1, 9) else 1
+        return int(value[0]) if value is not None and value[0] in range(1, 9) else 1
     return 1
 
 
@@ -397,6 +399,17 @@ def png_has_exif(data: bytes) -> bool:
             if keyword.lower() == b"raw profile type exif":
                 return True
     return False
+
+
+def png_critical(data: bytes) -> bytes:
+    """A PNG's critical chunks as they are (no CRC or image data checked: cheap), what a
+    store of converter version 3 holds; ``data`` itself where it has nothing else or does
+    not walk to its end chunk."""
+    chunks = [(kind, start - 8, start + length + 4) for kind, start, length in _png_walk(data)]
+    if not chunks or chunks[-1][0] != b"IEND" or chunks[-1][2] > len(data):
+        return data
+    kept = _PNG_SIGNATURE + b"".join(data[a:b] for kind, a, b in chunks if kind in _KEPT)
+    return data if len(kept) == len(data) else kept
 
 
 def _png_walk(data: bytes) -> Iterator[tuple[bytes, int, int]]:

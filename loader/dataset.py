@@ -12,6 +12,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ingest.format import read_manifest
+from ingest.probe import png_critical
 from ingest.shmcache import ShmCache, parse_cache
 from loader.store import Store
 
@@ -82,10 +83,12 @@ class LMDBDataset(Dataset):
         return self.samples
 
     def __getitem__(self, i: int) -> tuple[Any, Any]:
-        data, _ = self.store.image(i)
-        with warnings.catch_warnings():  # PIL's about EXIF data it cannot parse, which
-            warnings.simplefilter("ignore")  # the build kept (the pixels are whole)
-            with Image.open(io.BytesIO(data)) as img:
+        data, kind = self.store.image(i)
+        if kind == "png":  # a store of an older converter kept the ancillary chunks,
+            data = png_critical(data)  # some of which PIL refuses (a text chunk too large)
+        with warnings.catch_warnings():  # PIL's about EXIF data it cannot parse, which the
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.TiffImage")
+            with Image.open(io.BytesIO(data)) as img:  # build kept (the pixels are whole)
                 image = img.convert("RGB")
         target = int(self.store.index["label"][i])
         if self.transform is not None:

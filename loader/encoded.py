@@ -19,6 +19,7 @@ import numpy as np
 import simplejpeg
 
 from ingest import format as fmt
+from ingest.probe import without_icc
 from loader.augment import CROP_COLUMNS, Transform
 from loader.batch import BatchReport, PixelBatches
 from loader.decode import DecodeError
@@ -138,7 +139,7 @@ class EncodedBatches(PixelBatches):
         if kind != "jpeg" or len(data) > room:
             return False
         try:  # the header, not only the index, must have the size: the GPU allocates by it
-            h, w = simplejpeg.decode_jpeg_header(data)[:2]
+            h, w = simplejpeg.decode_jpeg_header(without_icc(data))[:2]
         except ValueError:
             return False
         if (h, w) != (int(self.store.index["height"][i]), int(self.store.index["width"][i])):

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import struct
+import threading
 import warnings
 import zlib
 from pathlib import Path
@@ -22,7 +23,7 @@ from PIL import Image, ImageOps
 import ingest.normalize as normalize
 import loader
 from ingest import format as fmt
-from ingest.build import build
+from ingest.build import BuildOptions, build
 from ingest.probe import parse_jpeg, plain_png, walk_scans
 from ingest.resume import OutputError
 from ingest.scan import SourceError, scan
@@ -83,8 +84,14 @@ def test_a_class_folder_holding_a_manifest_json_is_a_class(tmp_path: Path):
 def test_a_fifo_named_manifest_json_does_not_hang_the_scan(tmp_path: Path):
     src = _tree(tmp_path / "src")
     os.mkfifo(src / "class_00" / fmt.MANIFEST)
-    found = scan(src)  # opening a FIFO would wait for a writer forever
-    assert found.classes == ["class_00", "class_01"] and len(found.items) == 6
+    found = []  # opening a FIFO would wait for a writer forever: in a thread, bounded
+    thread = threading.Thread(target=lambda: found.append(scan(src)), daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():
+        with open(src / "class_00" / fmt.MANIFEST, "w"):  # lets the scan go on, and fails
+            pytest.fail("the scan opened a FIFO named manifest.json")
+    assert found[0].classes == ["class_00", "class_01"] and len(found[0].items) == 6
 
 
 def test_a_folder_past_path_max_is_skipped_with_the_reason(tmp_path: Path):
@@ -160,7 +167,7 @@ def _png_with(chunk: tuple[bytes, bytes], pixels: Image.Image) -> bytes:
     return png[:33] + packed + png[33:]  # after IHDR
 
 
-def test_a_png_whose_text_pil_refuses_is_stored_without_it(tmp_path: Path):
+def test_a_png_whose_text_pil_refuses_is_stored_without_it(tmp_path: Path, monkeypatch):
     # A zTXt chunk that inflates past PIL's MAX_TEXT_CHUNK: kept whole, LMDBDataset (PIL)
     # raised on it in training, while the loader and `ingest verify` passed it.
     pixels = _photo((120, 80))
@@ -174,6 +181,13 @@ def test_a_png_whose_text_pil_refuses_is_stored_without_it(tmp_path: Path):
     assert record["image"] == plain_png(data)  # the critical chunks, as they were
     assert record["fixes"] == [f"png-ancillary-chunks-dropped:{12 + len(text[1])}"]
     image, label = LMDBDataset(out)[0]
+    assert label == 0 and np.array_equal(np.asarray(image), np.asarray(pixels))
+    # A store of an older converter holds the chunk: LMDBDataset reads around it.
+    with monkeypatch.context() as m:
+        m.setattr(normalize, "plain_png", lambda data: data)  # what converter 2 stored
+        build(src, tmp_path / "older", workers=1, progress=False)
+    assert Store(tmp_path / "older").record(0)["image"] == data
+    image, label = LMDBDataset(tmp_path / "older")[0]
     assert label == 0 and np.array_equal(np.asarray(image), np.asarray(pixels))
 
 
@@ -206,7 +220,11 @@ _ORIENTATIONS = {  # how the tag is written: PIL's exif_transpose turns the imag
     "rational-6/0": (struct.pack("<HHII", 0x0112, 5, 1, 26), struct.pack("<II", 6, 0)),
     "text": (struct.pack("<HHI4s", 0x0112, 2, 4, b"abc\x00"), b""),
     "short-9": (struct.pack("<HHIHH", 0x0112, 3, 1, 9, 0), b""),
+    "sbyte-6": (struct.pack("<HHI4b", 0x0112, 6, 1, 6, 0, 0, 0), b""),
+    "double-6.0": (struct.pack("<HHII", 0x0112, 12, 1, 26), struct.pack("<d", 6.0)),
+    "long-two-past-the-end": (struct.pack("<HHII", 0x0112, 4, 2, 1000), b""),
 }
+_TURNED = ("short-6", "long-6", "short-two-values", "rational-12/2", "sbyte-6", "double-6.0")
 
 
 def _with_exif(kind: str, exif: bytes) -> bytes:
@@ -229,8 +247,7 @@ def test_exif_orientation_is_taken_as_pil_takes_it(tmp_path: Path, kind: str, fo
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         want = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).size  # (width, height)
-    assert want == ((100, 160) if form in ("short-6", "long-6", "short-two-values",
-                                           "rational-12/2") else (160, 100))  # fmt: skip
+    assert want == ((100, 160) if form in _TURNED else (160, 100))
     src, out = _one(tmp_path, f"x.{'png' if kind == 'png' else 'jpg'}", data)
     assert _counts(build(src, out, workers=1, progress=False)) == (2, 2, 0, 0)
     record = Store(out).record(0)
@@ -280,13 +297,17 @@ def test_a_jpeg_of_many_scans_is_decoded_once_at_the_build(tmp_path: Path, monke
     build(src, out, workers=1, progress=False)
     record = Store(out).record(0)
     assert record["fixes"] == ["reencoded-jpeg:q95"] and not parse_jpeg(record["image"]).progressive
+    unverified = BuildOptions(verify=False)  # its scans counted all the same
+    build(src, tmp_path / "unverified", unverified, workers=1, progress=False)
+    assert Store(tmp_path / "unverified").record(0)["fixes"] == ["reencoded-jpeg:q95"]
     monkeypatch.setattr(normalize, "MAX_SCANS", 9)
-    manifest = build(src, tmp_path / "refused", workers=1, progress=False)
-    assert _counts(manifest) == (2, 1, 1, 0)
-    assert json.loads((tmp_path / "refused" / fmt.REJECTS).read_text())["reason"] == (
-        "too many scans: 10 in one JPEG (over 9; each decode of it would cost seconds): "
-        "re-encode it"
-    )
+    for out, options in ((tmp_path / "refused", None), (tmp_path / "refused2", unverified)):
+        manifest = build(src, out, options, workers=1, progress=False)
+        assert _counts(manifest) == (2, 1, 1, 0)
+        assert json.loads((out / fmt.REJECTS).read_text())["reason"] == (
+            "too many scans: 10 in one JPEG (over 9; each decode of it would cost seconds): "
+            "re-encode it"
+        )
 
 
 # What a fuzz campaign of stores found (a store from elsewhere is untrusted input).
@@ -318,6 +339,10 @@ def test_ingest_info_shows_a_stores_text_without_control_characters(small_store,
     assert result.returncode == 0 and "\x1b" not in result.stdout and "\x07" not in result.stdout
     assert "  \\x1b]0;title\\x07\\x1b[2J" in result.stdout
     assert "  ignored: \\x1b[31mred\\x1b[0m" in result.stdout
+    # A value is a count, or the store is refused.
+    edited = _edited(small_store, tmp_path / "v", lambda m: m["stats"].update(png="\x1b[31m"))
+    result = run_ingest("info", edited)
+    assert result.returncode == 2 and "'stats' holds a value that is not a count" in result.stderr
 
 
 @pytest.mark.parametrize(
