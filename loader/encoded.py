@@ -139,7 +139,7 @@ class EncodedBatches(PixelBatches):
         if kind != "jpeg" or len(data) > room:
             return False
         try:  # the header, not only the index, must have the size: the GPU allocates by it
-            h, w = simplejpeg.decode_jpeg_header(without_icc(data))[:2]
+            h, w = _header_size(data)
         except ValueError:
             return False
         if (h, w) != (int(self.store.index["height"][i]), int(self.store.index["width"][i])):
@@ -147,3 +147,13 @@ class EncodedBatches(PixelBatches):
         slot["data"][start : start + len(data)] = np.frombuffer(data, np.uint8)
         slot["starts"][at], slot["lengths"][at], slot["indices"][at] = start, len(data), i
         return True
+
+
+def _header_size(data: bytes) -> tuple[int, int]:
+    """(height, width) from a JPEG's header; past a malformed ICC profile segment, which
+    libjpeg-turbo's header read refuses ("bad ICC marker") and OpenCV's decode never reads
+    (looked for only then: this runs for every sample the GPU decodes)."""
+    try:
+        return simplejpeg.decode_jpeg_header(data)[:2]
+    except ValueError:
+        return simplejpeg.decode_jpeg_header(without_icc(data))[:2]
