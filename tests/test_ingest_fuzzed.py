@@ -270,6 +270,44 @@ def test_the_first_of_two_exif_blocks_decides_as_in_pil(tmp_path: Path):
     assert (record["width"], record["height"]) == (100, 160)
 
 
+def _lossless_jpeg(components: int) -> bytes:
+    """An 8x8 lossless JPEG (SOF3) of mid-gray: every difference from the predictor 0, one
+    Huffman code of one bit for it."""
+
+    def segment(marker: int, body: bytes) -> bytes:
+        return bytes([0xFF, marker]) + struct.pack(">H", len(body) + 2) + body
+
+    ids = range(1, components + 1)
+    frame = bytes([8]) + struct.pack(">HHB", 8, 8, components)
+    frame += b"".join(bytes([c, 0x11, 0]) for c in ids)
+    table = bytes([0x00, 1] + [0] * 15 + [0])
+    scan = bytes([components]) + b"".join(bytes([c, 0]) for c in ids) + bytes([1, 0, 0])
+    data = bytes(8 * components)  # 64 pixels of one 0 bit per component
+    return (
+        b"\xff\xd8"
+        + segment(0xC3, frame)
+        + segment(0xC4, table)
+        + segment(0xDA, scan)
+        + (data + b"\xff\xd9")
+    )
+
+
+@pytest.mark.parametrize("components", [1, 3])
+def test_a_lossless_jpeg_is_verified_and_converted(tmp_path: Path, components: int):
+    # The check asked libjpeg-turbo for gray at 1/8 scale, which a lossless JPEG of colour
+    # cannot give ("Unsupported color conversion request"): a valid file, called corrupt.
+    data = _lossless_jpeg(components)
+    extrema = Image.open(io.BytesIO(data)).getextrema()  # PIL reads it: mid-gray
+    assert extrema == (((128, 128),) * 3 if components == 3 else (128, 128))
+    src, out = _one(tmp_path, "lossless.jpg", data)
+    assert _counts(build(src, out, workers=1, progress=False)) == (2, 2, 0, 0)
+    record = Store(out).record(0)
+    assert record["fixes"] == ["reencoded-jpeg:q95"]
+    assert (record["height"], record["width"]) == (8, 8)
+    image, _ = LMDBDataset(out)[0]
+    assert np.abs(np.asarray(image).astype(int) - 128).max() <= 1  # q95 of a flat gray
+
+
 def test_a_12_bit_jpeg_is_refused_as_unsupported_not_corrupt(tmp_path: Path):
     buf = io.BytesIO()
     _photo().save(buf, "JPEG")
