@@ -134,10 +134,24 @@ def _crop_resize(img: np.ndarray, crop: np.ndarray, f: int, out: np.ndarray, aa:
 # is slow for the non-integer factors that remain after DCT-domain reduction.
 _SIGMA_K = 0.5  # fitted on photographs: 0.41 and 0.6 both agree less with PIL
 _MIN_SIGMA = 0.25  # below this the blur changes nothing measurable: skip it
+_BOX_FROM = 8  # a shrink past this factor averages boxes first (_prefilter)
 
 
 def _prefilter(window: np.ndarray, sy: float, sx: float) -> np.ndarray:
-    """``window`` low-passed for shrinking by (sy, sx) (factors <= 1 are left alone)."""
+    """``window`` low-passed for shrinking by (sy, sx) (factors <= 1 are left alone); by
+    more than ``_BOX_FROM``, first averaged over boxes (INTER_AREA) to a size the blur then
+    shrinks by 2-3. The blur's kernel grows with the factor: an 8000-pixel PNG (which gets
+    no DCT-domain reduction) shrunk to 32 took 501 taps a row and 13 s. Against PIL, on
+    four photographs (mean abs difference, uint8 levels): shrunk by 9-25, 0.26-0.93 with
+    boxes first against 0.26-1.54 without; by 37-50, 0.38-2.21 against 0.31-1.66; in a
+    tenth of the time or less."""
+    ky = int(sy // 2) if sy > _BOX_FROM else 1
+    kx = int(sx // 2) if sx > _BOX_FROM else 1
+    if ky > 1 or kx > 1:
+        h, w = window.shape[:2]
+        size = (max(1, round(w / kx)), max(1, round(h / ky)))
+        window = cv2.resize(window, size, interpolation=cv2.INTER_AREA)
+        sy, sx = sy * size[1] / h, sx * size[0] / w
     sigma_y = _SIGMA_K * np.sqrt(max(sy * sy - 1.0, 0.0))
     sigma_x = _SIGMA_K * np.sqrt(max(sx * sx - 1.0, 0.0))
     if max(sigma_x, sigma_y) < _MIN_SIGMA:
