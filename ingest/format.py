@@ -355,9 +355,20 @@ def load_index(root: str | os.PathLike, mmap: bool = True, manifest: dict | None
     try:
         arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except Exception as e:  # numpy's header parser raises many types (TokenError, ...)
-        raise StoreError(f"{path}: not a valid index ({type(e).__name__}: {e})") from None
-    if arr.dtype != INDEX_DTYPE or arr.ndim != 1:
-        raise StoreError(f"{path}: dtype {arr.dtype} is not the index dtype of this format")
+        raise StoreError(
+            f"{path}: not a valid index ({type(e).__name__}: {e}); the store is damaged or "
+            "was edited: rebuild it"
+        ) from None
+    if arr.dtype != INDEX_DTYPE:
+        raise StoreError(
+            f"{path}: dtype {arr.dtype} is not the index dtype of this format; the store is "
+            "damaged or was edited: rebuild it"
+        )
+    if arr.ndim != 1:
+        raise StoreError(
+            f"{path}: an array of shape {arr.shape}, where the index is one row a sample; "
+            "the store is damaged or was edited: rebuild it"
+        )
     problem = index_problem(arr, manifest)
     if problem:
         raise StoreError(f"{path}: {problem}; the store is damaged or was edited: rebuild it")

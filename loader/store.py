@@ -134,7 +134,8 @@ class Store:
         lmdbpages.require_sound(Path(key) / "data.mdb")
         try:
             env = _open_env(key)
-            check_build(env, self.manifest, self.root / fmt.shard_name(shard))
+            with self._rebuilt_if_refused(self.root / fmt.shard_name(shard)):
+                check_build(env, self.manifest, self.root / fmt.shard_name(shard))
         except lmdb.Error as e:  # the whole shard, not one sample: no replacement helps
             raise fmt.StoreError(
                 f"{key}: LMDB cannot open the shard ({e}); check the store with "
@@ -298,8 +299,11 @@ def check_build(env: lmdb.Environment, manifest: dict, where: Path) -> None:
         return
     with env.begin() as txn:
         build = txn.get(fmt.BUILD_KEY)
-    if build != manifest["build"].encode():
-        raise fmt.StoreError(_rebuilt(where))
+    if build != manifest["build"].encode():  # the manifest on disk the same: not a rebuild
+        raise fmt.StoreError(
+            f"{where}: written by another build than the store's manifest (a mixed store, "
+            "or damaged pages LMDB reads as an older state); rebuild the store"
+        )
 
 
 def verify_advice(reason: str, root: Path) -> str:

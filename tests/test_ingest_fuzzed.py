@@ -420,3 +420,70 @@ def test_a_malformed_icc_marker_is_read_alike_whatever_num_workers(tmp_path: Pat
         assert dl.num_replaced == 0
     assert torch.equal(got[0][0], got[1][0])
     assert run_ingest("verify", out).returncode == 0
+
+
+def test_a_branch_page_that_misroutes_lookups_fails_verify(tmp_path: Path):
+    # One separator key of the shard's root page raised, in place: the pages still lead
+    # nowhere outside the file and a walk of the leaves finds every record, but a lookup
+    # of the keys below the new separator goes to the wrong leaf. `ingest verify` walked
+    # (OK) where readers look up (replaced, "check the store with `ingest verify`").
+    src = tmp_path / "src"
+    for c in range(3):
+        (src / f"c{c}").mkdir(parents=True)
+        for i in range(40):  # tiny records, a few a leaf page: the root is a branch page
+            Image.effect_noise((20, 23), 40 + i).convert("RGB").save(src / f"c{c}/{i:03d}.jpg")
+    out = tmp_path / "store"
+    build(src, out, workers=1, progress=False)
+    path = out / "shard-00000" / "data.mdb"
+    pages, size = bytearray(path.read_bytes()), 4096
+    metas = [struct.unpack_from("<QQ", pages, k * size + 136) for k in range(2)]  # last, txn
+    newer = 0 if metas[0][1] > metas[1][1] else 1
+    root = struct.unpack_from("<Q", pages, newer * size + 128)[0]  # the main tree's root
+    at = root * size
+    flags, lower = struct.unpack_from("<HH", pages, at + 10)
+    assert flags & 1  # a branch page
+    nodes = [struct.unpack_from("<H", pages, at + 16 + 2 * k)[0] for k in range((lower - 16) // 2)]
+    first, second = (struct.unpack_from(">Q", pages, at + n + 8)[0] for n in nodes[1:3])
+    struct.pack_into(">Q", pages, at + nodes[1] + 8, second - 1)  # still in order
+    path.write_bytes(bytes(pages))  # the same size
+    missed = list(range(first, second - 1))
+    result = run_ingest("verify", out)
+    assert result.returncode == 1
+    for key in missed:
+        assert (
+            f"shard-00000: key {key}: not found by a lookup, where a walk of the shard finds it "
+            "(damaged LMDB branch pages); rebuild the store"
+        ) in result.stderr
+    dl = loader.DataLoader(out, batch_size=8, transform="eval", image_size=16, device="cpu")
+    assert sum(len(labels) for _, labels in dl) == 120
+    assert sorted(dl.bad_samples) == missed and dl.num_replaced == len(missed)
+
+
+def test_a_shard_of_another_build_with_the_manifest_unchanged_is_not_called_rebuilt(
+    small_store, tmp_path
+):
+    # "The store was rebuilt since it was opened; open the store again" was said where
+    # nothing was rebuilt (LMDB reading damaged pages as an older state, a mixed store),
+    # and opening again gave the same.
+    store = _edited(small_store, tmp_path, lambda m: m.update(build="0" * 32))
+    said = (
+        "written by another build than the store's manifest (a mixed store, or damaged "
+        "pages LMDB reads as an older state); rebuild the store"
+    )
+    with pytest.raises(fmt.StoreError, match=re.escape(said)):
+        LMDBDataset(store)[0]
+    with pytest.raises(fmt.StoreError, match=re.escape(said)):
+        list(loader.DataLoader(store, batch_size=2, transform="eval", device="cpu"))
+
+
+def test_an_index_of_another_shape_is_named_so(small_store, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(small_store, copy)
+    index = np.load(copy / fmt.INDEX)
+    np.save(copy / fmt.INDEX, index.reshape(2, -1))
+    with pytest.raises(fmt.StoreError) as e:
+        Store(copy)
+    assert str(e.value) == (
+        f"{copy / fmt.INDEX}: an array of shape (2, 3), where the index is one row a sample; "
+        "the store is damaged or was edited: rebuild it"
+    )
