@@ -174,7 +174,7 @@ def test_decode_errors(store):
 
 def test_a_large_shrink_averages_boxes_before_the_blur(tmp_path, monkeypatch):
     """A PNG (no DCT-domain reduction) shrunk 30-fold: the Gaussian's kernel grows with the
-    factor (an 8000-pixel PNG shrunk to 32 px took 13 s), so boxes are averaged first and
+    factor (an 8000-pixel PNG shrunk to 32 px took 26 s of CPU), so boxes are averaged first and
     the blur gets a window 2-3 times the output. Measured against PIL on this photograph
     (1095x960 to 32x32): mean abs difference 0.84 (0.64 without boxes first, the prefilter
     taking 41 ms against 3.6); the tolerance leaves 1.5x room."""
