@@ -127,8 +127,8 @@ def _check_pixels(width: int, height: int, opts: Options) -> None:
         )
 
 
-def check_jpeg(data: bytes, info: JpegInfo | None = None) -> None:
-    """Check that ``data`` decodes without a warning.
+def check_jpeg(data: bytes, info: JpegInfo | None = None) -> tuple[int, int]:
+    """Check that ``data`` decodes without a warning; its (height, width), from its header.
 
     Decodes ``data`` with libjpeg-turbo in stop-on-warning mode, at 1/8 scale.
 
@@ -144,7 +144,7 @@ def check_jpeg(data: bytes, info: JpegInfo | None = None) -> None:
     lossless = info is not None and info.sof in (0xC3, 0xC7, 0xCB, 0xCF)
     data = without_icc(data)  # what a decode in a worker (OpenCV) reads, no more
     try:
-        colorspace = simplejpeg.decode_jpeg_header(data)[2]
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
         if colorspace in ("CMYK", "YCCK"):
             out = "CMYK"
         else:
@@ -155,6 +155,7 @@ def check_jpeg(data: bytes, info: JpegInfo | None = None) -> None:
         end = "" if _has_eoi(data) else " (truncated: no end-of-image marker)"
         warning = str(e).removeprefix("Corrupt JPEG data: ")
         raise Reject(f"corrupt JPEG data: the decoder warns: {warning}{end}") from None
+    return height, width
 
 
 def _plain_jpeg(data: bytes, info: JpegInfo, end: int | None) -> Converted:

@@ -229,8 +229,8 @@ def walk_scans(data: bytes, info: JpegInfo) -> tuple[str | None, int | None, int
         if marker == 0xD9:  # end of image
             return None, pos + 2, scans
         if marker not in _BETWEEN_SCANS:
-            where = f"at byte {pos}"
-            return f"unexpected marker 0xFF{marker:02X} in the image data {where}", None, scans
+            problem = f"unexpected marker 0xFF{marker:02X} in the image data at byte {pos}"
+            return problem, None, scans
     return None, None, scans
 
 
@@ -371,11 +371,7 @@ def plain_png(data: bytes) -> bytes:
         if max(pixels[start : start + h * s : s]) > 4:
             raise PngError("a row has an unknown filter type")
         start += h * s
-    return _PNG_SIGNATURE + b"".join(
-        struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-        for kind, body in chunks
-        if kind in _KEPT
-    )
+    return png_critical(data)  # its chunks checked whole: the same bytes, taken as they are
 
 
 def png_end(data: bytes) -> int | None:

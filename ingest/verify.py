@@ -14,7 +14,6 @@ from pathlib import Path
 import cv2
 import lmdb
 import numpy as np
-import simplejpeg
 from tqdm import tqdm
 
 from ingest import format as fmt
@@ -22,7 +21,7 @@ from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
 from ingest.cstderr import captured
 from ingest.lmdbpages import open_lmdb, pages_problem
 from ingest.normalize import Reject, check_jpeg
-from ingest.probe import PngError, header_problem, plain_png, without_icc
+from ingest.probe import PngError, header_problem, plain_png
 from ingest.safeio import FileRefused, sha256_file
 
 
@@ -282,8 +281,7 @@ def _decode_problem(img: bytes, rec: dict) -> str | None:
     where = fmt.shown(rec.get("path", "?"))
     if rec["format"] == "jpeg":
         try:
-            check_jpeg(img)
-            shape = simplejpeg.decode_jpeg_header(without_icc(img))[:2]
+            shape = check_jpeg(img)
         except Reject as e:
             return f"{e} ({where})"
     else:
