@@ -126,21 +126,21 @@ class Store:
         Raises:
             ingest.format.StoreError: naming the shard and what differs.
         """
-        with self._rebuilt_if_refused(self.root / fmt.shard_name(shard)):
+        where = self.root / fmt.shard_name(shard)
+        with self._rebuilt_if_refused(where):  # whatever refuses it, a rebuild is said so
             fmt.store_file(self.root, self.manifest, shard)
-        key = self._keys[shard]
-        if self.cache is not None:  # a RAM copy, or the original when it has none
-            key = _env_key(Path(self.cache.shard_path(shard)))
-        lmdbpages.require_sound(Path(key) / "data.mdb")
-        try:
-            env = _open_env(key)
-            with self._rebuilt_if_refused(self.root / fmt.shard_name(shard)):
-                check_build(env, self.manifest, self.root / fmt.shard_name(shard))
-        except lmdb.Error as e:  # the whole shard, not one sample: no replacement helps
-            raise fmt.StoreError(
-                f"{key}: LMDB cannot open the shard ({e}); check the store with "
-                f"`ingest verify {self.root}`"
-            ) from None
+            key = self._keys[shard]
+            if self.cache is not None:  # a RAM copy, or the original when it has none
+                key = _env_key(Path(self.cache.shard_path(shard)))
+            lmdbpages.require_sound(Path(key) / "data.mdb")
+            try:
+                env = _open_env(key)
+                check_build(env, self.manifest, where)
+            except lmdb.Error as e:  # the whole shard, not one sample: no replacement helps
+                raise fmt.StoreError(
+                    f"{key}: LMDB cannot open the shard ({e}); check the store with "
+                    f"`ingest verify {self.root}`"
+                ) from None
         return env
 
     @contextlib.contextmanager
