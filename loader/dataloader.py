@@ -381,12 +381,13 @@ class DataLoader:
         ``decode_threads_cpu_s`` its decode threads' (time these threads may take from the
         training loop's Python, though part of it runs without the GIL);
         ``stage_wait_s``/``stage_busy_s``: that thread's time waiting for the workers and
-        working (what ``cpu_share="auto"`` balances); ``h2d_bytes``: bytes this loader
-        copied to the device (batches decoded on the CPU, labels, the GPU kernels' tables;
-        a GPU decoder copies the JPEG bytes inside its call, in ``gpu_decode_s``) and
-        ``h2d_s``: GPU time of the CPU path's batch copies (CUDA events; on the GPU path
-        its few copies run between the augmentation's events, in ``augment_s``). Worker
-        times add up over workers (CPU seconds, not wall time).
+        working (what ``cpu_share="auto"`` balances), ``stage_held_s`` holding finished
+        batches while the queue of them was full (the loop's pace, not the loader's);
+        ``h2d_bytes``: bytes this loader copied to the device (batches decoded on the CPU,
+        labels, the GPU kernels' tables; a GPU decoder copies the JPEG bytes inside its
+        call, in ``gpu_decode_s``) and ``h2d_s``: GPU time of the CPU path's batch copies
+        (CUDA events; on the GPU path its few copies run between the augmentation's events,
+        in ``augment_s``). Worker times add up over workers (CPU seconds, not wall time).
         """
         out = self._stats.snapshot()
         out["decoder"] = self.decoder

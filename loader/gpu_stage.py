@@ -32,6 +32,17 @@ there the prefetch thread is the limit, the share's rows cost it more than the G
 they save, and the workers keep up with it. With the loop's wait steering too, the share
 stayed at 0 alone (27.5k img/s against 27.4k, ``gpu-h200-autogate``).
 
+A loop that waits has the loader for its limit only where the prefetch thread is busy
+all the time: it shrinks the share only while that thread holds finished batches (the
+queue of them full, the loop not taking them) under ``_HELD`` of its time over the same
+window. Beside ResNet-50 on the H200 that thread works or waits for the workers 15-50%
+of the loop's time (in the 23 bench runs that measured it), and the loop waits for a
+slow batch now and then (its decode held up behind the model's kernels on the GPU, it
+seems). Shrinking the share there put more of the decode on the GPU beside the model,
+and the loop waited more: the share settled at 0.32-0.38 in two runs of three (the loop
+waiting 3.4-3.8% of its time, ResNet-50 at 97.1-97.3% of its ceiling), against 0.8-0.9
+in the runs at 98-99% (``gpu-h200-s36``, ``s36c``).
+
 Whether a share pays at all is then measured, not inferred: with "auto", the picker
 (``loader.pace``) tries each of the decoder's ways with the share and without ("+cpu"),
 and keeps the one with which the training loop takes batches soonest; only the batches
@@ -71,6 +82,7 @@ _GAIN = 0.5  # share change per batch for each unit of idle-time error
 _MAX_AUTO_SHARE = 0.9
 _LOOP_WAIT = 0.05  # share of the training loop's time spent waiting for batches
 _LOOP_WINDOW = 8  # hand-offs over which that share is measured
+_HELD = 0.2  # share of the prefetch thread's time holding batches the loop has not taken
 _START_SHARE = 0.25  # of the ways with a share (cpu_share="auto"), before any steering
 WITH_SHARE = "+cpu"  # the name of a way whose batches the workers take a share of
 _MAX_PLANNED = 4096  # ways remembered for batches planned and not started, at most
@@ -228,7 +240,11 @@ class GpuStage:
         self._borrow_streams()
         self.auto = cpu_share == "auto" and num_workers > 0  # no workers: nothing to share
         self._starting = False  # the next batch finished is an epoch's first
-        self.loop = LoopWaits(_LOOP_WINDOW)
+        self.loop = WindowShare(_LOOP_WINDOW)  # the training loop's waiting for batches
+        # The prefetch thread's holding finished batches the loop has not taken (a full
+        # queue), from batch to batch, and since the last batch.
+        self.held = WindowShare(_LOOP_WINDOW)
+        self._held_s = 0.0
         if cpu_share == "auto":  # the share of the ways with one (none without workers)
             cpu_share = _START_SHARE if self.auto else 0.0
         producer.cpu_share = cpu_share
@@ -455,14 +471,17 @@ class GpuStage:
         """Move the workers' share towards the point where the thread barely waits (by a
         batch of a way with the share: one without tells nothing of it)."""
         self.stats.add(stage_wait_s=waited, stage_busy_s=busy)
+        self.held.handed(self._held_s, time.perf_counter())
+        self._held_s = 0.0
         starting, self._starting = self._starting, False
         if not self.auto or starting or not way.endswith(WITH_SHARE):
             return
         loop_waits = self.loop.share()
         if loop_waits is None:  # too few hand-offs yet to tell whether the loop waits
             return
-        if loop_waits > _LOOP_WAIT:  # the loader is the loop's limit
-            share = self.producer.cpu_share - _GAIN * loop_waits
+        held = self.held.share()
+        if loop_waits > _LOOP_WAIT and (held is None or held < _HELD):
+            share = self.producer.cpu_share - _GAIN * loop_waits  # the loader is its limit
         else:
             idle = waited / max(waited + busy, 1e-9)
             share = self.producer.cpu_share + _GAIN * (_TARGET_IDLE - idle)
@@ -475,6 +494,7 @@ class GpuStage:
         self._starting = True
         self._borrow_streams()  # given back at a close, where the loader was closed
         self.loop.epoch_started()
+        self.held.epoch_started()
         if self.picker is not None:
             self.picker.epoch_started()
 
@@ -513,6 +533,12 @@ class GpuStage:
         if self.picker is not None:
             self.picker.finished(time.perf_counter())
 
+    def note_held(self, seconds: float) -> None:
+        """The prefetch thread held a finished batch ``seconds`` before the queue of them
+        took it (full: the training loop had not taken those before)."""
+        self._held_s += seconds
+        self.stats.add(stage_held_s=seconds)
+
     def note_handoff(self, waited: float) -> None:
         """A batch was handed to the training loop, which ``waited`` seconds for it: the
         picker's measure of the loop's pace, and the CPU share's of whether the loop waits."""
@@ -537,10 +563,12 @@ def read_slot(slot: dict[str, torch.Tensor], n: int) -> tuple[dict, np.ndarray, 
     return views, gpu_rows, (starts[gpu_rows].tolist(), lengths[gpu_rows].tolist())
 
 
-class LoopWaits:
-    """The share of the training loop's time spent waiting for batches over its last
-    ``window`` hand-offs, each gap from the hand-off before; the first after an epoch began
-    is left out (the loop's own work between epochs, the workers' start). Any thread."""
+class WindowShare:
+    """The share of a thread's time spent one way over its last ``window`` intervals, each
+    from the mark before: the training loop's waiting for batches, from hand-off to
+    hand-off; the prefetch thread's holding finished batches the loop has not taken, from
+    batch to batch. The first interval after an epoch began is left out (the loop's own
+    work between epochs, the workers' start). Any thread."""
 
     def __init__(self, window: int) -> None:
         self._gaps: collections.deque = collections.deque(maxlen=window)  # (gap, waited)
@@ -549,6 +577,7 @@ class LoopWaits:
         self._lock = threading.Lock()
 
     def handed(self, waited: float, now: float) -> None:
+        """An interval ends at ``now``, ``waited`` seconds of it spent the way counted."""
         with self._lock:
             last, self._last = self._last, now
             if last is not None and not self._skip:

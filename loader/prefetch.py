@@ -414,7 +414,12 @@ def _run(ref: weakref.ref, out: queue.Queue, stop: threading.Event, device) -> N
             it._thread_failed = True
         del it  # wait without keeping the iterator alive
         last = item[0] == "error" or item == ("end", False)
+        t0, batch = time.perf_counter(), item[0] == "batch"
         handed = _hand(out, item, stop, ref)
+        it = ref() if batch and handed else None
+        if it is not None:  # how long the batch waited for room: the loop's pace, not ours
+            it._stage.note_held(time.perf_counter() - t0)
+        del it
         # An error's traceback holds this frame: were the frame to hold the error, the
         # cycle would keep the iterator, its loader and the GPU stage (DALI's pipelines,
         # their device memory) alive after the loader is gone, until a full collection.

@@ -64,7 +64,7 @@ from ingest.synth import random_view, sample_photos
 from loader.augment import Transform, plan_crops
 from loader.augment_gpu import GpuAugment
 from loader.encoded import EncodedBatches
-from loader.gpu_stage import LoopWaits
+from loader.gpu_stage import WindowShare
 from loader.options import resolve_decoder
 from loader.pace import WayPicker
 from loader.prefetch import GpuEpochIterator, _DecodeThreads, ring_slots
@@ -287,7 +287,7 @@ def test_a_cpu_share_decodes_each_sample_on_one_side(store):
 def record_ways_and_shares(stage) -> list[list]:
     """Hold ``stage``'s share at 0.5, never steered (never told whether the loop waits),
     and record [the workers' rows, the way] of each batch as it is finished."""
-    stage.loop = LoopWaits(10**6)
+    stage.loop = WindowShare(10**6)
     stage.producer.cpu_share = 0.5
     finished: list[list] = []
 
@@ -391,6 +391,47 @@ def test_the_auto_share_shrinks_while_the_loop_waits_for_batches(store):
     assert stage.loop.share() == pytest.approx(0.04)
     stage.loop.handed(0.01, 10.01)  # the window's oldest gap gives way to this one
     assert stage.loop.share() == pytest.approx((7 * 0.0004 + 0.01) / 0.08)
+
+
+def test_a_loop_that_waits_while_the_loader_holds_batches_does_not_shrink_the_share(store):
+    # The loop waits for a batch now and then while the prefetch thread holds finished
+    # batches 30% of its time (the queue of them full): the loader's pace is not the loop's
+    # limit, and the workers' wait alone steers the share. Holding under 20%, it shrinks.
+    stage = make(store, cpu_share="auto")._gpu_stage
+    stage.producer.cpu_share = 0.5
+    start = time.perf_counter() - 0.09
+    for k in range(9):  # gaps of 10 ms, 4 of them waiting for the batch
+        stage.loop.handed(0.004, start + 0.01 * k)
+    for k in range(9):  # intervals of 10 ms from batch to batch, 3 of them holding it
+        stage.held.handed(0.003, start + 0.01 * k)
+    stage.note_held(0.003)  # the batch steering: its interval up to now, 3 ms held
+    stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")  # the workers kept up
+    assert stage.held.share() == pytest.approx(0.3, abs=0.05)
+    assert stage.producer.cpu_share == pytest.approx(0.5 + 0.5 * 0.05)
+    for k in range(9):  # held 1 ms of each 10: the thread is the loop's limit
+        stage.held.handed(0.001, time.perf_counter() - 0.09 + 0.01 * k)
+    stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")
+    assert stage.held.share() < 0.2
+    assert stage.producer.cpu_share == pytest.approx(0.525 - 0.5 * 0.4)
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.25])
+def test_the_prefetch_thread_counts_its_time_holding_batches_the_loop_has_not_taken(
+    store, pause
+):
+    # A loop that takes 0.25 s a batch leaves the thread holding each batch past the two
+    # the queue takes most of that time; a loop that takes them at once, hardly any.
+    dl = make(store, batch_size=2)
+    taken = 0
+    for _ in dl:
+        taken += 1
+        time.sleep(pause)
+    held, share = dl.stats()["stage_held_s"], dl._gpu_stage.held.share()
+    assert taken == 12 and share is not None
+    if pause:
+        assert held > (taken - 4) * pause / 2 and share > 0.5
+    else:
+        assert share < 0.2
 
 
 def test_stats_report_the_share_of_the_way_kept(store):
