@@ -416,9 +416,7 @@ def test_a_loop_that_waits_while_the_loader_holds_batches_does_not_shrink_the_sh
 
 
 @pytest.mark.parametrize("pause", [0.0, 0.25])
-def test_the_prefetch_thread_counts_its_time_holding_batches_the_loop_has_not_taken(
-    store, pause
-):
+def test_the_prefetch_thread_counts_its_time_holding_batches_the_loop_has_not_taken(store, pause):
     # A loop that takes 0.25 s a batch leaves the thread holding each batch past the two
     # the queue takes most of that time; a loop that takes them at once, hardly any.
     dl = make(store, batch_size=2)
