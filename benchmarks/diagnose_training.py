@@ -30,7 +30,10 @@ the loop waited in ``next()`` and NVML's GPU utilisation:
   ``pad`` (64 MB of device and 32 MB of host padding passed to the engines' decoder),
   ``mean`` / ``median`` (the picker's trials decided by the plain mean or the median of
   their gaps, where it uses ``loader.pace.steady_mean``), ``wN`` (trial windows of N),
-  ``prof`` (the prefetch thread's calls profiled, printed by their own time).
+  ``prof`` (the prefetch thread's calls profiled, printed by their own time), ``auto``
+  (``cpu_share="auto"``), ``cpu`` (with ``engines`` / ``cuda``: that way with the
+  workers' share), ``shrink`` (a loop's wait shrinks an auto share however long the
+  prefetch thread holds finished batches: the rule before 2026-12-02).
   Each reports the share of batches DALI decoded the CUDA way, of hand-offs to an idle
   training stream, and the way kept after its trials.
 
@@ -92,6 +95,7 @@ def dali_fed(store: str, workers: int, setting: str):
     the module docstring), and the undo of those changes."""
     import loader.dali_stage as ds
     import loader.dataloader as dlm
+    import loader.gpu_stage as gs
     import loader.prefetch as pf
 
     words = setting.split("+")
@@ -124,6 +128,12 @@ def dali_fed(store: str, workers: int, setting: str):
             kwargs["prefetch_factor"] = int(w[2:])
         elif w.startswith("share"):
             kwargs["cpu_share"] = float(w[5:])
+        elif w == "auto":
+            kwargs["cpu_share"] = "auto"
+        elif w == "cpu":  # with "engines" / "cuda": that way with the workers' share
+            pass  # set once the way is known
+        elif w == "shrink":  # a loop's wait shrinks an auto share whatever the thread holds
+            patch(gs, "_HELD", 2.0)  # (the rule before 2026-12-02)
         elif w == "roi":
             patch(ds.DaliStage, "_centre_crop", property(lambda self: True))
         elif w == "copy":
@@ -169,7 +179,7 @@ def dali_fed(store: str, workers: int, setting: str):
     if depth is not None:
         stage.depth = depth
     if fixed is not None:
-        stage.fix_way(fixed)
+        stage.fix_way(fixed + (gs.WITH_SHARE if "cpu" in words else ""))
     for w in words:
         if w.startswith("prio"):
             stage.stream = torch.cuda.Stream(priority=-int(w[4:]))
@@ -215,7 +225,7 @@ def per_batch(dl) -> dict:
     """The loader's stage timings, in ms a batch."""
     stats = dl.stats()
     keys = ("prefetch_cpu_s", "gpu_decode_s", "augment_s", "wait_s", "stage_wait_s",
-            "stage_busy_s", "dali_feed_s")  # fmt: skip
+            "stage_busy_s", "stage_held_s", "dali_feed_s")  # fmt: skip
     return {k: round(1000 * stats[k] / stats["batches"], 2) for k in keys if k in stats}
 
 
@@ -423,6 +433,7 @@ def main() -> None:
             )
             out[name]["starved"] = round(stats.get("starved_handoffs", 0) / stats["batches"], 3)
             out[name]["way"] = (stats.get("way"), stats.get("way_trials"))
+            out[name]["cpu_share"] = round(dl._gpu_stage.producer.cpu_share, 3)
             picker = dl._gpu_stage.picker
             if picker is not None:  # each trial: its cause, hand-offs so far, the way kept,
                 # and by way the ms between batches handed off and between batches finished
