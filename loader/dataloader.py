@@ -358,7 +358,9 @@ class DataLoader:
         batches of the way kept (with ``cpu_share="auto"``, 0 on a way without it),
         ``loop_wait_share`` the share of the training loop's time spent waiting for
         batches over its last 8 (what ``cpu_share="auto"`` steers by, with
-        ``stage_wait_s`` below; None before 8);
+        ``stage_wait_s`` below; None before 8), ``held_share`` the share of the prefetch
+        thread's time holding finished batches the loop had not taken, over its last 8
+        (a loop's wait shrinks an auto share only while it is under 0.2);
         ``epochs_carried``: epochs whose first batches were made while the loop finished
         the one before (``persistent_workers=True``), ``carries_dropped``: such batches
         dropped, the next iteration reading another epoch or place;
@@ -394,6 +396,7 @@ class DataLoader:
         if self._gpu_stage is not None:
             out["cpu_share"] = self._gpu_stage.cpu_share
             out["loop_wait_share"] = self._gpu_stage.loop.share()
+            out["held_share"] = self._gpu_stage.held.share()
             picker = self._gpu_stage.picker
             if picker is not None:  # read under its lock: the prefetch thread decides
                 summary = picker.summary()
