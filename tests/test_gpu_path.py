@@ -424,7 +424,8 @@ def test_the_prefetch_thread_counts_its_time_holding_batches_the_loop_has_not_ta
     for _ in dl:
         taken += 1
         time.sleep(pause)
-    held, share = dl.stats()["stage_held_s"], dl._gpu_stage.held.share()
+    stats = dl.stats()
+    held, share = stats["stage_held_s"], stats["held_share"]
     assert taken == 12 and share is not None
     if pause:
         assert held > (taken - 4) * pause / 2 and share > 0.5
