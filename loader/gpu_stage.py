@@ -39,9 +39,12 @@ window. Beside ResNet-50 on the H200 that thread works or waits for the workers 
 of the loop's time (in the 23 bench runs that measured it), and the loop waits for a
 slow batch now and then (its decode held up behind the model's kernels on the GPU, it
 seems). Shrinking the share there put more of the decode on the GPU beside the model,
-and the loop waited more: the share settled at 0.32-0.38 in two runs of three (the loop
-waiting 3.4-3.8% of its time, ResNet-50 at 97.1-97.3% of its ceiling), against 0.8-0.9
-in the runs at 98-99% (``gpu-h200-s36``, ``s36c``).
+and the loop waited more: the share settled at 0.32-0.42 in 4 of the 15 runs that kept a
+way with it (the loop waiting 0.7-3.8% of its time, ResNet-50 at 97.1-98.2% of its
+ceiling), against 0.8-0.9 in the others (98.0-99.1%). With the held time as a gate, the
+thread held 75-78% of its time beside ResNet-50, the share stayed at 0.9 and the model
+trained at 98.3-99.4% of its ceiling in 3 runs of 3; alone it held 0.2%, and the share
+stayed at 0 (``gpu-h200-s37*``).
 
 Whether a share pays at all is then measured, not inferred: with "auto", the picker
 (``loader.pace``) tries each of the decoder's ways with the share and without ("+cpu"),
