@@ -171,6 +171,9 @@ def dali_fed(store: str, workers: int, setting: str):
             patch(pf.GpuEpochIterator, "_produce_one", profiled)
         elif w not in ("base", "") and not w.startswith("prio"):
             raise SystemExit(f"unknown word {w!r} in DALI setting {setting!r}")
+    if "cpu" in words and (fixed is None or "cpu_share" not in kwargs):
+        raise SystemExit(f"DALI setting {setting!r}: 'cpu' needs 'engines' or 'cuda', and "
+                         "'auto' or a 'shareX'")  # fmt: skip
     dl = loader.DataLoader(store, batch_size=256, shuffle=True, drop_last=True,
                            num_workers=workers, transform="train", dtype=torch.float16,
                            channels_last=True, device="cuda", decoder="dali",
@@ -433,7 +436,9 @@ def main() -> None:
             )
             out[name]["starved"] = round(stats.get("starved_handoffs", 0) / stats["batches"], 3)
             out[name]["way"] = (stats.get("way"), stats.get("way_trials"))
+            # The share of the ways with one, and of the way kept (0 on a way without).
             out[name]["cpu_share"] = round(dl._gpu_stage.producer.cpu_share, 3)
+            out[name]["kept_share"] = round(stats["cpu_share"], 3)
             picker = dl._gpu_stage.picker
             if picker is not None:  # each trial: its cause, hand-offs so far, the way kept,
                 # and by way the ms between batches handed off and between batches finished

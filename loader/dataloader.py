@@ -360,7 +360,8 @@ class DataLoader:
         batches over its last 8 (what ``cpu_share="auto"`` steers by, with
         ``stage_wait_s`` below; None before 8), ``held_share`` the share of the prefetch
         thread's time holding finished batches the loop had not taken, over its last 8
-        (a loop's wait shrinks an auto share only while it is under 0.2);
+        (a loop's wait shrinks an auto share only while it is under 0.2; ``loop_waits_held``
+        counts the batches at which it did not, the loop waiting over 5% of its time);
         ``epochs_carried``: epochs whose first batches were made while the loop finished
         the one before (``persistent_workers=True``), ``carries_dropped``: such batches
         dropped, the next iteration reading another epoch or place;

@@ -33,18 +33,14 @@ they save, and the workers keep up with it. With the loop's wait steering too, t
 stayed at 0 alone (27.5k img/s against 27.4k, ``gpu-h200-autogate``).
 
 A loop that waits has the loader for its limit only where the prefetch thread is busy
-all the time: it shrinks the share only while that thread holds finished batches (the
-queue of them full, the loop not taking them) under ``_HELD`` of its time over the same
-window. Beside ResNet-50 on the H200 that thread works or waits for the workers 15-50%
-of the loop's time (in the 23 bench runs that measured it), and the loop waits for a
-slow batch now and then (its decode held up behind the model's kernels on the GPU, it
-seems). Shrinking the share there put more of the decode on the GPU beside the model,
-and the loop waited more: the share settled at 0.32-0.42 in 4 of the 15 runs that kept a
-way with it (the loop waiting 0.7-3.8% of its time, ResNet-50 at 97.1-98.2% of its
-ceiling), against 0.8-0.9 in the others (98.0-99.1%). With the held time as a gate, the
-thread held 75-78% of its time beside ResNet-50, the share stayed at 0.9 and the model
-trained at 98.3-99.4% of its ceiling in 3 runs of 3; alone it held 0.2%, and the share
-stayed at 0 (``gpu-h200-s37*``).
+all the time: the share shrinks only while that thread holds finished batches (the queue
+of them full, the loop not taking them) under ``_HELD`` of its time over the same
+window. Beside ResNet-50 on the H200 the loop waits for a slow batch now and then while
+the thread holds batches three quarters of its time; shrinking the share there put more
+of the decode on the GPU beside the model, the loop waited more, and the share settled
+low in 4 of 14 bench runs (ResNet-50 at 97.1-98.2% of its ceiling, against 98.0-99.1%).
+Alone the thread holds batches 0.2% of its time, and the rule is as before
+(``benchmarks/README.md``, "The share's loop-wait rule").
 
 Whether a share pays at all is then measured, not inferred: with "auto", the picker
 (``loader.pace``) tries each of the decoder's ways with the share and without ("+cpu"),
@@ -486,6 +482,8 @@ class GpuStage:
         if loop_waits > _LOOP_WAIT and (held is None or held < _HELD):
             share = self.producer.cpu_share - _GAIN * loop_waits  # the loader is its limit
         else:
+            if loop_waits > _LOOP_WAIT:  # not the loader's pace: the workers' wait steers
+                self.stats.add(loop_waits_held=1)
             idle = waited / max(waited + busy, 1e-9)
             share = self.producer.cpu_share + _GAIN * (_TARGET_IDLE - idle)
         self.producer.cpu_share = min(max(share, 0.0), _MAX_AUTO_SHARE)
@@ -537,8 +535,8 @@ class GpuStage:
             self.picker.finished(time.perf_counter())
 
     def note_held(self, seconds: float) -> None:
-        """The prefetch thread held a finished batch ``seconds`` before the queue of them
-        took it (full: the training loop had not taken those before)."""
+        """The prefetch thread held a finished batch (or an epoch's end) ``seconds`` before
+        the queue of them took it (full: the training loop had not taken those before)."""
         self._held_s += seconds
         self.stats.add(stage_held_s=seconds)
 
@@ -570,8 +568,9 @@ class WindowShare:
     """The share of a thread's time spent one way over its last ``window`` intervals, each
     from the mark before: the training loop's waiting for batches, from hand-off to
     hand-off; the prefetch thread's holding finished batches the loop has not taken, from
-    batch to batch. The first interval after an epoch began is left out (the loop's own
-    work between epochs, the workers' start). Any thread."""
+    batch to batch. The first interval after an iteration began is left out (the loop's
+    own work between epochs, the workers' start; an iteration that carries on into the
+    next epoch, ``persistent_workers``, keeps it). Any thread."""
 
     def __init__(self, window: int) -> None:
         self._gaps: collections.deque = collections.deque(maxlen=window)  # (gap, waited)

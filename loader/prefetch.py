@@ -386,10 +386,13 @@ def _run(ref: weakref.ref, out: queue.Queue, stop: threading.Event, device) -> N
     """The prefetch thread: produce batches into ``out`` until the epoch ends or ``stop``."""
     if device.type == "cuda":  # as torch's pin-memory thread: its own current device
         torch.cuda.set_device(device)
+    held = 0.0  # how long the last batch waited for room in ``out``: the loop's pace
     while not stop.is_set():
         it = ref()
         if it is None:
             return
+        if held:
+            it._stage.note_held(held)
         try:
             item = ("batch", it._produce_one())
         except _EpochEnd:
@@ -414,28 +417,31 @@ def _run(ref: weakref.ref, out: queue.Queue, stop: threading.Event, device) -> N
             it._thread_failed = True
         del it  # wait without keeping the iterator alive
         last = item[0] == "error" or item == ("end", False)
-        t0, batch = time.perf_counter(), item[0] == "batch"
-        handed = _hand(out, item, stop, ref)
-        it = ref() if batch and handed else None
-        if it is not None:  # how long the batch waited for room: the loop's pace, not ours
-            it._stage.note_held(time.perf_counter() - t0)
-        del it
+        held = _hand(out, item, stop, ref)
         # An error's traceback holds this frame: were the frame to hold the error, the
         # cycle would keep the iterator, its loader and the GPU stage (DALI's pipelines,
         # their device memory) alive after the loader is gone, until a full collection.
         del item
-        if last or not handed:
+        if last or held is None:
             return
 
 
-def _hand(out: queue.Queue, item: tuple, stop: threading.Event, ref: weakref.ref) -> bool:
-    """Put ``item`` into ``out``; False where the thread is to end instead: told to stop,
-    or its iterator gone while ``out`` was full."""
+def _hand(out: queue.Queue, item: tuple, stop: threading.Event, ref: weakref.ref) -> float | None:
+    """Put ``item`` into ``out``: the seconds it waited for room (0.0 where there was
+    some), or None where the thread is to end instead: told to stop, or its iterator gone
+    while ``out`` was full."""
+    if stop.is_set():
+        return None
+    try:
+        out.put_nowait(item)
+        return 0.0
+    except queue.Full:
+        t0 = time.perf_counter()
     while not stop.is_set():
         try:
             out.put(item, timeout=_PUT_POLL_S)
-            return True
+            return time.perf_counter() - t0
         except queue.Full:
             if ref() is None:
-                return False
-    return False
+                return None
+    return None

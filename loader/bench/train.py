@@ -135,10 +135,10 @@ def picked_way(pipe) -> dict:
     """``{"way": way, "way_trials": n, "way_paces_ms": {way: ms}}``: how our loader makes
     batches after its trials, and each way's pace in the last (``loader.pace``); the
     workers' ``cpu_share`` and what steers it with "auto" (``loop_wait_share``,
-    ``held_share``); empty for any other pipeline."""
+    ``held_share``, ``loop_waits_held``); empty for any other pipeline."""
     stats = _stats(getattr(pipe, "dl", None))
     keys = ("way", "way_trials", "way_trial_causes", "way_paces_ms", "way_drifts_ms", "cpu_share",
-            "loop_wait_share", "held_share")  # fmt: skip
+            "loop_wait_share", "held_share", "loop_waits_held")  # fmt: skip
     return {k: stats[k] for k in keys if k in stats}
 
 
