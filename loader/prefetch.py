@@ -391,8 +391,9 @@ def _run(ref: weakref.ref, out: queue.Queue, stop: threading.Event, device) -> N
         it = ref()
         if it is None:
             return
-        if held:
+        if held:  # noted once (a thread a whole epoch ahead comes back here to wait)
             it._stage.note_held(held)
+            held = 0.0
         try:
             item = ("batch", it._produce_one())
         except _EpochEnd:
