@@ -247,8 +247,13 @@ def read_manifest(root: str | os.PathLike) -> dict:
         )
     problem = _manifest_problem(manifest)
     if problem:
-        raise StoreError(f"{path}: {problem}; the store is damaged or was edited: rebuild it")
+        raise _edited(path, problem)
     return manifest
+
+
+def _edited(path: Path, problem: str) -> StoreError:
+    """The error for a store file that reads but holds what no build writes."""
+    return StoreError(f"{path}: {problem}; the store is damaged or was edited: rebuild it")
 
 
 _SHARD_KEYS = {"name": str, "first": int, "count": int, "record_bytes": int,
@@ -355,26 +360,17 @@ def load_index(root: str | os.PathLike, mmap: bool = True, manifest: dict | None
     try:
         arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except Exception as e:  # numpy's header parser raises many types (TokenError, ...)
-        raise StoreError(
-            f"{path}: not a valid index ({type(e).__name__}: {e}); the store is damaged or "
-            "was edited: rebuild it"
-        ) from None
+        raise _edited(path, f"not a valid index ({type(e).__name__}: {e})") from None
     if arr.dtype != INDEX_DTYPE:
-        raise StoreError(
-            f"{path}: dtype {arr.dtype} is not the index dtype of this format; the store is "
-            "damaged or was edited: rebuild it"
-        )
-    if arr.ndim != 1:
-        raise StoreError(
-            f"{path}: an array of shape {arr.shape}, where the index is one row a sample; "
-            "the store is damaged or was edited: rebuild it"
-        )
-    problem = index_problem(arr, manifest)
+        problem = f"dtype {arr.dtype} is not the index dtype of this format"
+    elif arr.ndim != 1:
+        problem = f"an array of shape {arr.shape}, where the index is one row a sample"
+    else:
+        problem = index_problem(arr, manifest)
     if problem:
-        raise StoreError(f"{path}: {problem}; the store is damaged or was edited: rebuild it")
+        raise _edited(path, problem)
     if sha256_file(path) != manifest["index"]["sha256"]:  # a label changed to another
-        raise StoreError(f"{path}: checksum mismatch; the store is damaged or was edited: "
-                         "rebuild it")  # fmt: skip
+        raise _edited(path, "checksum mismatch")
     return arr
 
 
