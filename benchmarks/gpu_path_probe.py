@@ -259,6 +259,7 @@ def loader_epochs(store_path: str, a, cpu_share) -> dict:
         drop_last=True,
         prefetch_factor=a.prefetch,
         cpu_share=cpu_share,
+        worker_nice=a.worker_nice,
     )
     epochs, sampler, profiles = [], StackSampler(), ThreadProfiles()
     busy = busy_python_thread() if a.busy_thread else contextlib.nullcontext()
@@ -352,6 +353,7 @@ def main() -> None:
         "workers' rows with np.take or index_select instead of the loader's way",
     )  # fmt: skip
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--worker-nice", type=int, default=0, help="the loader's worker_nice")
     ap.add_argument(
         "--busy-thread", action="store_true",
         help="run a pure Python loop beside the loader (a training loop's hold on the GIL)",

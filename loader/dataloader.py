@@ -103,6 +103,9 @@ class DataLoader:
         max_pixels: the most pixels decoded for one image; a store holding a larger one
             is refused at open (default 178,956,970, the build's default): as on
             ``LMDBDataset``.
+        worker_nice: added to the workers' niceness (0 to 19): with more, the training
+            process's threads (the training loop, the prefetch thread, DALI's threads) get
+            the cores first and the workers take what is left.
         verbose: print which path was taken and why (it is always logged at INFO).
 
     Attributes:
@@ -164,6 +167,7 @@ class DataLoader:
         cache_limit: int | str | None = None,
         cache_root: str | os.PathLike | None = None,
         max_pixels: int | None = None,
+        worker_nice: int = 0,
         verbose: bool = False,
     ) -> None:
         opt.check_not_for_store(sampler, batch_sampler, collate_fn)
@@ -195,6 +199,7 @@ class DataLoader:
         self.pin_memory = self._output.pin
         self.persistent_workers = bool(persistent_workers)
         self.worker_init_fn = worker_init_fn
+        self.worker_nice = opt.check_worker_nice(worker_nice)
         self._context = opt.mp_context(multiprocessing_context)
         self._plan = EpochPlan(
             len(self.store), self.batch_size, seed=self.seed, drop_last=self.drop_last, **follow
@@ -270,8 +275,9 @@ class DataLoader:
         self._drop_carry()  # its batches are of an epoch this loop does not read now
         if self.num_workers and self._workers.pool is None:
             self._workers.pool = WorkerPool(
-                self._producer, self._ring, self.num_workers, self._context, self.worker_init_fn
-            )
+                self._producer, self._ring, self.num_workers, self._context, self.worker_init_fn,
+                nice=self.worker_nice,
+            )  # fmt: skip
         it = EpochIterator(self) if self._gpu_stage is None else GpuEpochIterator(self)
         self._active = weakref.ref(it)
         return it

@@ -206,6 +206,15 @@ def check_workers(num_workers, prefetch_factor, timeout) -> tuple[int, int, floa
     return num_workers, prefetch, float(timeout)
 
 
+def check_worker_nice(nice) -> int:
+    """``worker_nice`` checked: the niceness the workers add to their own, 0 to 19."""
+    hint = "0 runs the workers at the training process's priority, 19 at the lowest"
+    check_int("worker_nice", nice, 0, hint)
+    if nice > 19:
+        raise ValueError(f"worker_nice={nice!r} is invalid: it must be at most 19; {hint}")
+    return int(nice)
+
+
 def resolve_decoder(name: str, device) -> str:
     """The decoder backend ``decoder=`` asks for on ``device``: "auto" is the GPU path on
     a CUDA device, else "cpu". The GPU path: "dali" (the whole stage in DALI) where NVIDIA

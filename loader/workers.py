@@ -85,9 +85,14 @@ def check_shared_memory(need: int) -> None:
         )
 
 
-def _worker_loop(wid: int, producer, tensors: dict, conn, init_fn, parent: int) -> None:
+def _worker_loop(
+    wid: int, producer, tensors: dict, conn, init_fn, parent: int, nice: int = 0
+) -> None:
     """Body of worker ``wid``: run tasks from ``conn`` until told to stop or orphaned."""
     freeze_inherited()  # never finalise the training process's objects (CUDA ones abort)
+    if nice:  # the training process's threads first; the workers take the cores left
+        with contextlib.suppress(OSError):  # a sandbox that forbids it: as it was
+            os.nice(nice)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     mark_worker_process()
     torch.set_num_threads(1)  # the workers are the parallelism
@@ -156,6 +161,7 @@ class WorkerPool:
         num_workers: processes to start.
         context: a multiprocessing context ("fork" or "spawn" style).
         worker_init_fn: called with the worker id in each worker, as in torch.
+        nice: added to each worker's niceness (``os.nice``) as it starts.
     """
 
     def __init__(
@@ -165,6 +171,7 @@ class WorkerPool:
         num_workers: int,
         context,
         worker_init_fn: Callable[[int], None] | None = None,
+        nice: int = 0,
     ) -> None:
         self._procs: list[mp.process.BaseProcess] = []
         self._sentinels: dict[int, int] = {}  # a worker's process sentinel -> its number
@@ -173,19 +180,21 @@ class WorkerPool:
         self._done: list[tuple[int, int, object]] = []  # results read, not yet handed out
         try:
             with inherited_objects_frozen():  # a forked worker must not free CUDA objects
-                self._start(producer, ring, num_workers, context, worker_init_fn)
+                self._start(producer, ring, num_workers, context, worker_init_fn, nice)
         except BaseException:
             self.close(graceful=False)
             raise
 
-    def _start(self, producer, ring: Ring, num_workers: int, context, worker_init_fn) -> None:
+    def _start(
+        self, producer, ring: Ring, num_workers: int, context, worker_init_fn, nice: int
+    ) -> None:
         for wid in range(num_workers):
             here, there = context.Pipe(duplex=True)
             proc = context.Process(
                 target=_worker_loop,
                 name=f"imfeed-worker-{wid}",
                 daemon=True,
-                args=(wid, producer, ring.tensors, there, worker_init_fn, os.getpid()),
+                args=(wid, producer, ring.tensors, there, worker_init_fn, os.getpid(), nice),
             )
             proc.start()
             there.close()

@@ -215,6 +215,22 @@ def test_a_fixed_cpu_share_is_a_pipeline_named_by_its_share():
         choose(argparse.Namespace(only="loader-nvjpeg-2"), s)
 
 
+def test_a_worker_nice_is_a_pipeline_named_by_its_niceness():
+    for name, label in [
+        ("loader-dali-auto-nice10", "decoder='dali', cpu_share='auto', worker_nice=10"),
+        ("loader-nvjpeg-0.2-nice0", "decoder='nvjpeg', cpu_share=0.2, worker_nice=0"),
+    ]:
+        assert share_variant(name) == Spec(name, f"loader.DataLoader, {label}", "ours")
+    # Not one of ours, a niceness past 19 or none at all: not such a pipeline.
+    for name in ("torch-pil-nice3", "dali-ram-nice3", "loader-cpu-nice20", "loader-cpu-nice",
+                 "loader-cpu-nicex", "loader-nope-nice3"):  # fmt: skip
+        assert share_variant(name) is None, name
+    s = Settings(folder=None, store="x", batch_size=8, workers=1, dtype="float32",
+                 channels_last=False, eval=False, device="cpu")  # fmt: skip
+    known, skipped = choose(argparse.Namespace(only="loader-cpu,loader-cpu-nice5"), s)
+    assert known[-1].name == "loader-cpu-nice5" and "loader-cpu-nice5" not in skipped
+
+
 def test_a_pipeline_that_fails_to_start_is_skipped_with_the_reason(tmp_path):
     s = Settings(folder=None, store=str(tmp_path / "missing"), batch_size=8, workers=0,
                  dtype="float32", channels_last=False, eval=False, device="cpu")  # fmt: skip
@@ -400,6 +416,21 @@ def test_every_pipeline_delivers_the_same_kind_of_batch(small, name, dtype, chan
         assert labels.dtype == torch.int64 and set(labels.tolist()) <= {0, 1, 2}
     labels = [x for _, lab in batches for x in lab.tolist()]
     assert all(labels.count(c) <= 4 for c in (0, 1, 2))  # no image twice in an epoch
+
+
+def test_a_nice_variant_builds_its_loader_with_that_worker_nice(small):
+    s = Settings(folder=str(small.folder), store=str(small.store), batch_size=5, workers=1,
+                 dtype="float32", channels_last=False, eval=True, device="cpu")  # fmt: skip
+    pipe, plain = build("loader-cpu-nice5", s), build("loader-cpu", s)
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        assert [len(labels) for _, labels in pipe.epoch()] == [5, 5]
+        assert [len(labels) for _, labels in plain.epoch()] == [5, 5]
+        niceness = [os.getpriority(os.PRIO_PROCESS, p.dl.worker_pids[0]) for p in (pipe, plain)]
+        assert niceness == [min(own + 5, 19), own]
+    finally:
+        pipe.close()
+        plain.close()
 
 
 def test_import_loader_leaves_the_bench_alone():

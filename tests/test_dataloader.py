@@ -214,6 +214,19 @@ def test_persistent_workers_carry_on_into_the_next_epoch(store):
     assert dl.worker_pids == [] and pids and dl._carry is None
 
 
+def test_worker_nice_lowers_the_workers_priority_and_changes_no_batch(store):
+    # Each worker adds worker_nice to the niceness it inherits; the training process keeps
+    # its own, and the batches are those of workers at its priority.
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    dl = make(store, shuffle=True, num_workers=2, persistent_workers=True, worker_nice=7)
+    want = make(store, shuffle=True, num_workers=2)
+    assert same(epoch(dl), epoch(want))
+    niceness = [os.getpriority(os.PRIO_PROCESS, pid) for pid in dl.worker_pids]
+    assert niceness == [min(own + 7, 19)] * 2
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own and dl.worker_nice == 7
+    dl.close()
+
+
 def test_zero_workers_take_what_torch_refuses_and_change_nothing(store):
     # torch refuses persistent_workers=True and prefetch_factor without workers; taken
     # here (a loop that sets them from a flag still runs), they change no batch.
@@ -723,6 +736,9 @@ def test_corrupt_record_is_replaced_counted_and_logged_once(store, tmp_path, cap
         ({"sampler": [0, 1]}, r"sampler=list cannot be used when reading a store: .* follows only"),
         ({"prefetch_factor": 0}, r"prefetch_factor=0 is invalid"),
         ({"drop_last": "no"}, r"drop_last='no' is invalid: pass True or False"),  # was True
+        ({"worker_nice": -1}, r"worker_nice=-1 is invalid: it must be an integer >= 0; 0 runs"),
+        ({"worker_nice": 20}, r"worker_nice=20 is invalid: it must be at most 19; 0 runs"),
+        ({"worker_nice": True}, r"worker_nice=True is invalid: it must be an integer >= 0"),
     ],
 )
 def test_argument_errors(store, kwargs, match):

@@ -69,9 +69,16 @@ def specs() -> list[Spec]:
 
 def share_variant(name: str) -> Spec | None:
     """``loader-<GPU decoder>-<share>`` (e.g. ``loader-nvjpeg-0.2``): the workers decode that
-    fixed share of every batch; None for any other name."""
+    fixed share of every batch; any of our pipelines followed by ``-nice<N>`` (e.g.
+    ``loader-dali-auto-nice10``): its workers run at that ``worker_nice``; None for any
+    other name."""
     from loader.decode import decoders, runs_in_workers
 
+    name, nice = nice_suffix(name)
+    known = {spec.name: spec for spec in specs() if spec.side == "ours"}
+    if nice is not None and name in known:
+        spec = known[name]
+        return Spec(f"{name}-nice{nice}", f"{spec.label}, worker_nice={nice}", "ours")
     decoder, _, share = name.removeprefix("loader-").partition("-")
     if not name.startswith("loader-") or decoder not in decoders() or runs_in_workers(decoder):
         return None
@@ -81,7 +88,18 @@ def share_variant(name: str) -> Spec | None:
         return None
     if not 0.0 < value < 1.0:
         return None
-    return Spec(name, f"loader.DataLoader, decoder={decoder!r}, cpu_share={value}", "ours")
+    label = f"loader.DataLoader, decoder={decoder!r}, cpu_share={value}"
+    if nice is not None:
+        return Spec(f"{name}-nice{nice}", f"{label}, worker_nice={nice}", "ours")
+    return Spec(name, label, "ours")
+
+
+def nice_suffix(name: str) -> tuple[str, int | None]:
+    """(``name`` without a ``-nice<N>`` ending, N) for N in 0..19; else (``name``, None)."""
+    head, sep, value = name.rpartition("-nice")
+    if sep and head and value.isdigit() and int(value) <= 19:
+        return head, int(value)
+    return name, None
 
 
 def unavailable(spec: Spec, s: Settings) -> str | None:
@@ -122,9 +140,10 @@ def build(name: str, s: Settings):
 
         return TorchPipeline(LMDBDataset(s.store, transform=torch_transform(s)), s)
     if name.startswith("loader-"):
+        name, nice = nice_suffix(name)
         decoder, _, variant = name.removeprefix("loader-").partition("-")
         share = "auto" if variant == "auto" else float(variant) if variant else 0.0
-        return OurPipeline(decoder, s, cpu_share=share)
+        return OurPipeline(decoder, s, cpu_share=share, nice=nice)
     if name == "synthetic":
         from loader.bench.train import Synthetic
 
@@ -193,9 +212,12 @@ class TorchPipeline:
 class OurPipeline:
     """``loader.DataLoader`` on the store with decoder backend ``decoder``."""
 
-    def __init__(self, decoder: str, s: Settings, cpu_share: float | str = 0.0) -> None:
+    def __init__(
+        self, decoder: str, s: Settings, cpu_share: float | str = 0.0, nice: int | None = None
+    ) -> None:
         import loader
 
+        more = {} if nice is None else {"worker_nice": nice}
         self.dl = loader.DataLoader(
             s.store,
             batch_size=s.batch_size,
@@ -210,6 +232,7 @@ class OurPipeline:
             decoder=decoder,
             cpu_share=cpu_share,
             drop_last=True,  # one batch shape for every pipeline (a new one re-tunes cuDNN)
+            **more,
         )
 
     def epoch(self) -> Iterator:
