@@ -51,7 +51,7 @@ import torch
 
 from ingest.cores import half_the_cores
 from ingest.cstderr import filtered
-from loader.augment_gpu import Rows, cut, upload
+from loader.augment_gpu import cut, upload
 from loader.decode_dali import _LIBRARY_LINES, HW_DECODER_LOAD, copy_into, jpeg_batch
 from loader.decode_nvjpeg import raise_if_not_the_data
 from loader.gpu_stage import WITH_SHARE, GpuStage, Started, _event, read_slot
@@ -170,10 +170,7 @@ class DaliStage(GpuStage):
                 memory_format=self.format,
             )  # fmt: skip
             if len(cpu_rows):
-                pixels, rows, where, labels = upload(
-                    self.device, Rows(views["pixels"], cpu_rows), cpu_rows, gpu_rows, labels,
-                    stats=self.stats,
-                )  # fmt: skip
+                pixels, rows, where, labels = self.rows_up(views, cpu_rows, gpu_rows, labels)
                 out.index_copy_(0, where, self._copy_out(result, len(gpu_rows)).to(self.dtype))
                 self.augment.pixels(pixels, rows, out)
             else:

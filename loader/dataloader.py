@@ -229,6 +229,8 @@ class DataLoader:
             on_gpu = batches_on_gpu(self._gpu_stage.concurrent_calls) + 1
             slots = ring_slots(self.batch_size, self.num_workers, self.prefetch_factor, on_gpu)
         self._ring = Ring(self._producer.buffers(), slots, shared=self.num_workers > 0)
+        if self._gpu_stage is not None:
+            self._gpu_stage.map_rows(self._ring.tensors["pixels"])
         self._workers = _Workers()
         # Iterations being closed (their workers' chunks drained), maybe on a prefetch
         # thread that let go of its iterator last: a new iteration waits for them, or the

@@ -73,6 +73,7 @@ from loader.augment_gpu import GpuAugment, Rows, cut, upload
 from loader.decode import get_decoder
 from loader.decode_nvjpeg import check_decoded
 from loader.encoded import EncodedBatches
+from loader.mapped import MappedRows
 from loader.pace import WayPicker
 from loader.stats import LoaderStats
 
@@ -237,6 +238,7 @@ class GpuStage:
         self._streams.atexit = False
         self.stream = self.decode_stream = None
         self._borrow_streams()
+        self._mapped: MappedRows | None = None  # the ring's pixel rows, where kernels read them
         self.auto = cpu_share == "auto" and num_workers > 0  # no workers: nothing to share
         self._starting = False  # the next batch finished is an epoch's first
         self.loop = WindowShare(_LOOP_WINDOW)  # the training loop's waiting for batches
@@ -365,10 +367,7 @@ class GpuStage:
                 rows, labels = upload(self.device, cpu_rows, labels, stats=self.stats)
                 self.augment.pixels(early[0], rows, out)
             elif len(cpu_rows):
-                pixels, rows, labels = upload(
-                    self.device, Rows(views["pixels"], cpu_rows), cpu_rows, labels,
-                    stats=self.stats,
-                )  # fmt: skip
+                pixels, rows, labels = self.rows_up(views, cpu_rows, labels)
                 self.augment.pixels(pixels, rows, out)
             else:
                 (labels,) = upload(self.device, labels, stats=self.stats)
@@ -407,8 +406,7 @@ class GpuStage:
             cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
             early = None
             if len(cpu_rows):
-                (pixels,) = upload(self.device, Rows(views["pixels"], cpu_rows), stats=self.stats)
-                early = (pixels, cpu_rows)
+                early = (self.rows_up(views, cpu_rows)[0], cpu_rows)
             t0 = time.perf_counter()
             if self.windows:
                 decoded = self.decoder.decode_batch(encoded, crops[:, 0:4])
@@ -423,6 +421,27 @@ class GpuStage:
         # What the decode threads take from the training loop's interpreter, among others.
         self.stats.add(decode_threads_cpu_s=time.thread_time() - cpu0)
         return crops, decoded, expected, time.perf_counter() - t0, ready, early
+
+    def map_rows(self, pixels: torch.Tensor) -> None:
+        """Read the workers' rows from ``pixels`` (the ring's pixel buffer, every slot)
+        where they lie (``loader.mapped``), on a CUDA device."""
+        if self.device.type == "cuda":
+            self._mapped = MappedRows(pixels, self.device)
+
+    def rows_up(self, views: dict, cpu_rows: np.ndarray, *arrays: np.ndarray) -> list:
+        """[the slot's pixel rows ``cpu_rows``, ``cpu_rows``, *``arrays``] on the device, on
+        the current stream: the rows gathered by a kernel from the ring's registered memory
+        where it is, else through a pinned buffer (``augment_gpu.upload``)."""
+        mapped = self._mapped  # (decode threads call this too)
+        if mapped is not None:
+            rows, *rest = upload(self.device, cpu_rows, *arrays, stats=self.stats)
+            pixels = mapped.rows(views["pixels"], rows)
+            if pixels is not None:
+                self.stats.add(h2d_bytes=pixels.nbytes, mapped_rows=len(cpu_rows))
+                return [pixels, rows, *rest]
+            self._mapped = None  # it cannot be read so: as before, from now on
+        pixels = Rows(views["pixels"], cpu_rows)
+        return upload(self.device, pixels, cpu_rows, *arrays, stats=self.stats)
 
     def _on_side_stream(self, stream) -> contextlib.AbstractContextManager:
         if stream is None:
@@ -521,6 +540,8 @@ class GpuStage:
                 stream.synchronize()
         with self._in_flight_lock:
             self._in_flight.clear()
+        if self._mapped is not None:  # what it pins, until a later iteration reads rows
+            self._mapped.release()
         release = getattr(self.decoder, "release", None)
         if release is not None:
             release()

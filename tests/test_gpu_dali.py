@@ -45,6 +45,7 @@ from test_gpu_path import (
     assert_half_shared_by_way,
     assert_holds_nothing_more,
     assert_never_overwritten,
+    assert_rows_read_where_they_lie,
     assert_slots_kept_until_done,
     cpu_rows,
     epoch,
@@ -421,6 +422,12 @@ def test_nothing_is_held_longer_epoch_after_epoch(store, abandon):
 def test_delivered_batches_are_never_overwritten(store, own_stream):
     dl = make(store, dtype=torch.float16)
     assert_never_overwritten(dl, torch.cuda.Stream() if own_stream else None)
+
+
+@needs_dali
+@gpu_only
+def test_the_workers_rows_are_read_where_they_lie(store, monkeypatch):
+    assert_rows_read_where_they_lie(make, store, monkeypatch, persistent=False)
 
 
 @needs_dali

@@ -64,7 +64,7 @@ from ingest.synth import random_view, sample_photos
 from loader.augment import Transform, plan_crops
 from loader.augment_gpu import GpuAugment
 from loader.encoded import EncodedBatches
-from loader.gpu_stage import WindowShare
+from loader.gpu_stage import GpuStage, WindowShare
 from loader.options import resolve_decoder
 from loader.pace import WayPicker
 from loader.prefetch import GpuEpochIterator, _DecodeThreads, ring_slots
@@ -748,6 +748,32 @@ def test_stats_count_the_bytes_copied_to_the_device(store):
     tallest = int(Store(store).index["height"].max())
     tables = stats["gpu_decoded"] * (8 + 64 + 4 * tallest) + 8 * stats["cpu_decoded"]
     assert least < stats["h2d_bytes"] <= least + tables + 6 * 8 * stats["batches"]
+
+
+def assert_rows_read_where_they_lie(make, store, monkeypatch, persistent: bool) -> None:
+    """The workers' rows, gathered by a kernel from the ring's registered memory
+    (``loader.mapped``) for three epochs (without ``persistent_workers``, workers forked
+    after the registration write them), are bit for bit those copied through a pinned
+    buffer; closing the loader undoes the registration."""
+    got = make(store, cpu_share=0.5, persistent_workers=persistent)
+    batches = [epoch(got) for _ in range(3)]
+    stats, mapped = got.stats(), got._gpu_stage._mapped
+    assert stats["mapped_rows"] == stats["cpu_decoded"] > 0
+    got.close()
+    rt = torch.cuda.cudart()  # not registered any more: it registers anew
+    assert int(rt.cudaHostRegister(mapped.array.data_ptr(), mapped.array.nbytes, 0)) == 0
+    assert int(rt.cudaHostUnregister(mapped.array.data_ptr())) == 0
+    monkeypatch.setattr(GpuStage, "map_rows", lambda self, pixels: None)
+    want = make(store, cpu_share=0.5, persistent_workers=persistent)
+    for one in batches:
+        same_batches(one, epoch(want))
+    assert "mapped_rows" not in want.stats() and want.stats()["cpu_decoded"] > 0
+
+
+@gpu_only
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers-anew", "persistent"])
+def test_the_workers_rows_are_read_where_they_lie(store, monkeypatch, persistent):
+    assert_rows_read_where_they_lie(make, store, monkeypatch, persistent)
 
 
 @gpu_only
