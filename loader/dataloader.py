@@ -398,7 +398,9 @@ class DataLoader:
         labels, the GPU kernels' tables; a GPU decoder copies the JPEG bytes inside its
         call, in ``gpu_decode_s``) and ``h2d_s``: GPU time of the CPU path's batch copies
         (CUDA events; on the GPU path its few copies run between the augmentation's events,
-        in ``augment_s``). Worker times add up over workers (CPU seconds, not wall time).
+        in ``augment_s``); ``mapped_rows``: the workers' rows a kernel read where they lie
+        (the ring's pixel buffer registered with CUDA, ``loader.mapped``). Worker times add
+        up over workers (CPU seconds, not wall time).
         """
         out = self._stats.snapshot()
         out["decoder"] = self.decoder

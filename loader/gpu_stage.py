@@ -3,9 +3,10 @@
 For each slot the workers filled (``loader.encoded``) it decodes the JPEG bytes with the
 GPU decoder (one batched call), retries any image the decoder rejects on the CPU (then,
 like the CPU path, replaces a record that fails there too), crops/resizes/flips/normalises
-every GPU-decoded image straight into the output batch (``loader.augment_gpu``), copies the
-rows the workers decoded on the CPU through pinned memory and normalises them into the
-same batch. The decode (which ``start`` hands to the caller's decode threads: several at
+every GPU-decoded image straight into the output batch (``loader.augment_gpu``), gathers
+the rows the workers decoded on the CPU from the ring's shared memory (registered with
+CUDA: ``loader.mapped``; else through pinned memory) and normalises them into the same
+batch. The decode (which ``start`` hands to the caller's decode threads: several at
 once where the decoder allows) runs on one high-priority side stream, the rest
 (``finish``) on another, which ends with an event the training stream waits on; nothing
 synchronises the device.
