@@ -170,14 +170,17 @@ class DaliStage(GpuStage):
                 memory_format=self.format,
             )  # fmt: skip
             if len(cpu_rows):
-                pixels, rows, where, labels = self.rows_up(views, cpu_rows, gpu_rows, labels)
+                (pixels, rows, where, labels), mapped = self.rows_up(
+                    views, cpu_rows, gpu_rows, labels
+                )
                 out.index_copy_(0, where, self._copy_out(result, len(gpu_rows)).to(self.dtype))
                 self.augment.pixels(pixels, rows, out)
             else:
+                mapped = False
                 (labels,) = upload(self.device, labels, stats=self.stats)
                 self._copy_out(result, n, into=out)
             done = _event(self.device)
-        self._account(report, len(gpu_rows), len(cpu_rows), decode_s)
+        self._account(report, len(gpu_rows), len(cpu_rows), decode_s, mapped)
         self._steer(waited, time.perf_counter() - t0 + started.busy, started.way)
         return out, labels, indices, done
 

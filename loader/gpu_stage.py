@@ -322,8 +322,8 @@ class GpuStage:
     def process(self, slot: dict[str, torch.Tensor], report, waited: float = 0.0) -> tuple:
         """The batch in ``slot`` (``report.n`` samples) as (images, labels, indices, event).
 
-        Reads the slot's bytes and pixels before it returns, so the caller may hand the
-        slot back to the workers at once; the tensors are ready once ``event`` completes.
+        The slot must stay untouched until ``event`` completes (the workers' rows may be
+        read there by a kernel: ``loader.mapped``); so are the tensors ready.
         ``waited``: how long the caller waited for the workers to fill this slot.
         """
         return self.finish(self.start(slot, report), waited)
@@ -331,8 +331,8 @@ class GpuStage:
     def start(self, slot: dict[str, torch.Tensor], report, submit=None, way=None) -> Started:
         """First half of ``process``: hand the slot's JPEGs to the GPU decoder, through
         ``submit(fn) -> Call`` (a decode thread: the caller goes on meanwhile) or here.
-        The slot must stay untouched until ``finish`` returns. ``way``: the batch's, where
-        the caller has taken it already."""
+        The slot must stay untouched until the event ``finish`` returns completes.
+        ``way``: the batch's, where the caller has taken it already."""
         t0 = time.perf_counter()
         n = report.n
         views, gpu_rows, spans = read_slot(slot, n)
@@ -364,11 +364,13 @@ class GpuStage:
             cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
             indices = views["indices"][:n].copy()
             labels = self._labels[indices]
+            mapped = False
             if early is not None and len(early[1]) == len(cpu_rows):  # no CPU retries
                 rows, labels = upload(self.device, cpu_rows, labels, stats=self.stats)
                 self.augment.pixels(early[0], rows, out)
+                mapped = early[2]
             elif len(cpu_rows):
-                pixels, rows, labels = self.rows_up(views, cpu_rows, labels)
+                (pixels, rows, labels), mapped = self.rows_up(views, cpu_rows, labels)
                 self.augment.pixels(pixels, rows, out)
             else:
                 (labels,) = upload(self.device, labels, stats=self.stats)
@@ -376,7 +378,7 @@ class GpuStage:
         with self._in_flight_lock:  # with the pixels uploaded on the decode stream
             self._in_flight.append(((images, early), done))
         self.stats.add_gpu_time("augment", begin, done)
-        self._account(report, len(images), len(cpu_rows), decode_s)
+        self._account(report, len(images), len(cpu_rows), decode_s, mapped)
         self._steer(waited, time.perf_counter() - t0 + started.busy, started.way)
         return out, labels, indices, done
 
@@ -407,7 +409,8 @@ class GpuStage:
             cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
             early = None
             if len(cpu_rows):
-                early = (self.rows_up(views, cpu_rows)[0], cpu_rows)
+                (pixels, *_), mapped = self.rows_up(views, cpu_rows)
+                early = (pixels, cpu_rows, mapped)
             t0 = time.perf_counter()
             if self.windows:
                 decoded = self.decoder.decode_batch(encoded, crops[:, 0:4])
@@ -429,20 +432,21 @@ class GpuStage:
         if self.device.type == "cuda":
             self._mapped = MappedRows(pixels, self.device)
 
-    def rows_up(self, views: dict, cpu_rows: np.ndarray, *arrays: np.ndarray) -> list:
-        """[the slot's pixel rows ``cpu_rows``, ``cpu_rows``, *``arrays``] on the device, on
-        the current stream: the rows gathered by a kernel from the ring's registered memory
-        where it is, else through a pinned buffer (``augment_gpu.upload``)."""
+    def rows_up(self, views: dict, cpu_rows: np.ndarray, *arrays: np.ndarray) -> tuple:
+        """([the slot's pixel rows ``cpu_rows``, ``cpu_rows``, *``arrays``] on the device,
+        on the current stream; whether a kernel gathered the rows from the ring's
+        registered memory), else they came through a pinned buffer (``augment_gpu.upload``)."""
         mapped = self._mapped  # (decode threads call this too)
         if mapped is not None:
             rows, *rest = upload(self.device, cpu_rows, *arrays, stats=self.stats)
             pixels = mapped.rows(views["pixels"], rows)
             if pixels is not None:
-                self.stats.add(h2d_bytes=pixels.nbytes, mapped_rows=len(cpu_rows))
-                return [pixels, rows, *rest]
-            self._mapped = None  # it cannot be read so: as before, from now on
+                self.stats.add(h2d_bytes=pixels.nbytes)
+                return [pixels, rows, *rest], True
+            if mapped.failed:  # it cannot be read so: as before, from now on
+                self._mapped = None
         pixels = Rows(views["pixels"], cpu_rows)
-        return upload(self.device, pixels, cpu_rows, *arrays, stats=self.stats)
+        return upload(self.device, pixels, cpu_rows, *arrays, stats=self.stats), False
 
     def _on_side_stream(self, stream) -> contextlib.AbstractContextManager:
         if stream is None:
@@ -479,11 +483,16 @@ class GpuStage:
         views["lengths"][row] = -1
         self.stats.add(gpu_rejected=1)
 
-    def _account(self, report, on_gpu: int, on_cpu: int, decode_s: float) -> None:
+    def _account(
+        self, report, on_gpu: int, on_cpu: int, decode_s: float, mapped: bool = False
+    ) -> None:
+        """A batch finished: ``on_cpu`` rows the workers decoded, read where they lie
+        (``mapped``) or copied."""
         self.stats.add(
             gpu_decoded=on_gpu, cpu_decoded=on_cpu,
             gpu_decode_s=decode_s, cpu_decode_s=report.decode_s,
             worker_read_s=max(0.0, report.worker_s - report.decode_s),
+            **({"mapped_rows": on_cpu} if mapped else {}),
         )  # fmt: skip
 
     def _steer(self, waited: float, busy: float, way: str) -> None:
@@ -522,7 +531,8 @@ class GpuStage:
     def settle(self) -> None:
         """An iteration closed: the batches planned and not handed off never will be
         (their ways are forgotten); wait for its work that still reads its ring slots
-        (none here: ``finish`` has read every slot it was given)."""
+        (none here that matters: a decode thread's gather of the workers' rows may still
+        read a slot for a batch that is dropped, whatever the workers write there)."""
         if self.picker is not None:
             self.picker.forget()
         with self._planned_lock:

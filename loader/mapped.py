@@ -59,24 +59,24 @@ class MappedRows:
 
     def __init__(self, array: torch.Tensor, device: torch.device) -> None:
         self.array, self.device = array, device
-        self._view: torch.Tensor | None = None  # the device's view of ``array``
-        self._failed = False
+        self._slots: list[torch.Tensor] | None = None  # the device's view of each slot
+        self.failed = False  # the array cannot be read so (then it never is)
         self._finalizer: weakref.finalize | None = None
-        self._lock = threading.Lock()  # decode threads of the GPU path call ``rows`` at once
+        # Decode threads of the GPU path call ``rows`` at once; ``release`` must not undo
+        # the registration between a gather's view and its launch.
+        self._lock = threading.Lock()
 
     def rows(self, slot: np.ndarray, rows: torch.Tensor) -> torch.Tensor | None:
         """``slot[rows]`` on the device, on the current stream (``slot``: a numpy view of
-        one slot of the array; ``rows``: row numbers, on the device); None where the array
-        cannot be read this way (then it never is)."""
+        one slot of the array; ``rows``: row numbers, on the device); None where ``slot``
+        is not one of the array's, or the array cannot be read this way (``failed``)."""
         offset = slot.__array_interface__["data"][0] - self.array.data_ptr()
         per_slot = self.array[0].nbytes
         if offset < 0 or offset % per_slot or offset // per_slot >= len(self.array):
-            return None  # not one of its slots
-        with self._lock:
-            view = self._mapped(offset // per_slot)
-        if view is None:
             return None
-        return view[offset // per_slot].index_select(0, rows)
+        with self._lock:
+            slots = self._mapped(offset // per_slot)
+            return None if slots is None else slots[offset // per_slot].index_select(0, rows)
 
     def release(self) -> None:
         """Undo the registration (after the device's work that may read the array)."""
@@ -86,34 +86,37 @@ class MappedRows:
     def _release(self) -> None:
         if self._finalizer is not None:
             self._finalizer()
-        self._finalizer = self._view = None
+        self._finalizer = self._slots = None
 
-    def _mapped(self, held: int) -> torch.Tensor | None:
-        """The device's view of the array, registered where it is not yet; checked on
-        slot ``held``, which no worker writes meanwhile."""
-        if self._view is not None or self._failed:
-            return self._view
+    def _mapped(self, held: int) -> list[torch.Tensor] | None:
+        """The device's views of the array's slots, registered where it is not yet;
+        checked on slot ``held``, which no worker writes meanwhile: the view must be the
+        host memory itself (not a copy torch made of it) and a kernel must read there
+        what the host holds."""
+        if self._slots is not None or self.failed:
+            return self._slots
         address, shape = self.array.data_ptr(), tuple(self.array.shape)
         rt = torch.cuda.cudart()
         with torch.cuda.device(self.device):
             if int(rt.cudaHostRegister(address, self.array.nbytes, _MAPPED_AND_PORTABLE)):
-                self._failed = True
+                self.failed = True
                 # The refusal is also this thread's last CUDA error, which torch's check
                 # after its next kernel launch would raise there: a launch checked here
-                # takes it.
+                # takes it (``fill_``: a kernel, checked by ``C10_CUDA_KERNEL_LAUNCH_CHECK``).
                 with contextlib.suppress(RuntimeError):
                     torch.zeros(1, device=self.device)
                 return None
         self._finalizer = weakref.finalize(self, _unregister, address, self.device, self.array)
         try:
             view = torch.as_tensor(_DeviceView(address, shape), device=self.device)
-            probe = view[held].reshape(-1)[:4096].cpu()  # the device reads what the host holds
-            same = torch.equal(probe, self.array[held].reshape(-1)[:4096])
+            first = torch.zeros(1, dtype=torch.int64, device=self.device)
+            read = view[held].index_select(0, first).cpu()  # a kernel reads the host memory
+            same = view.data_ptr() == address and torch.equal(read, self.array[held][:1])
         except RuntimeError:
             same = False
         if not same:
             self._release()
-            self._failed = True
+            self.failed = True
             return None
-        self._view = view
-        return view
+        self._slots = list(view.unbind(0))
+        return self._slots

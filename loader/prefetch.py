@@ -232,7 +232,8 @@ class GpuEpochIterator(EpochIterator):
     # Slots go back to the workers once the GPU work of their batch is done, not when
     # ``finish`` has queued it: DALI reads the JPEGs in the slot (``dali_stage.NO_COPY``)
     # until its output for them is consumed, and an asynchronous pipeline may still be at
-    # it. Only a batch that has no slot else waits for one (``_produce``).
+    # it; a kernel gathers the workers' rows from it (``loader.mapped``). Only a batch
+    # that has no slot else waits for one (``_produce``).
 
     def _dispatch(self) -> None:
         self._give_back_slots()

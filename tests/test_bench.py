@@ -223,7 +223,8 @@ def test_a_worker_nice_is_a_pipeline_named_by_its_niceness():
         assert share_variant(name) == Spec(name, f"loader.DataLoader, {label}", "ours")
     # Not one of ours, a niceness past 19 or none at all: not such a pipeline.
     for name in ("torch-pil-nice3", "dali-ram-nice3", "loader-cpu-nice20", "loader-cpu-nice",
-                 "loader-cpu-nicex", "loader-nope-nice3"):  # fmt: skip
+                 "loader-cpu-nicex", "loader-nope-nice3", "loader-cpu-nice07",
+                 "loader-cpu-nice\u00b2"):  # fmt: skip
         assert share_variant(name) is None, name
     s = Settings(folder=None, store="x", batch_size=8, workers=1, dtype="float32",
                  channels_last=False, eval=False, device="cpu")  # fmt: skip

@@ -291,8 +291,8 @@ def record_ways_and_shares(stage) -> list[list]:
     stage.producer.cpu_share = 0.5
     finished: list[list] = []
 
-    def account(report, on_gpu, on_cpu, decode_s, real=stage._account):
-        real(report, on_gpu, on_cpu, decode_s)
+    def account(report, on_gpu, on_cpu, decode_s, mapped=False, real=stage._account):
+        real(report, on_gpu, on_cpu, decode_s, mapped)
         finished.append([on_cpu])
 
     def steer(waited, busy, way, real=stage._steer):
@@ -768,6 +768,28 @@ def assert_rows_read_where_they_lie(make, store, monkeypatch, persistent: bool) 
     for one in batches:
         same_batches(one, epoch(want))
     assert "mapped_rows" not in want.stats() and want.stats()["cpu_decoded"] > 0
+
+
+@gpu_only
+def test_rows_that_cannot_be_read_where_they_lie_are_copied(store, monkeypatch):
+    # The ring registered by someone else first: the loader's registration is refused
+    # (and that refusal, this thread's last CUDA error, raises nowhere later); the rows
+    # are copied as before, the batches bit for bit those of the copying path.
+    got = make(store, cpu_share=0.5)
+    pixels = got._ring.tensors["pixels"]
+    rt = torch.cuda.cudart()
+    assert int(rt.cudaHostRegister(pixels.data_ptr(), pixels.nbytes, 0)) == 0
+    try:
+        batches = epoch(got)
+        stats = got.stats()
+        assert got._gpu_stage._mapped is None and "mapped_rows" not in stats
+        assert stats["cpu_decoded"] > 0
+        torch.zeros(1, device=DEVICE)  # no error left behind for a later launch
+    finally:
+        got.close()
+        assert int(rt.cudaHostUnregister(pixels.data_ptr())) == 0
+    monkeypatch.setattr(GpuStage, "map_rows", lambda self, pixels: None)
+    same_batches(batches, epoch(make(store, cpu_share=0.5)))
 
 
 @gpu_only

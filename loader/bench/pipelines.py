@@ -95,10 +95,11 @@ def share_variant(name: str) -> Spec | None:
 
 
 def nice_suffix(name: str) -> tuple[str, int | None]:
-    """(``name`` without a ``-nice<N>`` ending, N) for N in 0..19; else (``name``, None)."""
+    """(``name`` without a ``-nice<N>`` ending, N) for N in 0..19 written plainly (``nice7``,
+    not ``nice07``); else (``name``, None)."""
     head, sep, value = name.rpartition("-nice")
-    if sep and head and value.isdigit() and int(value) <= 19:
-        return head, int(value)
+    if sep and head and value.isascii() and value.isdigit() and str(int(value)) == value:
+        return (head, int(value)) if int(value) <= 19 else (name, None)
     return name, None
 
 
