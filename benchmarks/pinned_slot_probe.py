@@ -23,19 +23,7 @@ import numpy as np
 import torch
 
 from loader.augment_gpu import Rows, upload
-
-
-class _Mapped:
-    """Host memory registered with CUDA, seen as a device array (``__cuda_array_interface__``)."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": tuple(t.shape),
-            "typestr": "|u1",
-            "data": (t.data_ptr(), False),
-            "version": 3,
-            "strides": None,
-        }
+from loader.mapped import DeviceView
 
 
 def main() -> None:
@@ -47,7 +35,7 @@ def main() -> None:
     rt = torch.cuda.cudart()
     err = rt.cudaHostRegister(t.data_ptr(), t.numel(), 2)  # cudaHostRegisterMapped
     print("register", err, "pinned after", t.is_pinned())
-    alias = torch.as_tensor(_Mapped(t), device=dev)
+    alias = torch.as_tensor(DeviceView(t.data_ptr(), tuple(t.shape)), device=dev)
     print("alias", alias.device, alias.shape, alias.data_ptr() == t.data_ptr())
     rng = np.random.default_rng(1)
     stream = torch.cuda.Stream()

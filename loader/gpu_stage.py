@@ -434,8 +434,8 @@ class GpuStage:
 
     def rows_up(self, views: dict, cpu_rows: np.ndarray, *arrays: np.ndarray) -> tuple:
         """([the slot's pixel rows ``cpu_rows``, ``cpu_rows``, *``arrays``] on the device,
-        on the current stream; whether a kernel gathered the rows from the ring's
-        registered memory), else they came through a pinned buffer (``augment_gpu.upload``)."""
+        on the current stream; whether the rows were gathered by a kernel from the ring's
+        registered memory rather than copied through a pinned buffer)."""
         mapped = self._mapped  # (decode threads call this too)
         if mapped is not None:
             rows, *rest = upload(self.device, cpu_rows, *arrays, stats=self.stats)

@@ -29,7 +29,7 @@ import torch
 _MAPPED_AND_PORTABLE = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
-class _DeviceView:
+class DeviceView:
     """A host address seen as a device array (``__cuda_array_interface__``): with unified
     addressing, registered host memory has the same address on the device."""
 
@@ -59,6 +59,7 @@ class MappedRows:
 
     def __init__(self, array: torch.Tensor, device: torch.device) -> None:
         self.array, self.device = array, device
+        self._address, self._per_slot = array.data_ptr(), array.nbytes // max(1, len(array))
         self._slots: list[torch.Tensor] | None = None  # the device's view of each slot
         self.failed = False  # the array cannot be read so (then it never is)
         self._finalizer: weakref.finalize | None = None
@@ -70,13 +71,12 @@ class MappedRows:
         """``slot[rows]`` on the device, on the current stream (``slot``: a numpy view of
         one slot of the array; ``rows``: row numbers, on the device); None where ``slot``
         is not one of the array's, or the array cannot be read this way (``failed``)."""
-        offset = slot.__array_interface__["data"][0] - self.array.data_ptr()
-        per_slot = self.array[0].nbytes
-        if offset < 0 or offset % per_slot or offset // per_slot >= len(self.array):
+        k, rest = divmod(slot.__array_interface__["data"][0] - self._address, self._per_slot)
+        if k < 0 or rest or k >= len(self.array):
             return None
         with self._lock:
-            slots = self._mapped(offset // per_slot)
-            return None if slots is None else slots[offset // per_slot].index_select(0, rows)
+            slots = self._mapped(k)
+            return None if slots is None else slots[k].index_select(0, rows)
 
     def release(self) -> None:
         """Undo the registration (after the device's work that may read the array)."""
@@ -95,7 +95,7 @@ class MappedRows:
         what the host holds."""
         if self._slots is not None or self.failed:
             return self._slots
-        address, shape = self.array.data_ptr(), tuple(self.array.shape)
+        address, shape = self._address, tuple(self.array.shape)
         rt = torch.cuda.cudart()
         with torch.cuda.device(self.device):
             if int(rt.cudaHostRegister(address, self.array.nbytes, _MAPPED_AND_PORTABLE)):
@@ -108,7 +108,7 @@ class MappedRows:
                 return None
         self._finalizer = weakref.finalize(self, _unregister, address, self.device, self.array)
         try:
-            view = torch.as_tensor(_DeviceView(address, shape), device=self.device)
+            view = torch.as_tensor(DeviceView(address, shape), device=self.device)
             first = torch.zeros(1, dtype=torch.int64, device=self.device)
             read = view[held].index_select(0, first).cpu()  # a kernel reads the host memory
             same = view.data_ptr() == address and torch.equal(read, self.array[held][:1])

@@ -69,16 +69,22 @@ def specs() -> list[Spec]:
 
 def share_variant(name: str) -> Spec | None:
     """``loader-<GPU decoder>-<share>`` (e.g. ``loader-nvjpeg-0.2``): the workers decode that
-    fixed share of every batch; any of our pipelines followed by ``-nice<N>`` (e.g.
-    ``loader-dali-auto-nice10``): its workers run at that ``worker_nice``; None for any
-    other name."""
+    fixed share of every batch; any of our pipelines, or such a share, followed by
+    ``-nice<N>`` (e.g. ``loader-dali-auto-nice10``): its workers run at that
+    ``worker_nice``; None for any other name."""
+    base, nice = nice_suffix(name)
+    spec = _fixed_share(base)
+    if nice is None:
+        return spec
+    if spec is None:
+        spec = next((x for x in specs() if x.name == base and x.side == "ours"), None)
+    return None if spec is None else Spec(name, f"{spec.label}, worker_nice={nice}", "ours")
+
+
+def _fixed_share(name: str) -> Spec | None:
+    """``loader-<GPU decoder>-<share>`` for a share in (0, 1); None for any other name."""
     from loader.decode import decoders, runs_in_workers
 
-    name, nice = nice_suffix(name)
-    known = {spec.name: spec for spec in specs() if spec.side == "ours"}
-    if nice is not None and name in known:
-        spec = known[name]
-        return Spec(f"{name}-nice{nice}", f"{spec.label}, worker_nice={nice}", "ours")
     decoder, _, share = name.removeprefix("loader-").partition("-")
     if not name.startswith("loader-") or decoder not in decoders() or runs_in_workers(decoder):
         return None
@@ -88,10 +94,7 @@ def share_variant(name: str) -> Spec | None:
         return None
     if not 0.0 < value < 1.0:
         return None
-    label = f"loader.DataLoader, decoder={decoder!r}, cpu_share={value}"
-    if nice is not None:
-        return Spec(f"{name}-nice{nice}", f"{label}, worker_nice={nice}", "ours")
-    return Spec(name, label, "ours")
+    return Spec(name, f"loader.DataLoader, decoder={decoder!r}, cpu_share={value}", "ours")
 
 
 def nice_suffix(name: str) -> tuple[str, int | None]:
@@ -144,7 +147,7 @@ def build(name: str, s: Settings):
         name, nice = nice_suffix(name)
         decoder, _, variant = name.removeprefix("loader-").partition("-")
         share = "auto" if variant == "auto" else float(variant) if variant else 0.0
-        return OurPipeline(decoder, s, cpu_share=share, nice=nice)
+        return OurPipeline(decoder, s, cpu_share=share, nice=nice or 0)
     if name == "synthetic":
         from loader.bench.train import Synthetic
 
@@ -214,11 +217,10 @@ class OurPipeline:
     """``loader.DataLoader`` on the store with decoder backend ``decoder``."""
 
     def __init__(
-        self, decoder: str, s: Settings, cpu_share: float | str = 0.0, nice: int | None = None
+        self, decoder: str, s: Settings, cpu_share: float | str = 0.0, nice: int = 0
     ) -> None:
         import loader
 
-        more = {} if nice is None else {"worker_nice": nice}
         self.dl = loader.DataLoader(
             s.store,
             batch_size=s.batch_size,
@@ -233,7 +235,7 @@ class OurPipeline:
             decoder=decoder,
             cpu_share=cpu_share,
             drop_last=True,  # one batch shape for every pipeline (a new one re-tunes cuDNN)
-            **more,
+            worker_nice=nice,
         )
 
     def epoch(self) -> Iterator:
