@@ -24,14 +24,8 @@ from ingest.codec import Compression, compress, pack_record, record_limit
 from ingest.cores import usable_cores
 from ingest.cstderr import captured
 from ingest.normalize import DEFAULT_MAX_PIXELS, OBJECT_AT, Options, Reject, convert
-from ingest.resume import (
-    OutputError,
-    check_out_outside,
-    fingerprint,
-    identity,
-    load_state,
-    prepare_out,
-)
+from ingest.outdir import Claim
+from ingest.resume import OutputError, fingerprint, identity, load_state
 from ingest.safeio import FileRefused, read_regular, sha256_file
 from ingest.scan import Scan, SourceError, scan
 from ingest.writer import MiB, ShardWriter
@@ -82,31 +76,35 @@ def build(
     from ingest import local_build  # its tasks are built on this module
 
     options = options or BuildOptions()
-    out = Path(out)
+    claim = Claim(Path(src), Path(out), overwrite)
     with local_build.make_pool(workers or usable_cores()) as pool:
-        facts = functools.partial(local_build.file_facts, pool)
-        tree, state = start(src, out, options, overwrite, "local", facts)
-        run = Run(tree, out, options, state, map_size or default_map_size(options))
-        with writing(out):
-            return local_build.convert(run, Path(src), pool, progress)
+        try:
+            facts = functools.partial(local_build.file_facts, pool)
+            tree, state = start(src, claim, options, "local", facts)
+            run = Run(tree, claim.target, options, state, map_size or default_map_size(options))
+            with writing(claim.out):
+                manifest = local_build.convert(run, Path(src), pool, progress)
+                claim.commit()
+            return manifest
+        finally:
+            claim.release()
 
 
 def start(
-    src, out: Path, options: BuildOptions, overwrite: bool, mode: str, facts: Callable | None = None
+    src, claim: Claim, options: BuildOptions, mode: str, facts: Callable | None = None
 ) -> tuple[Scan, dict]:
-    """Scan SRC and make OUT ready: a fresh build, or the sealed progress of an
+    """Scan SRC and take OUT (``claim``): a fresh build, or the sealed progress of an
     interrupted one of the same inputs, options and ``mode`` ("local" or "ray").
     ``facts(scan)`` gives the fingerprint's facts of the files (``resume.fingerprint``)."""
-    src = Path(src)
-    check_out_outside(src, out)
-    tree = scan(src)
+    claim.check()  # before the scan, which may take minutes: nothing is written yet
+    tree = scan(Path(src))
     for rel, reason in tree.skipped:
         log.warning("ingest: skipped %s: %s", fmt.shown(rel), reason)
-    with writing(out):  # a folder this user may not write, a read-only or full disk
-        prepare_out(out, overwrite)
+    with writing(claim.out):  # a folder this user may not write, a read-only or full disk
+        target = claim.take()
     digest = fingerprint(tree, options.output_affecting(), facts(tree) if facts else None)
-    with writing(out):
-        return tree, load_state(out, digest, mode)
+    with writing(claim.out):
+        return tree, load_state(target, digest, mode)
 
 
 def default_map_size(options: BuildOptions) -> int:

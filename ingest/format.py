@@ -6,6 +6,7 @@ import hashlib
 import json
 import numbers
 import os
+import re
 import shlex
 import stat
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ingest.buildlock import holder
 from ingest.safeio import FileRefused, kind_of, read_regular, sha256_file
 
 FORMAT_NAME = "imfeed-lmdb"
@@ -33,6 +35,8 @@ PATHS = "paths.msgpack"
 REJECTS = "rejects.jsonl"
 BUILD_STATE = ".build-state.json"
 PARTIAL_DIR = ".partial"
+STAGING_DIR = ".overwrite"  # an --overwrite build's new store, until it replaces the old one
+RETIRED_DIR = ".replaced"  # the old store's files, set aside while the new one moves in
 
 # Per-sample index, one fixed-size little-endian row per sample, in key order.
 INDEX_DTYPE = np.dtype(
@@ -131,6 +135,19 @@ def shard_name(shard: int) -> str:
     return f"shard-{shard:05d}"
 
 
+_SHARD_NAME = re.compile(r"shard-\d{5,}")
+_BUILD_FILES = {MANIFEST, INDEX, PATHS, REJECTS, BUILD_STATE, PARTIAL_DIR,
+                f"{MANIFEST}.tmp", f"{BUILD_STATE}.tmp"}  # fmt: skip
+
+
+def own_entries(directory: str | os.PathLike) -> list[str]:
+    """The entries of ``directory`` that a build writes (a store's files and shards, a
+    build's state and leftovers), the only ones a build may delete; never the build lock,
+    an --overwrite build's folders, or anything else a user keeps there."""
+    return sorted(n for n in os.listdir(directory)
+                  if n in _BUILD_FILES or _SHARD_NAME.fullmatch(n))  # fmt: skip
+
+
 def encode_key(index: int) -> bytes:
     """LMDB key of global sample ``index``: 8 bytes, big-endian, so keys sort numerically."""
     return index.to_bytes(8, "big")
@@ -220,9 +237,14 @@ def read_manifest(root: str | os.PathLike) -> dict:
     if not os.path.lexists(path):
         from ingest.scan import looks_like_image_folder
 
-        if _failed_build(root):
+        if who := holder(root):
+            hint = f" (`ingest build` is writing it now, {who}: wait for it to end)"
+        elif _failed_build(root):
             hint = (f" (its last build found no valid image: the reasons are in "
                     f"{root / REJECTS}; mend the source and build again)")  # fmt: skip
+        elif (root / STAGING_DIR / MANIFEST).exists():
+            hint = (" (an --overwrite build was cut short as its new store replaced the old "
+                    "one: run the same `ingest build --overwrite` again to finish it)")  # fmt: skip
         elif (root / BUILD_STATE).exists():
             hint = " (an interrupted build: run the same `ingest build` again to resume)"
         elif looks_like_image_folder(root):  # the likeliest slip when swapping in a store

@@ -48,6 +48,7 @@ from ingest.build import (
     start,
     writing,
 )
+from ingest.outdir import Claim
 from ingest.ray_tasks import Fault, check_range, write_shard
 from ingest.resume import OutputError
 from ingest.scan import SourceError
@@ -102,15 +103,20 @@ def build_ray(
     options = options or BuildOptions()
     out = Path(out).absolute()  # the tasks may run in another directory, on other nodes
     src = Path(src).absolute()
-    tree, state = start(src, out, options, overwrite, mode="ray")
-    run = Run(tree, out, options, state, map_size or default_map_size(options))
-    started = _connect(ray, address)
+    claim = Claim(src, out, overwrite)
+    started = False
     try:
+        tree, state = start(src, claim, options, mode="ray")
+        run = Run(tree, claim.target, options, state, map_size or default_map_size(options))
+        started = _connect(ray, address)
         with writing(out):
             plans = _check_all(ray, run, src, range_items, progress, fault)
             _write_all(ray, run, src, plans, progress, fault)
-            return twopass.finish(run, plans)
+            manifest = twopass.finish(run, plans)
+            claim.commit()
+        return manifest
     finally:
+        claim.release()
         if started:
             ray.shutdown()
 

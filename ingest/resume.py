@@ -1,4 +1,4 @@
-"""The OUT directory across runs: refuse what is not ours, resume what was interrupted.
+"""A build's progress across runs: resume what was interrupted, start over what differs.
 
 A build records its sealed progress in OUT/.build-state.json after every shard; its
 fingerprint (inputs, their sizes and mtimes, the options that decide the content) says
@@ -23,35 +23,6 @@ log = logging.getLogger(__name__)
 
 class OutputError(ValueError):
     """OUT cannot be written as asked (exists, is a file, is someone else's directory)."""
-
-
-def prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output {out} is a file; pass a directory path for the store")
-    if (out / fmt.MANIFEST).exists():
-        if not overwrite:
-            raise OutputError(
-                f"output {out} is already a complete store; pass --overwrite to replace it"
-            )
-        (out / fmt.MANIFEST).unlink()  # first, so a crash mid-delete never looks complete
-        shutil.rmtree(out)
-    elif out.is_dir() and any(out.iterdir()) and not (out / fmt.BUILD_STATE).exists():
-        raise OutputError(
-            f"output {out} is a non-empty directory that is not a store; "
-            "choose a new or empty directory"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-
-
-def check_out_outside(src: Path, out: Path) -> None:
-    """Refuse an OUT inside SRC: this build would read its own output, and every later
-    build of SRC would find a class named after the store."""
-    real_src, real_out = os.path.realpath(src), os.path.realpath(out)
-    if os.path.commonpath([real_src, real_out]) == real_src:
-        raise OutputError(
-            f"output {out} is inside the source folder {src}; put the store outside it "
-            "(e.g. next to it)"
-        )
 
 
 def fingerprint(tree: Scan, options: dict, facts: Iterable[bytes] | None = None) -> dict:
@@ -173,13 +144,12 @@ def load_state(out: Path, digest: dict, mode: str = "local") -> dict:
                 "ingest: resuming the interrupted build in %s: %d of %d images were done, in "
                 "%d sealed shard(s)", out, state["cursor"], digest["files"], len(state["shards"]),
             )  # fmt: skip
-    if state is None:
-        for child in out.iterdir():  # only our own leftovers can be here (see _prepare_out)
+    sealed = set() if state is None else {s["name"] for s in state["shards"]}
+    for name in fmt.own_entries(out):  # never what a build did not write (outdir.Claim)
+        if name not in sealed and (name.startswith("shard-") or state is None):
+            child = out / name  # a shard renamed into place, but the state never recorded it
             shutil.rmtree(child) if child.is_dir() else child.unlink()
+    if state is None:
         state = fresh_state(digest, mode)
         fmt.write_json_atomic(path, state)
-    sealed = {s["name"] for s in state["shards"]}
-    for child in out.glob("shard-*"):
-        if child.name not in sealed:  # renamed into place, but the state never recorded it
-            shutil.rmtree(child)
     return state

@@ -322,7 +322,7 @@ def sealed_shards(out: Path) -> list[str]:
         state = json.loads((out / fmt.BUILD_STATE).read_text())
     except (OSError, ValueError):  # not written yet (it is replaced atomically)
         return []
-    return [s["name"] for s in state["shards"]]
+    return [s["name"] for s in state.get("shards", [])]  # none in a failed build's
 
 
 def kill_9_after_a_shard(args: list, out: Path, within: float) -> list[str]:

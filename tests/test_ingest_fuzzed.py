@@ -134,10 +134,10 @@ def test_unreadable_source_and_output_are_one_line(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(os, "scandir", real)
     out = tmp_path / "out"
 
-    def denied(path, overwrite):
-        raise PermissionError(13, "Permission denied", str(path))
+    def denied(claim):
+        raise PermissionError(13, "Permission denied", str(claim.out))
 
-    monkeypatch.setattr("ingest.build.prepare_out", denied)
+    monkeypatch.setattr("ingest.outdir.Claim.take", denied)
     with pytest.raises(OutputError) as e:
         build(src, out, workers=1, progress=False)
     assert str(e.value) == (
