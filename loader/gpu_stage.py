@@ -60,6 +60,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import logging
+import os
 import threading
 import time
 import weakref
@@ -77,6 +79,27 @@ from loader.encoded import EncodedBatches
 from loader.mapped import MappedRows
 from loader.pace import WayPicker
 from loader.stats import LoaderStats
+
+log = logging.getLogger(__name__)
+_WARNED: set[str] = set()  # the unverified stores this process was told of
+
+
+def warn_unverified(store, decoder: str) -> None:
+    """Say once per store that one built with --no-verify brings its corrupt JPEGs to the
+    GPU decoders as they are: they decode them to garbage without an error, where the
+    CPU path's strict decode finds and replaces them; decoding every JPEG on the CPU as
+    well would forgo the GPU path, so the check is left to ``ingest verify``."""
+    root = os.path.realpath(store.root)
+    if store.manifest.get("options", {}).get("verify", True) is not False or root in _WARNED:
+        return
+    _WARNED.add(root)
+    log.warning(
+        "DataLoader: %s was built with --no-verify; decoder=%r decodes its JPEGs on the GPU, "
+        "where a corrupt one becomes an image of garbage pixels without an error (the CPU "
+        "decoder replaces it): run `ingest verify %s` to find any, or rebuild it without "
+        "--no-verify (logged once)", store.root, decoder, store.root,
+    )  # fmt: skip
+
 
 _TARGET_IDLE = 0.05  # share of the prefetch thread's time spent waiting for the workers
 _GAIN = 0.5  # share change per batch for each unit of idle-time error
@@ -230,6 +253,7 @@ class GpuStage:
         self.spec, self.size = spec, spec.size
         self.format = torch.channels_last if channels_last else torch.contiguous_format
         self.decoder = get_decoder(decoder, device=device, batch_size=producer.batch_size)
+        warn_unverified(producer.store, decoder)
         # A decoder that decodes only the crop windows (DALI) gets them with the bytes.
         self.windows = bool(getattr(self.decoder, "crop_windows", False))
         self.augment = GpuAugment(spec.size, spec.mean, spec.std, spec.antialias, stats=stats)
