@@ -50,7 +50,7 @@ def test_an_unverified_store_on_the_gpu_path_is_said_once(stores, decoder, caplo
     unverified, verified = stores
 
     def epoch(store) -> int:
-        args = {"device": DEVICE, "decoder": decoder, "dtype": torch.uint8}
+        args = {"device": DEVICE, "decoder": decoder, "dtype": torch.uint8, "transform": "eval"}
         dl = loader.DataLoader(store, batch_size=4, num_workers=0, image_size=32, **args)
         return sum(len(labels) for _, labels in dl)
 
@@ -72,6 +72,6 @@ def test_the_cpu_path_says_nothing_of_it(stores, caplog):
         dl = loader.DataLoader(
             unverified, batch_size=4, num_workers=0, transform="eval", image_size=32
         )
-        assert sum(len(labels) for _, labels in dl) == 2 * PER_CLASS  # 2 of them replaced
+        assert sum(len(labels) for _, labels in dl) == 2 * PER_CLASS  # the 2 replaced
     assert not [r for r in caplog.records if "--no-verify" in r.getMessage()]
-    assert dl.num_replaced == 2
+    assert len(dl.bad_samples) == 2
