@@ -777,3 +777,16 @@ def test_the_soak_tells_pages_mapped_from_a_file_from_a_leak(tmp_path):
     assert checksum >= 0
     assert during["pss_mapped_mib"] - before["pss_mapped_mib"] >= 60  # of 64 MiB
     assert during["pss_anon_mib"] - before["pss_anon_mib"] < 8
+
+
+def test_the_bench_removes_only_its_own_empty_logs(tmp_path: Path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for name in ("torch-pil.log", "loader.log", "mine.log"):
+        (logs / name).write_text("")
+    (logs / "loader.log").write_text("a pipeline's output")
+    runner.drop_empty_logs(logs, ["torch-pil", "loader", "synthetic"])
+    assert sorted(p.name for p in logs.iterdir()) == ["loader.log", "mine.log"]
+    (logs / "loader.log").unlink()
+    runner.drop_empty_logs(logs, ["torch-pil"])
+    assert [p.name for p in logs.iterdir()] == ["mine.log"]  # the user's, and the folder, kept

@@ -75,7 +75,7 @@ def run(args, data: Data, device: str, say) -> dict:
                 say("  no synthetic ceiling: the training shares cannot be computed")
     finally:
         runner.stop_all(servers)
-        runner.drop_empty_logs(log_dir)
+        runner.drop_empty_logs(log_dir, names + extra)
     results = _results(known, skipped, failed, passes, trained)
     for name, reason in train_failed.items():
         if name in results:

@@ -201,10 +201,12 @@ def stop_all(servers: dict) -> None:
         server.stop()
 
 
-def drop_empty_logs(log_dir: Path) -> None:
-    """Remove the logs of pipelines that printed nothing (and the folder, when empty)."""
-    for log in log_dir.glob("*.log"):
-        if log.stat().st_size == 0:
+def drop_empty_logs(log_dir: Path, names: list[str]) -> None:
+    """Remove the logs of the pipelines ``names`` that printed nothing (and the folder,
+    when empty); never another file of the folder (it may be the user's own)."""
+    for name in names:
+        log = log_dir / f"{name}.log"
+        if log.is_file() and log.stat().st_size == 0:
             log.unlink()
     with contextlib.suppress(OSError):  # not empty: keep it
         log_dir.rmdir()
