@@ -28,7 +28,7 @@ from ingest.outdir import Claim
 from ingest.resume import OutputError, fingerprint, identity, load_state
 from ingest.safeio import FileRefused, read_regular, sha256_file
 from ingest.scan import Scan, SourceError, scan
-from ingest.writer import MiB, ShardWriter
+from ingest.writer import MiB, ShardWriter, check_shard_size
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ def start(
     """Scan SRC and take OUT (``claim``): a fresh build, or the sealed progress of an
     interrupted one of the same inputs, options and ``mode`` ("local" or "ray").
     ``facts(scan)`` gives the fingerprint's facts of the files (``resume.fingerprint``)."""
+    check_shard_size(options.shard_size)  # one this process cannot map, before anything
     claim.check()  # before the scan, which may take minutes: nothing is written yet
     tree = scan(Path(src))
     for rel, reason in tree.skipped:

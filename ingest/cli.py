@@ -27,9 +27,31 @@ def parse_size(text: str) -> int:
     unit = m and m.group(2).lower()
     if not m or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 512MiB, 1GiB, 200KB")
-    size = int(float(m.group(1)) * _UNITS[unit])
+    try:
+        size = int(float(m.group(1)) * _UNITS[unit])
+    except OverflowError:  # more digits than a float holds
+        raise argparse.ArgumentTypeError(f"{text!r} is larger than any size") from None
     if size < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least 1 byte")
+    return size
+
+
+def _shard_size(text: str) -> int:
+    """--shard-size: a size whose shard this process can map (``writer.check_shard_size``);
+    one it cannot is said in one line, without the usage, and the command exits 2."""
+    from ingest.writer import ShardSizeError, check_shard_size
+
+    try:
+        size = parse_size(text)
+    except argparse.ArgumentTypeError:
+        if not re.fullmatch(r"\s*\d{300,}.*", text):
+            raise
+        size = sys.maxsize + 1  # more digits than a float holds: more than any machine maps
+    try:
+        check_shard_size(size, f"--shard-size {text.strip()}")
+    except ShardSizeError as e:
+        print(f"ingest build: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     return size
 
 
@@ -81,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("src", help="image folder: SRC/CLASS/.../IMAGE")
     b.add_argument("out", help="store directory to create (e.g. train.lmdb)")
     b.add_argument("--workers", type=_positive, default=None, help="processes (default: all cores)")
-    b.add_argument("--shard-size", type=parse_size, default="512MiB", metavar="SIZE",
+    b.add_argument("--shard-size", type=_shard_size, default="512MiB", metavar="SIZE",
                    help="shards roll over at this many bytes (default: %(default)s)")  # fmt: skip
     b.add_argument("--compression", type=_compression, default="none",
                    help="none | zstd[:LEVEL] (default: none)")  # fmt: skip
