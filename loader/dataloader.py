@@ -59,7 +59,9 @@ class DataLoader:
     size, shuffle, seed, drop_last and ``set_epoch`` are followed, its batches are
     reproduced), ``RandomSampler`` or ``SequentialSampler``; ``batch_sampler``/``collate_fn``
     do not apply, ``in_order`` is always honoured and ``pin_memory_device`` is superseded by
-    ``device``.
+    ``device``. Use it from one thread at a time, as torch's: while one thread's iteration
+    lasts, ``iter()``, ``set_epoch()`` and ``load_state_dict()`` from another raise
+    RuntimeError; ``next()`` on one iterator from several threads gives each batch to one.
 
     Args:
         dataset: a store directory (made by ``ingest build``), an ``LMDBDataset`` without a
@@ -238,6 +240,9 @@ class DataLoader:
         self._closes = threading.Condition()
         self._closing = 0
         self._finalizer = weakref.finalize(self, self._workers.stop, False)
+        # What starts or moves an iteration runs one call at a time, and only in the thread
+        # whose iteration is under way, if any (``_check_thread``).
+        self._control = threading.RLock()
         self._active: weakref.ref | None = None
         # A finished iterator that went on into the next epoch's first batches
         # (``loader.epoch``), for the next iteration to take on.
@@ -262,6 +267,11 @@ class DataLoader:
     def __iter__(self) -> EpochIterator:
         """The batches of the current epoch: the rest of it after ``load_state_dict``,
         otherwise all of it (a loop that stopped early starts that epoch again)."""
+        with self._control:
+            self._check_thread("iter()")
+            return self._start_iteration()
+
+    def _start_iteration(self) -> EpochIterator:
         self._end_active("a new iteration")
         self._wait_for_closes()
         self._follow_sampler_epoch()
@@ -308,12 +318,14 @@ class DataLoader:
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order next, from its start (as ``DistributedSampler``);
         after ``load_state_dict`` of a state of that same epoch, resume it instead."""
-        self._end_active("set_epoch()")
-        if self._follows:
-            self.sampler.set_epoch(epoch)
-        if not (self._resume and epoch == self._plan.epoch):
-            self._plan.set_epoch(epoch)
-            self._resume = False
+        with self._control:
+            self._check_thread("set_epoch()")
+            self._end_active("set_epoch()")
+            if self._follows:
+                self.sampler.set_epoch(epoch)
+            if not (self._resume and epoch == self._plan.epoch):
+                self._plan.set_epoch(epoch)
+                self._resume = False
 
     def state_dict(self) -> dict:
         """Progress (JSON-able): the epoch and the batches delivered so far (at an
@@ -328,6 +340,11 @@ class DataLoader:
         next iteration yields the rest of that epoch, later ones continue from there. A
         state that does not fit raises ``ValueError`` and changes nothing: one saved
         reading another store (its build identity, where both record one) included."""
+        with self._control:
+            self._check_thread("load_state_dict()")
+            self._load_state(state)
+
+    def _load_state(self, state: dict) -> None:
         check_state(state)  # before a drawn seed yields to its seed
         saved, build = state.get("store"), self.store.manifest.get("build")
         if saved and build and saved != build:  # the same size would have let it through
@@ -428,6 +445,8 @@ class DataLoader:
     def close(self) -> None:
         """Stop the workers now and let go of the GPU stage's pipelines and buffers (a later
         iteration starts and builds them again)."""
+        if self._foreign_iteration() is not None:  # its thread may be waiting on them:
+            self._workers.stop(graceful=False)  # it is told so, and nothing is drained
         self._end_active("close()", stopping=True)
         self._drop_carry()
         self._workers.stop()
@@ -496,7 +515,7 @@ class DataLoader:
         # After an error (a dead or failed worker, a timeout, Ctrl-C) batches in flight may
         # never come: stop the workers at once rather than wait for them.
         keep = self.persistent_workers and not failed and (drained or it.drain(30.0))
-        if not keep:
+        if not keep and self._workers.pool is it._pool:  # not those of a later iteration
             self._workers.stop(graceful=finished)
 
     @contextlib.contextmanager
@@ -551,11 +570,36 @@ class DataLoader:
         it = self._active() if self._active is not None else None
         self._read = None
         if it is not None:
-            if self._plan.remaining() or stopping:
+            if stopping:
                 it.close(reason)
-            else:  # every batch taken, StopIteration never asked for (zip, islice)
-                it.end_read()  # (held since its last batch: see ``_read``)
+            else:
+                with it.taking:  # not under a next() of another thread
+                    if self._plan.remaining():
+                        it.close(reason)
+                    else:  # every batch taken, StopIteration never asked for (zip, islice)
+                        it.end_read()  # (held since its last batch: see ``_read``)
         self._active = None
+
+    def _foreign_iteration(self) -> threading.Thread | None:
+        """The thread whose iteration is under way, if another than this one and alive (a
+        thread that has ended gives its iteration up)."""
+        it = self._active() if self._active is not None else None
+        owner = it.consumer if it is not None else None
+        if owner is None or owner is threading.current_thread() or not owner.is_alive():
+            return None
+        return owner
+
+    def _check_thread(self, call: str) -> None:
+        """Refuse ``call`` during another thread's iteration: it would end that iteration
+        under it (its batches lost or repeated, its workers stopped while it waits)."""
+        owner = self._foreign_iteration()
+        if owner is not None:
+            raise RuntimeError(
+                f"{call} in thread {threading.current_thread().name!r}: this DataLoader is "
+                f"being iterated in thread {owner.name!r}; use it from one thread at a time "
+                "(as torch's DataLoader): end that iteration first (read it to its end, or "
+                "close()), or make one DataLoader per thread"
+            )
 
     def __repr__(self) -> str:
         return (

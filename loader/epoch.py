@@ -156,6 +156,9 @@ class EpochIterator:
         self._tasks = EpochTasks(loader._plan, loader.seed, ahead=int(self._carries))
         self._epoch, self._seed = loader._plan.epoch, loader.seed  # the loop's epoch
         self._parked = False  # read to its end, and on into the next epoch
+        # next() one thread at a time: each batch to one of them, none lost or repeated.
+        self.taking = threading.RLock()
+        self.consumer = threading.current_thread()  # the last to take a batch, or its maker
 
     @property
     def _loader(self):
@@ -180,6 +183,7 @@ class EpochIterator:
         self._length = plan.remaining()
         self._epoch += 1
         self._held = self._loader_ref()  # the loop holds it again
+        self.consumer = threading.current_thread()
         self._closed = self._parked = False  # in this order: see ``_dispatching``
         self.ended_by = None
         self._tasks.allow()
@@ -220,10 +224,12 @@ class EpochIterator:
         return self._length
 
     def __next__(self):
-        try:
-            return self._next()
-        except LoaderGone:  # read whole, its loader let go of since: the epoch is over
-            self._end_orphaned()
+        with self.taking:
+            self.consumer = threading.current_thread()
+            try:
+                return self._next()
+            except LoaderGone:  # read whole, its loader let go of since: the epoch is over
+                self._end_orphaned()
         raise StopIteration
 
     def _next(self):

@@ -178,6 +178,7 @@ class WorkerPool:
         self._conns = []
         self.outstanding = [0] * num_workers
         self._done: list[tuple[int, int, object]] = []  # results read, not yet handed out
+        self._stopping = False  # close() began: what fails from now on is its doing
         try:
             with inherited_objects_frozen():  # a forked worker must not free CUDA objects
                 self._start(producer, ring, num_workers, context, worker_init_fn, nice)
@@ -215,21 +216,22 @@ class WorkerPool:
         workers, whose queues grow while others idle (tasks of uneven length, the GPU
         path's CPU share above all). With an idle worker there is nothing to read for.
         """
-        self._check_open()
-        if min(self.outstanding) > 0:
-            self._collect(0)
-        wid = int(np.argmin(self.outstanding))
-        try:
-            self._conns[wid].send(task)
-        except OSError:  # BrokenPipeError: the worker is gone
-            self._raise_dead(wid)
-        self.outstanding[wid] += 1
+        with self._unless_stopped():
+            if min(self.outstanding) > 0:
+                self._collect(0)
+            wid = int(np.argmin(self.outstanding))
+            try:
+                self._conns[wid].send(task)
+            except OSError:  # BrokenPipeError: the worker is gone
+                self._raise_dead(wid)
+            self.outstanding[wid] += 1
 
     def check_alive(self) -> None:
         """Raise if any worker has exited."""
-        for wid, proc in enumerate(self._procs):
-            if proc.exitcode is not None:
-                self._raise_dead(wid)
+        with self._unless_stopped():
+            for wid, proc in enumerate(self._procs):
+                if proc.exitcode is not None:
+                    self._raise_dead(wid)
 
     def receive(self, timeout: float) -> list[tuple[int, int, object]]:
         """Wait up to ``timeout`` s for finished tasks; return their (step, slot, report).
@@ -237,9 +239,9 @@ class WorkerPool:
         Raises:
             RuntimeError: a worker died, or a task failed in a worker (with its traceback).
         """
-        self._check_open()
-        self._collect(0 if self._done else timeout)
-        done, self._done = self._done, []
+        with self._unless_stopped():
+            self._collect(0 if self._done else timeout)
+            done, self._done = self._done, []
         return done
 
     def _collect(self, timeout: float) -> None:
@@ -253,13 +255,20 @@ class WorkerPool:
             if obj in sentinels:
                 self._raise_dead(sentinels[obj])
 
-    def _check_open(self) -> None:
+    @contextlib.contextmanager
+    def _unless_stopped(self):
+        """Around a use of the workers: where ``close`` stops them meanwhile (on another
+        thread), what that does to the use (a worker killed by SIGTERM, a pipe closed) is
+        said as the stop it is."""
         # Waiting on no pipes would return nothing forever: a hang, not an error.
         if not self._procs:
-            raise RuntimeError(
-                "the DataLoader's workers were stopped (close(), or the interpreter is "
-                "exiting); start a new iteration"
-            )
+            raise _stopped()
+        try:
+            yield
+        except Exception:
+            if self._stopping:
+                raise _stopped() from None
+            raise
 
     def _message(self, wid: int) -> tuple[int, int, object]:
         try:
@@ -286,6 +295,7 @@ class WorkerPool:
 
     def close(self, graceful: bool = True) -> None:
         """Stop the workers: ask them to exit when ``graceful``, else terminate them."""
+        self._stopping = True
         for conn in self._conns:
             try:
                 if graceful:
@@ -307,3 +317,10 @@ class WorkerPool:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._done, self._sentinels = [], [], [], {}
+
+
+def _stopped() -> RuntimeError:
+    return RuntimeError(
+        "the DataLoader's workers were stopped (close(), or the interpreter is exiting); "
+        "start a new iteration"
+    )
