@@ -53,7 +53,7 @@ def base_dir(cache_root: str | os.PathLike = DEFAULT_ROOT, create: bool = True) 
     root = Path(cache_root)
     if not root.is_dir():
         raise CacheError(f"cache_root={str(root)!r} is not a directory; pass an existing one")
-    path = root / f"imfeed-cache-{os.getuid()}"
+    path = base_path(root)
     if create:
         with contextlib.suppress(FileExistsError):
             path.mkdir(mode=0o700)
@@ -65,6 +65,11 @@ def base_dir(cache_root: str | os.PathLike = DEFAULT_ROOT, create: bool = True) 
                 "pass another cache_root"
             )
     return path
+
+
+def base_path(cache_root: str | os.PathLike = DEFAULT_ROOT) -> Path:
+    """Where ``base_dir`` is, unchecked."""
+    return Path(cache_root) / f"imfeed-cache-{os.getuid()}"
 
 
 def store_id(manifest_bytes: bytes) -> str:
@@ -158,6 +163,8 @@ def join(cache: Path, info: dict, keep: bool) -> str:
 def leave(cache: Path, name: str) -> bool:
     """Unregister user ``name``; the last one out removes the cache unless a user of this
     run asked to keep it. Returns whether the cache was removed."""
+    if not cache.parent.is_dir():  # this user's caches all removed (by hand): nothing to leave
+        return True
     with locked(cache.with_name(cache.name + ".lock")):
         (cache / USERS / name).unlink(missing_ok=True)
         if cache.is_dir() and (prune(cache) or (cache / KEEP).exists()):

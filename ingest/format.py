@@ -88,6 +88,27 @@ class StoreError(ValueError):
     """A path that is not a complete, readable store of this format."""
 
 
+class AccessDenied(StoreError):
+    """A file or folder of a store that this user may not read: its permissions are wrong,
+    not the store (no rebuild helps)."""
+
+
+def access_denied(path: str | os.PathLike) -> AccessDenied:
+    """The error for ``path``, which this user may not read, or for the first folder above
+    it that it may not enter."""
+    user = f"this user (uid {os.geteuid()})"
+    for folder in reversed(Path(os.path.abspath(path)).parents):
+        if not _may(folder, os.X_OK):
+            return AccessDenied(f"{folder}: permission denied: {user} may not enter this "
+                                "folder; give it access (chmod/chown)")  # fmt: skip
+    return AccessDenied(f"{path}: permission denied: {user} may not read it; give it read "
+                        "access (chmod/chown)")  # fmt: skip
+
+
+def _may(path: str | os.PathLike, mode: int) -> bool:
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
+
+
 class PixelLimitError(StoreError):
     """A store holding an image over the reader's pixel limit (``pixel_limit``)."""
 
@@ -225,6 +246,12 @@ def read_manifest(root: str | os.PathLike) -> dict:
             version, or its manifest is not valid JSON of the expected shape.
     """
     root = Path(root)
+    try:
+        os.stat(root)
+    except PermissionError:  # a folder above it this user may not enter
+        raise access_denied(root) from None
+    except OSError:
+        pass
     if os.path.exists(root) and not root.is_dir():
         raise StoreError(
             f"{root}: not a directory, where a store is the directory `ingest build SRC OUT` writes"
@@ -234,6 +261,8 @@ def read_manifest(root: str | os.PathLike) -> dict:
             f"{root}: no such store directory; build one with `ingest build SRC {root}`"
         )
     path = root / MANIFEST
+    if not _may(root, os.X_OK) or (os.path.lexists(path) and not _may(path, os.R_OK)):
+        raise access_denied(path)
     if not os.path.lexists(path):
         from ingest.scan import looks_like_image_folder
 
@@ -242,7 +271,7 @@ def read_manifest(root: str | os.PathLike) -> dict:
         elif _failed_build(root):
             hint = (f" (its last build found no valid image: the reasons are in "
                     f"{root / REJECTS}; mend the source and build again)")  # fmt: skip
-        elif (root / STAGING_DIR / MANIFEST).exists():
+        elif os.path.exists(root / STAGING_DIR / MANIFEST):
             hint = (" (an --overwrite build was cut short as its new store replaced the old "
                     "one: run the same `ingest build --overwrite` again to finish it)")  # fmt: skip
         elif (root / BUILD_STATE).exists():
@@ -356,6 +385,8 @@ def store_file(root: str | os.PathLike, manifest: dict, what: str | int) -> Path
         raise StoreError(f"{path}: leads outside the store (to {real}); rebuild the store")
     try:
         st = os.stat(real)
+    except PermissionError:  # a folder on the way this user may not enter
+        raise access_denied(path) from None
     except OSError as e:
         raise StoreError(
             f"{path}: {e.strerror or e}; the store is incomplete: rebuild it"
@@ -367,6 +398,8 @@ def store_file(root: str | os.PathLike, manifest: dict, what: str | int) -> Path
             f"{path}: {st.st_size} bytes where the manifest records {size} (truncated or "
             "replaced); the store is damaged: rebuild it"
         )
+    if not _may(real, os.R_OK):
+        raise access_denied(path)
     return path
 
 

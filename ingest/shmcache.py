@@ -94,14 +94,30 @@ class ShmCache:
         self.store_root = Path(store_root)
         raw = (self.store_root / fmt.MANIFEST).read_bytes()
         self.shards: list[dict] = json.loads(raw)["shards"]
-        self.dir = cd.base_dir(cache_root) / cd.store_id(raw)
+        self.dir = cd.base_path(cache_root) / cd.store_id(raw)
         self.keep = keep
         self._counters = Counters(self.dir / cd.LOCKS / "stats.lock")
         info = {"store": os.path.realpath(self.store_root), "shards": len(self.shards)}
-        self.session = _join(self.dir, info, keep)
-        self.limit = self._budget(limit)
+        try:  # a cache_root this user cannot write (read-only, no permission, full): no cache
+            cd.base_dir(cache_root)  # (its CacheError, an argument to mend, is raised)
+            self._held = _join(self.dir, info, keep)
+            self.limit = self._budget(limit)
+        except OSError as e:
+            self._held, self.limit = None, 0
+            log.warning(
+                "shm cache: cache_root=%r cannot hold a cache for this user (uid %d): %s; the "
+                "store is read without one (give the user write access to it, or pass another "
+                "cache_root)", os.fspath(cache_root), os.geteuid(), _why(e),
+            )  # fmt: skip
+            return
         self._leave = weakref.finalize(self, _leave, str(self.dir), os.getpid())
         self._leave.atexit = False  # at exit _join's handler leaves, after the workers stop
+
+    @property
+    def session(self) -> str | None:
+        """This run's token (see ``ingest.cachedir.join``), that of the cache as this process
+        joined it last; None when the cache could not be made."""
+        return None if self._held is None else self._held[1]
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_leave"}  # a child never leaves
@@ -110,7 +126,8 @@ class ShmCache:
         """Counts over this process and its workers: ``hits`` (shards opened from a copy
         already there), ``misses`` (shards this process tree copied), ``bytes_copied``,
         ``from_original`` (shards read from the store: over budget, or the cache failed),
-        ``replaced`` (copies found damaged at a run's start and copied again)."""
+        ``replaced`` (copies found damaged, changed since they were checked, and removed:
+        copied again when next needed)."""
         return self._counters.as_dict()
 
     def release(self) -> None:
@@ -124,16 +141,38 @@ class ShmCache:
         needed and it fits) or, failing that, its original location in the store."""
         entry = self.shards[shard]
         try:
-            path = self._cached(entry)
+            path = None if self._held is None else self._cached(entry)
         except (OSError, lmdb.Error) as e:
             if self._counters.first(_SAID_ERROR):
-                log.warning("shm cache %s: %s; reading the store instead (said once)", self.dir, e)
+                why = "was removed while in use" if not self.dir.is_dir() else f"failed: {e}"
+                log.warning("shm cache %s %s; reading the store instead (said once)", self.dir, why)
             path = None
         if path is None:
             self._counters.add("from_original")
             return str(self.store_root / entry["name"])
-        _trust_walked(path)
         return str(path)
+
+    def discard(self, shard: int, problem: str) -> None:
+        """Remove shard ``shard``'s copy, which a reader found damaged (``problem`` names the
+        copy and what failed) where the store's shard reads fine: that reader reads the store
+        from now on, later ones copy the shard again. A copy that hashes as it did when made
+        (another process replaced the damaged one already) is kept."""
+        entry = self.shards[shard]
+        final = self.dir / entry["name"]
+        self._counters.add("from_original")
+        try:
+            with cd.locked(self.dir / cd.LOCKS / f"{entry['name']}.lock"):
+                if not final.is_dir() or self._intact(final):
+                    return
+                cd.remove(final)
+        except OSError:  # the cache removed under us: nothing to remove
+            return
+        self._counters.add("replaced")
+        log.warning(
+            "shm cache: %s, where the store's shard reads fine: the copy was damaged since it "
+            "was made; it is removed (copied again when next needed) and the shard read from "
+            "the store", problem,
+        )  # fmt: skip
 
     def _cached(self, entry: dict) -> Path | None:
         final = self.dir / entry["name"]
@@ -153,9 +192,26 @@ class ShmCache:
             return self._copy(entry, final)
 
     def _verified(self, final: Path) -> bool:
+        """Whether the copy ``final`` was checked in this run and is still the bytes it was
+        (a copy changed since, in place, is checked again); if so, its pages are taken as
+        walked (``ingest.lmdbpages.trust_sound``)."""
         try:
-            return (final / VERIFIED).read_text(encoding="utf-8") == self.session
-        except OSError:
+            if (final / VERIFIED).read_text(encoding="utf-8") != self.session:
+                return False
+            walked = json.loads((final / WALKED).read_text(encoding="utf-8"))
+            if not isinstance(walked, list) or tuple(walked) != identity(final / DATA):
+                return False
+        except (OSError, ValueError):
+            return False
+        trust_sound([walked])
+        return True
+
+    def _intact(self, final: Path) -> bool:
+        """Whether the copy ``final`` holds the bytes it was made with (its SHA-256)."""
+        try:
+            made = json.loads((final / COPY_INFO).read_text(encoding="utf-8"))
+            return made["sha256"] == file_sha256(final / DATA)
+        except (OSError, ValueError, KeyError, TypeError):
             return False
 
     def _check(self, final: Path, entry: dict) -> bool:
@@ -169,7 +225,7 @@ class ShmCache:
         try:
             made = json.loads((final / COPY_INFO).read_text(encoding="utf-8"))
             before = identity(final / DATA)
-            ok = made["digest"] == entry["digest"] and made["sha256"] == file_sha256(final / DATA)
+            ok = made["digest"] == entry["digest"] and self._intact(final)
             ok = ok and pages_problem(final / DATA) is None  # (copies made before the walk)
             ok = ok and identity(final / DATA) == before  # what was hashed and walked
         except (OSError, ValueError, KeyError, TypeError):
@@ -203,9 +259,11 @@ class ShmCache:
                 return None
             made = {"sha256": sha, "bytes": size, "digest": entry["digest"]}
             (tmp / COPY_INFO).write_text(json.dumps(made), encoding="utf-8")
-            (tmp / WALKED).write_text(json.dumps(identity(tmp / DATA)), encoding="utf-8")
+            walked = identity(tmp / DATA)
+            (tmp / WALKED).write_text(json.dumps(walked), encoding="utf-8")
             (tmp / VERIFIED).write_text(self.session, encoding="utf-8")
             os.rename(tmp, final)  # complete and checked, or not there at all
+            trust_sound([walked])  # (the rename moved the directory, not the file)
         finally:
             cd.remove(tmp)  # nothing left after a rename or a failure
         self._counters.add("misses")
@@ -260,20 +318,24 @@ def _free(path: Path) -> tuple[int, int]:
 _JOINED: dict[str, list] = {}  # cache dir -> [ShmCache objects, session token, pid]
 
 
-def _join(cache: Path, info: dict, keep: bool) -> str:
+def _join(cache: Path, info: dict, keep: bool) -> list:
+    """Join ``cache`` (once per process); the process's entry of ``_JOINED``."""
     held = _JOINED.get(str(cache))
     if held is None or held[2] != os.getpid():
-        held = _JOINED[str(cache)] = [0, cd.join(cache, info, keep), os.getpid()]
+        held = [0, cd.join(cache, info, keep), os.getpid()]
         # A process started by multiprocessing (torch.multiprocessing.spawn'ed ranks) ends
         # in os._exit, which skips atexit and weakref finalizers, not these; a negative
         # priority runs it after multiprocessing stopped this process's daemon workers.
         multiprocessing.util.Finalize(
             None, _leave, (str(cache), os.getpid(), True), exitpriority=-10
         )
+    elif not (cache / cd.USERS / cd.me()).exists():  # removed under us (cache clear --force)
+        held[1] = cd.join(cache, info, keep)  # a new run: every ShmCache here uses its token
     elif keep:
         (cache / cd.KEEP).touch()
     held[0] += 1
-    return held[1]
+    _JOINED[str(cache)] = held  # once joined: a failed join leaves nothing to leave
+    return held
 
 
 def _leave(cache: str, pid: int, exiting: bool = False) -> None:
@@ -289,13 +351,6 @@ def _leave(cache: str, pid: int, exiting: bool = False) -> None:
             log.warning("shm cache %s: could not unregister: %s", cache, e)
 
 
-def _trust_walked(path: Path) -> None:
-    """Take a copy's pages as sound where they are the bytes its copier (or the check of a
-    copy from an earlier run) walked: the identity recorded then is its identity now. A
-    copy changed since (in place, or replaced) is walked again by the process that maps it."""
-    try:
-        walked = json.loads((path / WALKED).read_text(encoding="utf-8"))
-        if isinstance(walked, list) and tuple(walked) == identity(path / DATA):
-            trust_sound([walked])
-    except (OSError, ValueError):  # no record, or gone: the reader walks it
-        pass
+def _why(e: OSError) -> str:
+    """What the system refused, and where, in words."""
+    return f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)

@@ -49,13 +49,15 @@ def verify_store(
     (``ingest.format.pixel_limit``, ``max_pixels`` as the reader's).
 
     Raises:
-        ingest.format.StoreError: ``root`` is not a complete store (no valid manifest).
+        ingest.format.StoreError: ``root`` is not a complete store (no valid manifest),
+            or this user may not read one of its files (``ingest.format.AccessDenied``).
         ingest.format.PixelLimitError: the store holds an image over ``max_pixels``, as a
             reader refuses it (not a damaged store: the message says what to pass).
         ValueError: ``max_pixels`` is not a positive integer.
     """
     root = Path(root)
     manifest = fmt.read_manifest(root)
+    _require_readable(root, manifest)
     problems = [p for what in ("paths", "rejects") if (p := _file_problem(root, manifest, what))]
     try:  # the index file, its rows against the manifest, its SHA-256
         index = fmt.load_index(root, mmap=False, manifest=manifest)
@@ -72,6 +74,18 @@ def verify_store(
                 _check_shard_apart(root, manifest, shard, (index, decode, limit), bar.update)
             )
     return problems
+
+
+def _require_readable(root: Path, manifest: dict) -> None:
+    """Raise AccessDenied for the first file of the store this user may not read: its
+    permissions are wrong, not its content, which cannot be checked."""
+    for what in ("index", "paths", "rejects", *range(len(manifest["shards"]))):
+        try:
+            fmt.store_file(root, manifest, what)
+        except fmt.AccessDenied:
+            raise
+        except fmt.StoreError:  # a problem of the file itself: reported with the others
+            pass
 
 
 _TICKS = 256  # records checked between two progress messages from a shard's process

@@ -7,9 +7,10 @@ import hashlib
 import os
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
+from typing import NamedTuple, TypeVar
 
 import lmdb
 import msgpack
@@ -20,6 +21,16 @@ from ingest import lmdbpages
 from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
 from ingest.probe import header_problem
 from ingest.safeio import FileRefused, read_regular
+
+T = TypeVar("T")
+
+
+class _Opened(NamedTuple):
+    """A shard's environment in one process, and the cache's copy it maps, if any."""
+
+    env: lmdb.Environment
+    copy: Path | None = None  # the copy's data.mdb; None: the store's own shard
+    ident: tuple | None = None  # the copy's identity (``lmdbpages.identity``) when opened
 
 
 class Store:
@@ -34,7 +45,10 @@ class Store:
     process maps (the shard's, or a cache's copy), before it maps it, with the shard's
     build identity (its pages walked again unless those very bytes were walked by this
     process, the one that forked it, or the cache's copier); and each record (CRC-32,
-    fields, pixel count) as it is read; see ``record``.
+    fields, pixel count) as it is read; see ``record``. A cache's copy is the cache's
+    problem, never the store's: one changed since it was opened is asked of the cache again
+    (which checks it again) before LMDB reads it, and one whose record fails where the
+    store's shard reads fine is discarded (``ShmCache.discard``), in each process.
 
     Args:
         root: the store directory.
@@ -61,7 +75,7 @@ class Store:
         self.classes: list[str] = list(self.manifest["classes"])
         self._first = np.array([s["first"] for s in self.manifest["shards"]], dtype=np.int64)
         self._keys = [_env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
-        self._envs: dict[int, lmdb.Environment] = {}  # keeps the shared environments open
+        self._envs: dict[int, _Opened] = {}  # keeps the shared environments open
         if problem := lmdbpages.engine_problem():  # at open, not at the first batch
             raise fmt.StoreError(problem)
         # Every shard file's size and LMDB pages now: a damaged store is refused at open,
@@ -110,18 +124,21 @@ class Store:
     def shard_of(self, i: int) -> int:
         return int(np.searchsorted(self._first, i, side="right") - 1)
 
-    def _env(self, shard: int) -> lmdb.Environment:
-        env = self._envs.get(shard)
-        if env is None:
-            env = self._envs[shard] = self._open_checked(shard)
-        return env
+    def _env(self, shard: int) -> _Opened:
+        opened = self._envs.get(shard)
+        # A copy changed since it was opened (damaged in place, replaced, removed) is asked
+        # of the cache again before LMDB reads its pages, which it trusts (a stat, in RAM).
+        if opened is None or (opened.copy is not None and _identity(opened.copy) != opened.ident):
+            opened = self._envs[shard] = self._open_checked(shard)
+        return opened
 
-    def _open_checked(self, shard: int) -> lmdb.Environment:
+    def _open_checked(self, shard: int) -> _Opened:
         """Shard ``shard``'s environment, once its file has the recorded size (mapping a
         truncated file kills the process with SIGBUS), LMDB's pages in the file it opens
         (the original or the cache's copy) lead nowhere outside it (``ingest.lmdbpages``:
         LMDB trusts them), and it was written by the build that wrote this manifest (a
-        store rebuilt while open must not mix two builds).
+        store rebuilt while open must not mix two builds). A copy that fails is discarded
+        and the original opened.
 
         Raises:
             ingest.format.StoreError: naming the shard and what differs.
@@ -129,19 +146,62 @@ class Store:
         where = self.root / fmt.shard_name(shard)
         with self._rebuilt_if_refused(where):  # whatever refuses it, a rebuild is said so
             fmt.store_file(self.root, self.manifest, shard)
-            key = self._keys[shard]
-            if self.cache is not None:  # a RAM copy, or the original when it has none
-                key = _env_key(Path(self.cache.shard_path(shard)))
-            lmdbpages.require_sound(Path(key) / "data.mdb")
-            try:
-                env = _open_env(key)
-                check_build(env, self.manifest, where)
-            except lmdb.Error as e:  # the whole shard, not one sample: no replacement helps
-                raise fmt.StoreError(
-                    f"{key}: LMDB cannot open the shard ({e}); check the store with "
-                    f"`ingest verify {self.root}`"
-                ) from None
+            copy = self._copy_of(shard)
+            if copy is not None:
+                try:
+                    ident = _identity(copy / "data.mdb")
+                    return _Opened(self._open_shard(_env_key(copy), copy), copy / "data.mdb", ident)
+                except fmt.StoreError as e:  # the store's advice does not apply to a copy
+                    self.cache.discard(shard, str(e).rsplit("; ", 1)[0])
+            return _Opened(self._open_shard(self._keys[shard], where))
+
+    def _copy_of(self, shard: int) -> Path | None:
+        """The cache's copy of shard ``shard`` (a RAM copy), or None: the store's own."""
+        if self.cache is None:
+            return None
+        path = Path(self.cache.shard_path(shard))
+        return None if _env_key(path) == self._keys[shard] else path
+
+    def _open_shard(self, key: str, where: Path) -> lmdb.Environment:
+        """The checked environment of the shard directory ``key``, the store's ``where``
+        or a copy of it (see ``_open_checked``).
+
+        Raises:
+            ingest.format.StoreError: naming the file and what is wrong with it.
+        """
+        lmdbpages.require_sound(Path(key) / "data.mdb")
+        try:
+            env = _open_env(key)
+            check_build(env, self.manifest, where)
+        except lmdb.Error as e:  # the whole shard, not one sample: no replacement helps
+            raise fmt.StoreError(
+                f"{key}: LMDB cannot open the shard ({e}); check the store with "
+                f"`ingest verify {self.root}`"
+            ) from None
         return env
+
+    def _read(self, i: int, read: Callable[[lmdb.Environment, str, str], T]) -> T:
+        """``read(env, where, advice)`` of sample ``i`` from its shard (``where`` and
+        ``advice`` begin and end its messages): from the cache's copy, and from the store's
+        shard where the copy's record fails; the store's shard reading fine, the copy is
+        discarded and this process reads that shard from the store from now on."""
+        shard = self.shard_of(i)
+        opened = self._env(shard)
+        here, advice = f"{self.root}/{fmt.shard_name(shard)}", verify_advice("", self.root)
+        if opened.copy is None:
+            return read(opened.env, here, advice)
+        try:
+            return read(opened.env, str(opened.copy.parent), "")
+        except (fmt.RecordError, KeyError) as e:
+            problem = str(e.args[0]) if isinstance(e, KeyError) else str(e)
+        except lmdb.Error as e:
+            problem = f"{opened.copy.parent}: key {i}: LMDB cannot read it ({e})"
+        with self._rebuilt_if_refused(Path(here)):
+            store = _Opened(self._open_shard(self._keys[shard], Path(here)))
+        value = read(store.env, here, advice)  # the store's own error, should it fail too
+        self._envs[shard] = store
+        self.cache.discard(shard, problem)
+        return value
 
     @contextlib.contextmanager
     def _rebuilt_if_refused(self, where: Path) -> Iterator[None]:
@@ -150,9 +210,13 @@ class Store:
         what to do differs: open it again, not rebuild it)."""
         try:
             yield
-        except fmt.StoreError:
+        except fmt.AccessDenied:  # this user's access changed, not the store
+            raise
+        except fmt.StoreError as e:
             try:
                 build = fmt.read_manifest(self.root).get("build")
+            except fmt.AccessDenied:
+                raise e from None
             except fmt.StoreError:  # its manifest gone or replaced since: a rebuild under way
                 build = None
             if build != self.manifest.get("build"):
@@ -170,17 +234,7 @@ class Store:
             ingest.format.RecordError: the value is not ``nbytes`` long.
         """
         i = self._position(i)
-        shard = self.shard_of(i)
-        with self._env(shard).begin(buffers=True) as txn:
-            view = txn.get(fmt.encode_key(i))  # the mapped pages, valid in the transaction
-            if view is None:
-                raise KeyError(f"{self.root}/{fmt.shard_name(shard)}: key {i} is missing")
-            if nbytes is not None and len(view) != nbytes:
-                raise fmt.RecordError(
-                    f"{self._where(i)}: the record is {len(view)} bytes, the index says "
-                    f"{nbytes}; check the store with `ingest verify {self.root}`"
-                )
-            return bytes(view)
+        return self._read(i, lambda env, where, advice: _value(env, where, i, nbytes, advice))
 
     def _position(self, i: int) -> int:
         """Sample ``i`` (negative: from the end) as a position in the store.
@@ -214,25 +268,7 @@ class Store:
         problem = size_problem(int(row["height"]), int(row["width"]), nbytes, self.max_pixels)
         if problem:
             raise fmt.RecordError(f"{self._where(i)}: {problem}; rebuild the store")
-        value = self.raw(i, nbytes)
-        if zlib.crc32(value) != row["crc32"]:
-            raise fmt.RecordError(
-                f"{self._where(i)}: the record's bytes differ from the index (CRC-32 "
-                f"mismatch); check the store with `ingest verify {self.root}`"
-            )
-        try:
-            rec = unpack_record(value)
-        except Exception as e:  # msgpack raises several types
-            raise fmt.RecordError(f"{self._where(i)}: does not unpack: {e}") from None
-        problem = fmt.check_record(rec)
-        if problem:
-            raise fmt.RecordError(f"{self._where(i)}: malformed record: {problem}")
-        if rec["label"] != row["label"]:
-            raise fmt.RecordError(
-                f"{self._where(i)}: label {rec['label']} differs from the index's "
-                f"({row['label']}); check the store with `ingest verify {self.root}`"
-            )
-        return i, row, rec
+        return i, row, self._read(i, lambda env, where, advice: _record(env, where, i, row, advice))
 
     def _where(self, i: int) -> str:
         return f"{self.root}/{fmt.shard_name(self.shard_of(i))}: key {i}"
@@ -270,7 +306,7 @@ class Store:
 # environment twice in one process (py-lmdb refuses). The registry holds them weakly, so an
 # environment closes with the last Store using it. A forked child must drop all of the
 # parent's handles, those of every Store it inherited, before it can open its own.
-_ENVS: weakref.WeakValueDictionary[str, lmdb.Environment] = weakref.WeakValueDictionary()
+_ENVS: weakref.WeakValueDictionary[tuple, lmdb.Environment] = weakref.WeakValueDictionary()
 _LIVE: weakref.WeakSet[Store] = weakref.WeakSet()
 
 
@@ -278,16 +314,62 @@ def _env_key(path: Path) -> str:
     return os.path.realpath(path)
 
 
+def _identity(path: Path) -> tuple | None:
+    try:
+        return lmdbpages.identity(path)
+    except OSError:  # gone
+        return None
+
+
 def _open_env(key: str) -> lmdb.Environment:
-    """The environment of the shard directory ``key`` (a real path), opened once per process."""
-    env = _ENVS.get(key)
+    """The environment of the shard directory ``key`` (a real path), opened once per process
+    and file (as LMDB requires: a copy replaced at the same path is another file)."""
+    ident = _identity(Path(key) / "data.mdb")
+    file = (key, *ident[:2]) if ident else (key,)
+    env = _ENVS.get(file)
     if env is None:
         env = lmdbpages.open_lmdb(
             key, readonly=True, lock=False, readahead=False, subdir=True,
             max_readers=1, max_spare_txns=1,
         )  # fmt: skip
-        _ENVS[key] = env
+        _ENVS[file] = env
     return env
+
+
+def _value(env: lmdb.Environment, where: str, i: int, nbytes: int | None, advice: str) -> bytes:
+    """``Store.raw``'s read of key ``i`` in ``env``, the shard ``where``."""
+    with env.begin(buffers=True) as txn:
+        view = txn.get(fmt.encode_key(i))  # the mapped pages, valid in the transaction
+        if view is None:
+            raise KeyError(f"{where}: key {i} is missing")
+        if nbytes is not None and len(view) != nbytes:
+            raise fmt.RecordError(
+                f"{where}: key {i}: the record is {len(view)} bytes, the index says {nbytes}"
+                + advice
+            )
+        return bytes(view)
+
+
+def _record(env: lmdb.Environment, where: str, i: int, row: np.void, advice: str) -> dict:
+    """``Store.record``'s read and checks of key ``i`` (index row ``row``) in ``env``."""
+    value = _value(env, where, i, int(row["nbytes"]), advice)
+    at = f"{where}: key {i}"
+    if zlib.crc32(value) != row["crc32"]:
+        raise fmt.RecordError(
+            f"{at}: the record's bytes differ from the index (CRC-32 mismatch){advice}"
+        )
+    try:
+        rec = unpack_record(value)
+    except Exception as e:  # msgpack raises several types
+        raise fmt.RecordError(f"{at}: does not unpack: {e}") from None
+    problem = fmt.check_record(rec)
+    if problem:
+        raise fmt.RecordError(f"{at}: malformed record: {problem}")
+    if rec["label"] != row["label"]:
+        raise fmt.RecordError(
+            f"{at}: label {rec['label']} differs from the index's ({row['label']}){advice}"
+        )
+    return rec
 
 
 def check_build(env: lmdb.Environment, manifest: dict, where: Path) -> None:

@@ -400,19 +400,27 @@ def test_each_file_is_walked_once(clean_store: Path, tmp_path: Path, monkeypatch
         release(dl.dataset)
 
 
-def test_a_copy_changed_after_its_walk_is_walked_again(clean_store: Path, tmp_path: Path):
+def test_a_copy_changed_after_its_walk_is_checked_again(clean_store: Path, tmp_path: Path, caplog):
     """A copy's walk is trusted by the processes of its session while the copy is the
-    bytes that were walked; damaged since, it is walked again and refused, not mapped."""
+    bytes that were walked; damaged since (here so that LMDB would read past the end of
+    the file), it is checked again before LMDB reads it, by a new reader and by one that
+    has it open, and copied again: both read every record as the store holds it."""
     from test_hostile_inputs import _damage_last_leaf_page
 
     first = LMDBDataset(clean_store, cache="shm", cache_root=tmp_path)
-    records(first.store)  # every shard copied, each copy walked
+    records(first.store)  # every shard copied, each copy walked and opened
     shard = cache_of(clean_store, tmp_path) / "shard-00001"
-    leaf = _damage_last_leaf_page(shard)
-    second = LMDBDataset(clean_store, cache="shm", cache_root=tmp_path)  # the same session
-    index = second.store.manifest["shards"][1]["first"]
-    with pytest.raises(fmt.StoreError, match=rf"shard-00001/data.mdb: damaged LMDB pages "
-                       rf"\(page {leaf} has a node outside its node area\)"):  # fmt: skip
-        second[index]
+    _damage_last_leaf_page(shard)
+    with caplog.at_level(logging.WARNING, logger="ingest.shmcache"):
+        second = LMDBDataset(clean_store, cache="shm", cache_root=tmp_path)  # the same session
+        assert records(second.store) == records(clean_store)
+        assert records(first.store) == records(clean_store)  # its mapping changed under it
+    assert [r.message for r in caplog.records] == [
+        f"shm cache: {shard} is damaged; copying the shard again"
+    ]
+    assert second.cache_stats() == {"hits": 3, "misses": 1, "bytes_copied": sizes(clean_store)[1],
+                                    "from_original": 0, "replaced": 1}  # fmt: skip
+    assert first.cache_stats() == {"hits": 1, "misses": 4, "bytes_copied": sum(sizes(clean_store)),
+                                   "from_original": 0, "replaced": 0}  # fmt: skip
     release(second)
     release(first)
