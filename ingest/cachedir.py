@@ -122,12 +122,18 @@ def locked(path: Path) -> Iterator[None]:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                    yield
-                    return
+            if _same_file(path, fd):
+                yield  # an error of the body is the caller's: never retried here
+                return
         finally:
             os.close(fd)
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -241,7 +247,7 @@ def describe(cache: Path) -> dict:
         "store": info.get("store"),
         "shards": len(shards),
         "store_shards": info.get("shards"),
-        "bytes": sum(_size(p / "data.mdb") for p in shards),
+        "bytes": sum(file_size(p / "data.mdb") for p in shards),
         "keep": (cache / KEEP).exists(),
         "stale": _stale(info.get("store"), cache.name),
         "users": {p.name: alive(p.name) for p in _list(cache / USERS)},
@@ -289,7 +295,8 @@ def clear(cache_root: str | os.PathLike = DEFAULT_ROOT, ident: str | None = None
     return removed, busy
 
 
-def _size(path: Path) -> int:
+def file_size(path: Path) -> int:
+    """The size of ``path``, 0 once gone (another process may remove it meanwhile)."""
     try:
         return path.stat().st_size
     except OSError:

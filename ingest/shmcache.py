@@ -297,7 +297,7 @@ class ShmCache:
     def _used(self) -> int:
         """Bytes held by this store's cache: complete copies and reserved copies."""
         return sum(
-            p.stat().st_size
+            cd.file_size(p)  # another worker's copy may be renamed or removed meanwhile
             for p in self.dir.glob("*shard-*/" + DATA)
             if p.parent.name.startswith(("shard-", cd.TMP_PREFIX))
         )

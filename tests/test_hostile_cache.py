@@ -221,6 +221,44 @@ def test_a_new_dataset_after_cache_clear_force(store: Path, tmp_path: Path) -> N
     assert os.listdir(cd.base_dir(tmp_path)) == []  # the last user out removed it
 
 
+def test_an_error_in_a_locked_block_reaches_its_caller(tmp_path: Path) -> None:
+    """cachedir.locked() never swallows its body's error (a FileNotFoundError was retried
+    and ended in "generator didn't stop after throw()"), and the lock is free after it."""
+    lock = tmp_path / "budget.lock"
+    with pytest.raises(FileNotFoundError, match="gone"), cd.locked(lock):
+        raise FileNotFoundError("gone")
+    with cd.locked(lock):
+        pass  # free again: a held flock would block here
+
+
+def test_a_copy_renamed_by_another_worker_while_counting_the_budget(
+    store: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Another worker's copy in the making may be renamed (complete) or removed (failed)
+    between this one listing the cache and sizing what it lists: this one still copies
+    and reads every shard (it used to fail the worker; CI saw it with two workers)."""
+    want = [Store(store).raw(i) for i in range(N)]
+    ds = LMDBDataset(store, cache="shm", cache_root=tmp_path)
+    other = cache_of(store, tmp_path) / f"{cd.TMP_PREFIX}shard-00011.other"
+    listed = Path.glob
+
+    def glob_then_rename(self, pattern):
+        found = list(listed(self, pattern))
+        if pattern.endswith(shmcache.DATA) and other.exists():
+            shutil.rmtree(other)  # the other worker's rename, after the listing
+        return iter(found)
+
+    other.mkdir()
+    (other / shmcache.DATA).write_bytes(b"x" * 1000)
+    monkeypatch.setattr(Path, "glob", glob_then_rename)
+    assert ds.store.raw(0) == want[0]
+    assert not other.exists()  # it was listed, then renamed
+    monkeypatch.undo()
+    assert [ds.store.raw(i) for i in range(N)] == want
+    assert ds.cache_stats()["misses"] == 12 and ds.cache_stats()["from_original"] == 0
+    ds.store.cache.release()
+
+
 def test_a_dataset_whose_cache_was_cleared_reads_the_store(store: Path, tmp_path, caplog):
     """A dataset whose cache was cleared under it (and not made again) reads the store,
     the shards it had open as well as the others, and says so once."""
