@@ -305,6 +305,11 @@ def run_ingest(*args: str | os.PathLike, timeout: float = 120) -> subprocess.Com
     return run_python("-m", "ingest", *args, timeout=timeout)
 
 
+def _path() -> str:
+    """PYTHONPATH with the repository first and what was there kept (installed extras)."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
 def run_python(
     *args: str | os.PathLike, timeout: float = 120, **env: str
 ) -> subprocess.CompletedProcess:
@@ -312,7 +317,7 @@ def run_python(
     the environment; capture its output as text."""
     return subprocess.run(
         [sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-        timeout=timeout, check=False, env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        timeout=timeout, check=False, env={**os.environ, "PYTHONPATH": _path(), **env},
     )  # fmt: skip
 
 

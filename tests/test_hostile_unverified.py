@@ -70,8 +70,9 @@ def test_the_cpu_path_says_nothing_of_it(stores, caplog):
     unverified, _ = stores
     with caplog.at_level(logging.WARNING, logger="loader"):
         dl = loader.DataLoader(
-            unverified, batch_size=4, num_workers=0, transform="eval", image_size=32
-        )
+            unverified, batch_size=4, num_workers=0, transform="eval", image_size=32,
+            device="cpu",
+        )  # fmt: skip
         assert sum(len(labels) for _, labels in dl) == 2 * PER_CLASS  # the 2 replaced
     assert not [r for r in caplog.records if "--no-verify" in r.getMessage()]
     assert len(dl.bad_samples) == 2
