@@ -28,7 +28,7 @@ from ingest.outdir import Claim
 from ingest.resume import OutputError, fingerprint, identity, load_state
 from ingest.safeio import FileRefused, read_regular, sha256_file
 from ingest.scan import Scan, SourceError, scan
-from ingest.writer import MiB, ShardWriter, check_shard_size
+from ingest.writer import MiB, ShardWriter, check_shard_size, initial_map_size
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,8 @@ def build(
         try:
             facts = functools.partial(local_build.file_facts, pool)
             tree, state = start(src, claim, options, "local", facts)
+            if state is None:  # an --overwrite cut short in its swap: that store is this one
+                return fmt.read_manifest(claim.out)
             run = Run(tree, claim.target, options, state, map_size or default_map_size(options))
             with writing(claim.out):
                 manifest = local_build.convert(run, Path(src), pool, progress)
@@ -95,21 +97,24 @@ def start(
 ) -> tuple[Scan, dict]:
     """Scan SRC and take OUT (``claim``): a fresh build, or the sealed progress of an
     interrupted one of the same inputs, options and ``mode`` ("local" or "ray").
-    ``facts(scan)`` gives the fingerprint's facts of the files (``resume.fingerprint``)."""
+    ``facts(scan)`` gives the fingerprint's facts of the files (``resume.fingerprint``).
+    The state is None where OUT already holds this very build (``Claim.finished``)."""
     check_shard_size(options.shard_size)  # one this process cannot map, before anything
     claim.check()  # before the scan, which may take minutes: nothing is written yet
     tree = scan(Path(src))
     for rel, reason in tree.skipped:
         log.warning("ingest: skipped %s: %s", fmt.shown(rel), reason)
     with writing(claim.out):  # a folder this user may not write, a read-only or full disk
-        target = claim.take()
+        claim.take()
     digest = fingerprint(tree, options.output_affecting(), facts(tree) if facts else None)
     with writing(claim.out):
-        return tree, load_state(target, digest, mode)
+        if claim.finished(identity(digest)) is not None:
+            return tree, None
+        return tree, load_state(claim.target, digest, mode)
 
 
 def default_map_size(options: BuildOptions) -> int:
-    return int(options.shard_size * 1.25) + MiB
+    return initial_map_size(int(options.shard_size))
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -238,6 +243,8 @@ class Run:
         with open(self.out / fmt.PATHS, "wb") as f:
             f.write(msgpack.packb(paths, use_bin_type=True))
         manifest = self._manifest(len(index))
+        for name in (fmt.INDEX, fmt.PATHS, fmt.REJECTS):  # on disk before the manifest says
+            fmt.fsync_path(self.out / name, data_only=True)  # they are (a power cut)
         fmt.write_json_atomic(self.out / fmt.MANIFEST, manifest)  # last: the store is complete
         (self.out / fmt.BUILD_STATE).unlink()
         shutil.rmtree(self.partial, ignore_errors=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import time
 from pathlib import Path
 
 LOCK = ".build.lock"
@@ -34,16 +35,16 @@ class BuildLock:
     def __enter__(self) -> BuildLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock(fd)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
         except BlockingIOError:
             who = _holder(fd)
             os.close(fd)
             raise Busy(who) from None
-        except BaseException:
+        except BaseException:  # a full disk while writing the pid: the lock not kept
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
         self.fd = fd
         return self
 
@@ -69,6 +70,18 @@ def holder(root: str | os.PathLike) -> str | None:
     finally:
         os.close(fd)  # also releases the shared lock, if taken
     return None
+
+
+def _lock(fd: int, tries: int = 20) -> None:
+    """The exclusive lock, or BlockingIOError once another build holds it: a reader's
+    ``holder`` takes it shared for an instant, which must not fail a build starting then."""
+    for _ in range(tries - 1):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(0.01)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def _holder(fd: int) -> str:

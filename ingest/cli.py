@@ -12,6 +12,7 @@ import signal
 import sys
 from collections import Counter
 from collections.abc import Callable
+from fractions import Fraction
 
 from ingest import format as fmt
 from ingest import lmdbpages
@@ -27,10 +28,7 @@ def parse_size(text: str) -> int:
     unit = m and m.group(2).lower()
     if not m or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 512MiB, 1GiB, 200KB")
-    try:
-        size = int(float(m.group(1)) * _UNITS[unit])
-    except OverflowError:  # more digits than a float holds
-        raise argparse.ArgumentTypeError(f"{text!r} is larger than any size") from None
+    size = int(Fraction(m.group(1)) * _UNITS[unit])  # exact, however many digits
     if size < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least 1 byte")
     return size
@@ -41,12 +39,7 @@ def _shard_size(text: str) -> int:
     one it cannot is said in one line, without the usage, and the command exits 2."""
     from ingest.writer import ShardSizeError, check_shard_size
 
-    try:
-        size = parse_size(text)
-    except argparse.ArgumentTypeError:
-        if not re.fullmatch(r"\s*\d{300,}.*", text):
-            raise
-        size = sys.maxsize + 1  # more digits than a float holds: more than any machine maps
+    size = parse_size(text)
     try:
         check_shard_size(size, f"--shard-size {text.strip()}")
     except ShardSizeError as e:

@@ -8,6 +8,7 @@ import numbers
 import os
 import re
 import shlex
+import shutil
 import stat
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,15 @@ def own_entries(directory: str | os.PathLike) -> list[str]:
     an --overwrite build's folders, or anything else a user keeps there."""
     return sorted(n for n in os.listdir(directory)
                   if n in _BUILD_FILES or _SHARD_NAME.fullmatch(n))  # fmt: skip
+
+
+def remove_entry(path: Path) -> None:
+    """Delete one entry that ``own_entries`` named: a folder with what it holds, a file, or
+    a symlink itself (never what it points to)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def encode_key(index: int) -> bytes:

@@ -30,6 +30,7 @@ class Claim:
         self.src, self.out, self.overwrite = Path(src), Path(out), overwrite
         self.lock: BuildLock | None = None
         self.target = self.out
+        self.swapped = False  # take() finished a swap an earlier --overwrite cut short
 
     def check(self) -> None:
         """Refuse an OUT that overlaps SRC, is a file, or is a folder that is not ours."""
@@ -58,7 +59,7 @@ class Claim:
             ) from None
         self.lock = lock
         self.check()  # again, now that no other build can change it
-        finish_swap(out)
+        self.swapped = finish_swap(out)
         staged = out / fmt.STAGING_DIR
         if (out / fmt.MANIFEST).exists():
             if not self.overwrite:
@@ -73,6 +74,19 @@ class Claim:
         elif staged.is_dir():  # the store it was to replace is gone: build OUT itself
             _remove(staged)
         return self.target
+
+    def finished(self, build: str) -> dict | None:
+        """The manifest of the store that take() swapped in, where it is the build
+        ``build`` (the one asked for again: nothing left to do); else None."""
+        if not self.swapped:
+            return None
+        manifest = fmt.read_manifest(self.out)
+        if manifest.get("build") != build:
+            return None
+        if self.target != self.out:
+            _remove(self.target)  # the staging folder take() made for a new build
+            self.target = self.out
+        return manifest
 
     def commit(self) -> None:
         """After the build: a staged store replaces the old one."""
@@ -104,18 +118,36 @@ def check_apart(src: Path, out: Path) -> None:
 
 
 def _ours(out: Path) -> bool:
-    """Whether ``out`` is empty (but for a build lock), a store, or a build's."""
+    """Whether ``out`` is empty (but for a build lock), a store, or a build's: a
+    manifest.json of another program's does not make a folder ours."""
     names = set(os.listdir(out)) - {LOCK}
-    ours = {fmt.MANIFEST, fmt.BUILD_STATE, fmt.STAGING_DIR, fmt.RETIRED_DIR}
-    return not names or bool(names & ours)
+    if not names or names & {fmt.BUILD_STATE, fmt.STAGING_DIR, fmt.RETIRED_DIR}:
+        return True
+    if fmt.MANIFEST not in names:
+        return False
+    shards = any(name.startswith("shard-") for name in fmt.own_entries(out))
+    return shards or _a_store_manifest(out / fmt.MANIFEST)  # a damaged one has its shards
 
 
-def finish_swap(out: Path) -> None:
-    """Finish what a swap cut short left: the new store in, or the old one's files gone."""
-    if (out / fmt.STAGING_DIR / fmt.MANIFEST).exists() and not (out / fmt.MANIFEST).exists():
+def _a_store_manifest(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            obj = json.loads(f.read(fmt.MAX_MANIFEST_BYTES))
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and obj.get("format") == fmt.FORMAT_NAME
+
+
+def finish_swap(out: Path) -> bool:
+    """Finish what a swap cut short left: the new store in (whether or not the old one's
+    manifest was set aside yet: the staged store is complete), or the old one's files gone.
+    Whether it moved a new store in."""
+    if (out / fmt.STAGING_DIR / fmt.MANIFEST).exists():
         swap_in(out)
-    elif (out / fmt.RETIRED_DIR).is_dir():
+        return True
+    if (out / fmt.RETIRED_DIR).is_dir():
         _remove(out / fmt.RETIRED_DIR)
+    return False
 
 
 def swap_in(out: Path) -> None:
@@ -153,7 +185,6 @@ def _move(src: Path, dst: Path) -> None:
 def _remove(folder: Path) -> None:
     """Delete a build's folder: its own entries, then the folder where nothing else is left."""
     for name in fmt.own_entries(folder):
-        path = folder / name
-        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        fmt.remove_entry(folder / name)
     with contextlib.suppress(OSError):  # something of the user's is in it: kept
         folder.rmdir()

@@ -107,6 +107,8 @@ def build_ray(
     started = False
     try:
         tree, state = start(src, claim, options, mode="ray")
+        if state is None:  # an --overwrite cut short in its swap: that store is this one
+            return fmt.read_manifest(out)
         run = Run(tree, claim.target, options, state, map_size or default_map_size(options))
         started = _connect(ray, address)
         with writing(out):
@@ -116,9 +118,9 @@ def build_ray(
             claim.commit()
         return manifest
     finally:
-        claim.release()
         if started:
-            ray.shutdown()
+            ray.shutdown()  # its tasks stopped before another build may own OUT
+        claim.release()
 
 
 def _check_reachable(address: str) -> None:

@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -147,8 +146,7 @@ def load_state(out: Path, digest: dict, mode: str = "local") -> dict:
     sealed = set() if state is None else {s["name"] for s in state["shards"]}
     for name in fmt.own_entries(out):  # never what a build did not write (outdir.Claim)
         if name not in sealed and (name.startswith("shard-") or state is None):
-            child = out / name  # a shard renamed into place, but the state never recorded it
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
+            fmt.remove_entry(out / name)  # a shard renamed into place but never recorded
     if state is None:
         state = fresh_state(digest, mode)
         fmt.write_json_atomic(path, state)

@@ -98,11 +98,14 @@ class ShmCache:
         self.keep = keep
         self._counters = Counters(self.dir / cd.LOCKS / "stats.lock")
         info = {"store": os.path.realpath(self.store_root), "shards": len(self.shards)}
+        self._held = None
         try:  # a cache_root this user cannot write (read-only, no permission, full): no cache
             cd.base_dir(cache_root)  # (its CacheError, an argument to mend, is raised)
             self._held = _join(self.dir, info, keep)
             self.limit = self._budget(limit)
         except OSError as e:
+            if self._held is not None:  # joined, then the budget failed: not a user of it
+                _leave(str(self.dir), os.getpid())
             self._held, self.limit = None, 0
             log.warning(
                 "shm cache: cache_root=%r cannot hold a cache for this user (uid %d): %s; the "

@@ -129,8 +129,8 @@ class ShardSizeError(OutputError):
 
 
 def initial_map_size(shard_size: int) -> int:
-    """The LMDB map a shard of ``shard_size`` bytes starts with (``build.default_map_size``):
-    its records, LMDB's pages around them and 1 MiB."""
+    """The LMDB map a shard of ``shard_size`` bytes starts with: its records, LMDB's
+    pages around them and 1 MiB."""
     return shard_size + shard_size // 4 + MiB
 
 

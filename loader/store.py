@@ -76,6 +76,7 @@ class Store:
         self._first = np.array([s["first"] for s in self.manifest["shards"]], dtype=np.int64)
         self._keys = [_env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
         self._envs: dict[int, _Opened] = {}  # keeps the shared environments open
+        self._advice = verify_advice("", self.root)  # the ends of a read's messages
         if problem := lmdbpages.engine_problem():  # at open, not at the first batch
             raise fmt.StoreError(problem)
         # Every shard file's size and LMDB pages now: a damaged store is refused at open,
@@ -187,7 +188,7 @@ class Store:
         discarded and this process reads that shard from the store from now on."""
         shard = self.shard_of(i)
         opened = self._env(shard)
-        here, advice = f"{self.root}/{fmt.shard_name(shard)}", verify_advice("", self.root)
+        here, advice = f"{self.root}/{fmt.shard_name(shard)}", self._advice
         if opened.copy is None:
             return read(opened.env, here, advice)
         try:

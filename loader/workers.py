@@ -265,7 +265,7 @@ class WorkerPool:
             raise _stopped()
         try:
             yield
-        except Exception:
+        except (_Died, OSError, EOFError, ValueError):  # not a worker's own error: it stands
             if self._stopping:
                 raise _stopped() from None
             raise
@@ -288,7 +288,7 @@ class WorkerPool:
         if read and self._conns[wid].poll(0):
             self._message(wid)  # raises the worker's own error, if it sent one
         proc.join(0.5)  # reap it, so that its exit code is known
-        raise RuntimeError(
+        raise _Died(
             f"DataLoader worker {wid} (pid {proc.pid}) died: {death_cause(proc.exitcode)}; "
             "the epoch cannot continue"
         )
@@ -317,6 +317,10 @@ class WorkerPool:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._done, self._sentinels = [], [], [], {}
+
+
+class _Died(RuntimeError):
+    """A worker exited (killed, crashed, or stopped by ``close``)."""
 
 
 def _stopped() -> RuntimeError:

@@ -3,17 +3,20 @@ symlink, failing or cut short anywhere; and two builds of one OUT at once (one o
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from fixtures import REPO, assert_same_store, run_ingest
 
+from ingest import buildlock, local_build, outdir
 from ingest import format as fmt
-from ingest import outdir
 from ingest.build import BuildOptions, build
 from ingest.buildlock import BuildLock
 from ingest.resume import OutputError
@@ -157,8 +160,56 @@ def test_an_overwrite_cut_short_as_it_swaps_is_finished_by_the_next_build(
     else:
         with pytest.raises(fmt.StoreError, match="run the same `ingest build --overwrite` again"):
             fmt.read_manifest(out)
+    if (out / fmt.STAGING_DIR / fmt.MANIFEST).exists():  # the new store was complete: not
+        monkeypatch.setattr(local_build, "convert", _never)  # built a second time
     build(tree, out, OTHER, workers=1, progress=False, overwrite=True)
     assert_same_store(out, expected)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".build.lock"]
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the build converted the images again")
+
+
+def test_a_folder_with_another_programs_manifest_is_not_a_store(tmp_path: Path, tree: Path):
+    """A manifest.json that is not a store's does not make OUT ours: --overwrite refuses
+    it and deletes nothing (it had moved the user's files aside, then deleted them)."""
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / fmt.MANIFEST).write_text('{"name": "my project"}')
+    (out / fmt.INDEX).write_bytes(b"the user's")
+    before = _files(out)
+    result = run_ingest("build", tree, out, "--overwrite")
+    assert _one_line_error(result) == (
+        f"ingest build: error: output {out} is a non-empty directory that is not a store; "
+        "choose a new or empty directory\n"
+    )
+    assert _files(out) == before and sorted(os.listdir(out)) == [fmt.INDEX, fmt.MANIFEST]
+
+
+def test_a_lock_whose_pid_cannot_be_written_is_not_kept(tmp_path: Path, monkeypatch):
+    """A full disk as the lock's holder is written: the lock is let go (this process could
+    not build OUT again until it exited: its own lock held it off)."""
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(buildlock.os, "write", full)
+    with pytest.raises(OSError, match="No space left"):
+        BuildLock(tmp_path).__enter__()
+    monkeypatch.undo()
+    with BuildLock(tmp_path):
+        pass
+
+
+def test_a_reader_asking_who_builds_never_fails_a_build(tmp_path: Path):
+    """``holder`` (info, verify, the loader) takes the lock shared for an instant; a build
+    starting in that instant waits for it instead of saying OUT is being written."""
+    fd = os.open(tmp_path / ".build.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # a reader, at that instant
+    threading.Timer(0.05, os.close, [fd]).start()
+    with BuildLock(tmp_path):
+        assert buildlock.holder(tmp_path) == f"pid {os.getpid()}"
 
 
 def test_one_build_owns_out(tmp_path: Path, tree: Path):
