@@ -38,10 +38,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 import numpy as np
 from common import REPO, machine, make_store, write_result
 
-from ingest import cachedir as cd
 from ingest.cli import parse_size
 from ingest.cores import usable_cores
 from ingest.format import MANIFEST, read_manifest
+from ingest.format import cachedir as cd
 
 MiB = 1 << 20
 _libc = ctypes.CDLL(None, use_errno=True)

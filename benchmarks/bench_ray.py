@@ -1,6 +1,6 @@
 """`ingest build --ray` (a local Ray instance over all cores) against the local build.
 
-The Ray build makes two passes (ingest/ray_build.py says why): its cost per image should
+The Ray build makes two passes (ingest/build/ray.py says why): its cost per image should
 be about that of a verified build plus that of a `--no-verify` one. This run measures the
 three side by side, on the same images, with the page cache warm and Ray started once
 (its start-up is not timed), and prints the rate the two-pass model predicts.
@@ -25,8 +25,8 @@ from bench_ingest import timed
 from common import REPO, image_files, machine, make_dataset, warm, write_result
 
 from ingest.build import BuildOptions, build
+from ingest.build.ray import build_ray, import_ray
 from ingest.cores import usable_cores
-from ingest.ray_build import build_ray, import_ray
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ def photos_dir() -> Path | None:
 
 def make_dataset(root: Path, num_classes: int, per_class: int, seed: int = 0) -> Path:
     """ImageNet-shaped JPEGs (short side 300-450 px) under root/src, made once and reused."""
-    from ingest.synth import make_image_folder
+    from loader.bench.synth import make_image_folder
 
     src = root / "src"
     stamp = src / f".made-{num_classes}x{per_class}-{seed}"
@@ -57,7 +57,7 @@ def make_imagenet_sized(root: Path, images: int, workers: int, seed: int = 0) ->
     root/src-imagenet-N, made once (on ``workers`` processes) and reused."""
     import cv2
 
-    from ingest.synth import sample_photos
+    from loader.bench.synth import sample_photos
 
     src = root / f"src-imagenet-{images}"
     stamp = src / f".made-{seed}"
@@ -80,7 +80,7 @@ _PHOTOS: list = []
 def _write_part(folder: Path, numbers: range, seed: int, c: int) -> int:
     import numpy as np
 
-    from ingest.synth import write_images
+    from loader.bench.synth import write_images
 
     rng = np.random.default_rng([seed, c, numbers.start])  # the same files for any workers
     return len(write_images(folder, numbers, _PHOTOS, rng, **IMAGENET_SIZED))

@@ -25,7 +25,7 @@ workers decoded), and, for ``dali-checked``, which rows of DALI's output were no
 What it found (``results/gpu-h200-delivery-*.json``): DALI's output was always finite; the
 NaN were in DALI's rows of batches put together through a temporary, because DALI copied
 its output on the legacy default stream instead of the loader's
-(``loader.decode_dali.copy_into`` says why). With the copy on the loader's stream, no
+(``loader.gpu.dali_decode.copy_into`` says why). With the copy on the loader's stream, no
 variant delivered NaN in 48 runs.
 
 Usage (GPU machine, wheels installed as in ../shared/GPU.md):
@@ -52,8 +52,8 @@ from gpu_path_data import dali_backend, make_small_store, use_stand_ins
 from test_gpu_dali import TRAIN
 
 import loader
-import loader.dali_stage as ds
-from loader.prefetch import GpuEpochIterator
+import loader.gpu.dali_stage as ds
+from loader.gpu.prefetch import GpuEpochIterator
 
 BATCH = 8
 VARIANTS = ("as-is", "slots-early", "copy-fed", "host-sync", "drop-last", "padded", "dali-checked")

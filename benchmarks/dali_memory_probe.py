@@ -28,7 +28,7 @@ from gpu_path_data import make_small_store
 from test_gpu_dali import TRAIN
 
 import loader
-import loader.dali_stage as ds
+import loader.gpu.dali_stage as ds
 
 T0 = time.monotonic()
 EVENTS: list[tuple[float, str]] = []

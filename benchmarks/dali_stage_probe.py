@@ -1,4 +1,4 @@
-"""Where ``decoder="dali"`` (``loader.dali_stage``) spends its time, on the GPU machine.
+"""Where ``decoder="dali"`` (``loader.gpu.dali_stage``) spends its time, on the GPU machine.
 
 For each setting (DALI's CPU threads, the hardware engines' share of the JPEGs, and
 whether DALI copies the JPEGs when fed or reads them in place):
@@ -35,10 +35,10 @@ import torch
 from gpu_decoders import planned
 
 import loader
-import loader.dali_stage as dali_stage
-from loader.augment_gpu import cut
-from loader.dali_stage import ENGINES, _Ticket
-from loader.decode_dali import copy_into
+import loader.gpu.dali_stage as dali_stage
+from loader.gpu.augment import cut
+from loader.gpu.dali_decode import copy_into
+from loader.gpu.dali_stage import ENGINES, _Ticket
 from loader.store import Store
 
 

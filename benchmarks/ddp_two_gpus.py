@@ -55,12 +55,13 @@ import torchvision
 import loader
 from loader.bench.machine import CoreClock
 from loader.bench.train import SETTLE_STEPS, settling
-from loader.pace import WayPicker
+from loader.gpu.tuning.picker import WayPicker
 
 
 def timed_steps(step, batches, steps: int, warmup: int, device, dl=None) -> dict:
     """``steps`` steps after ``warmup`` (and more while ``dl`` on any rank tries its ways,
-    ``loader.pace``: at most ``SETTLE_STEPS``), all ranks in step: their img/s, the share
+    ``loader.gpu.tuning.picker``: at most ``SETTLE_STEPS``), all ranks in step: their img/s, the
+    share
     of their time spent waiting in ``next()``, and the host's time per step and per wait
     (ms: median, 90th percentile, largest): a few long waits or many short ones. With
     ``dl`` (``batches``: its epochs back to back), also the steps whose batch was an
@@ -189,7 +190,7 @@ def main() -> None:
     ap.add_argument("store")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--steps", type=int, default=150)
-    # Untimed steps (more while the DALI stage tries its two ways: loader.pace).
+    # Untimed steps (more while the DALI stage tries its two ways: loader.gpu.tuning.picker).
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--cache", default="shm")
     ap.add_argument("--size", type=int, default=224)
@@ -252,7 +253,7 @@ def main() -> None:
     # Untimed epochs: the first starts the workers and fills the cache; more until the DALI
     # stage's first trial of its two ways is over, as in imfeed-bench: its batches the
     # slower way would weigh twice as much per image with two ranks, whose epochs are half
-    # as long (loader.pace).
+    # as long (loader.gpu.tuning.picker).
     warm_epochs = 0
     while warm_epochs == 0 or settling(dl):
         for _ in dl:
@@ -297,7 +298,7 @@ def main() -> None:
         "warm_epochs": warm_epochs,
         "alone": alone, "beside": beside,
         "cores": cores, "cpu_mhz": clocks, "stats": dl.stats(),
-        # The DALI stage's last trials, oldest first (loader.pace).
+        # The DALI stage's last trials, oldest first (loader.gpu.tuning.picker).
         "trials": [trial.report() for trial in getattr(picker, "history", ())],
     }  # fmt: skip
     everyone = [None] * world

@@ -29,7 +29,7 @@ the loop waited in ``next()`` and NVML's GPU utilisation:
   when fed), ``prealloc`` (the engines' buffers sized for the store's largest image),
   ``pad`` (64 MB of device and 32 MB of host padding passed to the engines' decoder),
   ``mean`` / ``median`` (the picker's trials decided by the plain mean or the median of
-  their gaps, where it uses ``loader.pace.steady_mean``), ``wN`` (trial windows of N),
+  their gaps, where it uses ``loader.gpu.tuning.picker.steady_mean``), ``wN`` (trial windows of N),
   ``prof`` (the prefetch thread's calls profiled, printed by their own time), ``auto``
   (``cpu_share="auto"``), ``cpu`` (with ``engines`` / ``cuda``: that way with the
   workers' share), ``shrink`` (a loop's wait shrinks an auto share however long the
@@ -65,10 +65,10 @@ import torchvision
 
 import loader
 from ingest.cstderr import filtered
-from loader.decode_dali import _LIBRARY_LINES
-from loader.pace import WayPicker
-from loader.proctree import tree_cpu_seconds
+from loader.gpu.dali_decode import _LIBRARY_LINES
+from loader.gpu.tuning.picker import WayPicker
 from loader.store import Store
+from loader.telemetry.proctree import tree_cpu_seconds
 
 CONDITIONS = ("synthetic", "synthetic+gil", "decode", "synthetic+decode", "nvimgcodec",
               "synthetic+nvimgcodec", "synthetic+nvimgcodec-hi", "fed", "fed-0.3",
@@ -93,10 +93,10 @@ def step_fn(name: str = "resnet50"):
 def dali_fed(store: str, workers: int, setting: str):
     """A DataLoader with ``decoder="dali"`` whose stage is changed as ``setting`` says (see
     the module docstring), and the undo of those changes."""
-    import loader.dali_stage as ds
     import loader.dataloader as dlm
-    import loader.gpu_stage as gs
-    import loader.prefetch as pf
+    import loader.gpu.dali_stage as ds
+    import loader.gpu.prefetch as pf
+    import loader.gpu.stage as gs
 
     words = setting.split("+")
     undo: list = []

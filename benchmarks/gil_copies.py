@@ -30,8 +30,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 import numpy as np
 import torch
 
-from loader.augment_gpu import Rows, copy_holding_gil, gather
-from loader.decode_dali import hwc_views
+from loader.gpu.augment import Rows, copy_holding_gil, gather
+from loader.gpu.dali_decode import hwc_views
 
 SIZE = 224
 

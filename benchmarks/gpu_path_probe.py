@@ -43,11 +43,13 @@ from gil_copies import busy_python_thread
 from gpu_decoders import sync
 
 import loader
-from loader import augment_gpu, gpu_stage, prefetch
 from loader.augment import Transform
-from loader.augment_gpu import GpuAugment
 from loader.bench.machine import Sampling
 from loader.decode import get_decoder
+from loader.gpu import augment as augment_gpu
+from loader.gpu import prefetch
+from loader.gpu import stage as gpu_stage
+from loader.gpu.augment import GpuAugment
 from loader.store import Store
 
 

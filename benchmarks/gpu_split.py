@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.gpu_decoders import from_threads, setup, sync
 from loader.decode import get_decoder
-from loader.decode_dali import copy_into
+from loader.gpu.dali_decode import copy_into
 
 DEPTH = 2
 

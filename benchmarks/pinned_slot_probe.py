@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 
-from loader.augment_gpu import Rows, upload
-from loader.mapped import DeviceView
+from loader.gpu.augment import Rows, upload
+from loader.gpu.mapped import DeviceView
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import device_mib, heap, pss_parts
 
 import loader
-import loader.gpu_stage
+import loader.gpu.stage
 from loader.hostmem import trim_heap
 
 _WATCHED = ("DataLoader", "GpuStage", "DaliStage", "_Pipeline", "Pipeline", "DaliDecoder",
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     rows = [{"start": measure(device)}]
-    pool = loader.gpu_stage._STREAMS
+    pool = loader.gpu.stage._STREAMS
     for streams in a.streams.split(","):
         # "new": each stage its own streams, as before the pool (nothing is given back).
         if streams == "new":

@@ -9,7 +9,7 @@ its workers, so that pages shared with the workers or the cache count once; and 
 its anonymous part, where a leak shows, and its part mapped from the store and the shm
 cache, which grows up to their size as the processes touch their pages), device
 memory (and torch's share of it), open file descriptors, threads and child processes,
-the way kept and the trials so far (``loader.pace``), and the lines that reached fd 2
+the way kept and the trials so far (``loader.gpu.tuning.picker``), and the lines that reached fd 2
 (none should: the loader turns C libraries' output into counts). Written to ``--out``
 every ``WRITE_EVERY_S`` seconds, so that a run cut short keeps what it saw.
 
@@ -40,7 +40,7 @@ import torch
 
 import loader
 from loader.bench.train import model_step
-from loader.proctree import descendants
+from loader.telemetry.proctree import descendants
 
 WRITE_EVERY_S = 10.0  # the report is written at most this often while it runs, and at the end
 WARM_EPOCHS = 2  # memory growth is counted from the end of this epoch (pools, cache filled)

@@ -8,8 +8,8 @@ import re
 import sys
 from pathlib import Path
 
-from ingest import cachedir as cd
 from ingest import format as fmt
+from ingest.format import cachedir as cd
 
 MiB = 1 << 20
 

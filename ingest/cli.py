@@ -15,7 +15,7 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from ingest import format as fmt
-from ingest import lmdbpages
+from ingest.format import pages as lmdbpages
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -37,7 +37,7 @@ def parse_size(text: str) -> int:
 def _shard_size(text: str) -> int:
     """--shard-size: a size whose shard this process can map (``writer.check_shard_size``);
     one it cannot is said in one line, without the usage, and the command exits 2."""
-    from ingest.writer import ShardSizeError, check_shard_size
+    from ingest.build.writer import ShardSizeError, check_shard_size
 
     size = parse_size(text)
     try:
@@ -63,7 +63,7 @@ def _quality(text: str) -> int:
 
 
 def _compression(text: str):
-    from ingest.codec import parse_compression
+    from ingest.format.codec import parse_compression
 
     try:
         return parse_compression(text)
@@ -172,10 +172,10 @@ def _stdout_gone() -> bool:
 @quiet_pipe
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from ingest.cachedir import CacheError
+    from ingest.build.resume import OutputError
+    from ingest.build.scan import SourceError
+    from ingest.format.cachedir import CacheError
     from ingest.parallel import WorkerDied
-    from ingest.resume import OutputError
-    from ingest.scan import SourceError
 
     try:
         if args.command in ("build", "verify") and (problem := lmdbpages.engine_problem()):
@@ -234,7 +234,7 @@ def _build(args: argparse.Namespace) -> int:
 
 def _build_ray(args: argparse.Namespace, options) -> dict | None:
     """The build on Ray (``--ray``); None after printing why it could not run."""
-    from ingest.ray_build import ClusterError, build_ray
+    from ingest.build.ray import ClusterError, build_ray
 
     if args.workers is not None:
         print("ingest build: error: --workers is for a local build; with --ray, the CPUs "

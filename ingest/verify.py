@@ -17,12 +17,12 @@ import numpy as np
 from tqdm import tqdm
 
 from ingest import format as fmt
-from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
 from ingest.cstderr import captured
-from ingest.lmdbpages import open_lmdb, pages_problem
-from ingest.normalize import Reject, check_jpeg
-from ingest.probe import PngError, header_problem, plain_png
-from ingest.safeio import FileRefused, sha256_file
+from ingest.format.codec import encoded_limit, image_bytes, size_problem, unpack_record
+from ingest.format.pages import open_lmdb, pages_problem
+from ingest.format.safeio import FileRefused, sha256_file
+from ingest.images.normalize import Reject, check_jpeg
+from ingest.images.probe import PngError, header_problem, plain_png
 
 
 def verify_store(
@@ -37,7 +37,7 @@ def verify_store(
     Checks every file through ``ingest.format.store_file`` (named as the format says,
     inside the store, a regular file of the recorded size), the SHA-256 of the index,
     paths and rejects files and the index against the manifest; then each shard's LMDB
-    pages (``ingest.lmdbpages``) and every record of every shard, checking its key, its
+    pages (``ingest.format.pages``) and every record of every shard, checking its key, its
     CRC-32 and length (recorded in the index), its fields, the size its image's header
     gives against the index's (as readers refuse it) and, with ``decode``, that its
     image decodes without a warning to the recorded size; and each shard's build
@@ -96,7 +96,7 @@ def _check_shard_apart(
 ) -> list[str]:
     """``_check_shard`` in a process of its own. LMDB trusts its pages: a shard damaged in
     place (its size unchanged) can kill the process that reads it (SIGBUS past the end of
-    the file, an assertion's abort). ``ingest.lmdbpages`` refuses such pages before LMDB
+    the file, an assertion's abort). ``ingest.format.pages`` refuses such pages before LMDB
     reads them; should a damage it does not foresee get past it, the tool that checks a
     damaged store must still not die of it. The child's death is this shard's problem;
     what it wrote to fd 2 (LMDB's assertion) is quoted, never shown."""

@@ -4,9 +4,9 @@ from loader.augment import Transform
 from loader.dataloader import DataLoader
 from loader.dataset import LMDBDataset
 from loader.decode import get_decoder
-from loader.profiler import Profile, profile
-from loader.sampler import EpochPlan
+from loader.plan.sampler import EpochPlan
 from loader.store import Store
+from loader.telemetry.profiler import Profile, profile
 
 __all__ = [
     "DataLoader",

@@ -1,8 +1,8 @@
 """DataLoader: a drop-in for torch.utils.data.DataLoader that reads stores fast.
 
 Given a store path (or an ``LMDBDataset`` without a transform) it plans each epoch itself
-(``loader.sampler``), decodes in worker processes into a shared-memory ring
-(``loader.workers``, ``loader.batch``) and delivers ``(images, labels)`` batches on the
+(``loader.plan.sampler``), decodes in worker processes into a shared-memory ring
+(``loader.workers``, ``loader.cpu.batches``) and delivers ``(images, labels)`` batches on the
 device. Given any other Dataset it *is* torch's DataLoader, built with the same arguments.
 """
 
@@ -23,17 +23,17 @@ import torch.utils.data
 from ingest import format as fmt
 from loader import options as opt
 from loader.augment import Transform, resolve_transform
-from loader.batch import PixelBatches
-from loader.dali_stage import DaliStage
+from loader.cpu.batches import PixelBatches
+from loader.cpu.output import BatchOutput, resolve_device, resolve_dtype
 from loader.decode import runs_in_workers, runs_whole_stage
-from loader.encoded import EncodedBatches
 from loader.epoch import EpochIterator
-from loader.gpu_stage import GpuStage
-from loader.output import BatchOutput, resolve_device, resolve_dtype
-from loader.prefetch import GpuEpochIterator, batches_on_gpu, ring_slots
-from loader.sampler import EpochPlan, RankSampler, check_state
-from loader.stats import LoaderStats
+from loader.gpu.dali_stage import DaliStage
+from loader.gpu.encoded import EncodedBatches
+from loader.gpu.prefetch import GpuEpochIterator, batches_on_gpu, ring_slots
+from loader.gpu.stage import GpuStage
+from loader.plan.sampler import EpochPlan, RankSampler, check_state
 from loader.store import verify_advice
+from loader.telemetry.stats import LoaderStats
 from loader.workers import Ring, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -89,14 +89,14 @@ class DataLoader:
             1.14x DALI's own best pipeline and 1.4x "nvjpeg" in the same run), its pixels
             resampled by DALI rather than by the loader's kernels; on CUDA its decode runs
             on the hardware engines or in CUDA kernels, whichever lets the training loop
-            take batches sooner (measured by trials, ``loader.pace``).
+            take batches sooner (measured by trials, ``loader.gpu.tuning.picker``).
         cpu_share: GPU path: fraction of the JPEGs the workers decode on the CPU beside the
             GPU decoder (default 0: all on the GPU, which measured fastest on an H200 with
             nothing else running, and gives bit-for-bit reproducible pixels); "auto" tries
             each way of decoding with a share and without, keeps the one with which the
-            training loop takes batches soonest (``loader.pace``), and steers the share
+            training loop takes batches soonest (``loader.gpu.tuning.picker``), and steers the share
             as it runs: it grows while the loop does not wait for batches and the workers
-            keep up, and shrinks while either waits (``loader.gpu_stage``). Beside a
+            keep up, and shrinks while either waits (``loader.gpu.stage``). Beside a
             model that keeps the GPU busy the GPU decoder slows far more than the workers
             do: on an H200, 0.3 trained ResNet-50 at 97% of its ceiling where 0 gave 92%,
             with about 5 more cores busy.
@@ -112,7 +112,7 @@ class DataLoader:
 
     Attributes:
         dataset: the ``LMDBDataset`` read.
-        sampler: the sampler given, else a ``loader.sampler.RankSampler``; ``len`` is this
+        sampler: the sampler given, else a ``loader.plan.sampler.RankSampler``; ``len`` is this
             rank's number of samples per epoch, as torch's.
         bad_samples: {sample index: "path: reason"} of records that failed to decode; each
             was replaced by another sample and logged once.
@@ -206,7 +206,7 @@ class DataLoader:
         self._plan = EpochPlan(
             len(self.store), self.batch_size, seed=self.seed, drop_last=self.drop_last, **follow
         )
-        # torch's loader.sampler: the sampler given, else this rank's share of each epoch.
+        # torch's loader.plan.sampler: the sampler given, else this rank's share of each epoch.
         self.sampler = sampler if sampler is not None else RankSampler(self._plan, self.set_epoch)
         # A DistributedSampler's epoch (its set_epoch) decides each epoch, as in torch.
         self._follows = isinstance(sampler, torch.utils.data.DistributedSampler)
@@ -395,13 +395,14 @@ class DataLoader:
         with their GPU work still running (the training stream waits for it; on CUDA);
         where the loader picks among ways of making batches (``decoder="dali"`` on CUDA:
         the engines or CUDA kernels; ``cpu_share="auto"``: each with the workers' share
-        or without, "+cpu"), ``way``: the way kept between trials (``loader.pace``),
+        or without, "+cpu"), ``way``: the way kept between trials (``loader.gpu.tuning.picker``),
         ``way_trials`` the trials so far, ``way_trialing`` whether one is under way,
         ``way_trial_causes`` what started the last trials ("first", "drift": the loop's
         pace moved, "recheck", "close": the trial before could not tell the ways apart; up
         to 8 decided, oldest first, then the one under way if any),
         ``way_paces_ms`` each way's pace in the last trial (milliseconds a batch, the
-        faster is kept: ``loader.pace``), ``way_drifts_ms`` for each of those trials that
+        faster is kept: ``loader.gpu.tuning.picker``), ``way_drifts_ms`` for each of those trials
+        that
         a drift started, the kept way's pace and the pace it had moved to; with ``decoder="dali"``,
         ``dali_cuda_batches`` the batches it decoded with CUDA kernels instead of the
         hardware engines;
@@ -416,7 +417,7 @@ class DataLoader:
         call, in ``gpu_decode_s``) and ``h2d_s``: GPU time of the CPU path's batch copies
         (CUDA events; on the GPU path its few copies run between the augmentation's events,
         in ``augment_s``); ``mapped_rows``: the workers' rows a kernel read where they lie
-        (the ring's pixel buffer registered with CUDA, ``loader.mapped``). Worker times add
+        (the ring's pixel buffer registered with CUDA, ``loader.gpu.mapped``). Worker times add
         up over workers (CPU seconds, not wall time).
         """
         out = self._stats.snapshot()

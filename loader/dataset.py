@@ -12,8 +12,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ingest.format import read_manifest
-from ingest.probe import png_critical
-from ingest.shmcache import ShmCache, parse_cache
+from ingest.images.probe import png_critical
+from loader.cache.shm import ShmCache, parse_cache
 from loader.store import Store
 
 
@@ -67,7 +67,7 @@ class LMDBDataset(Dataset):
         return len(self.store)
 
     def cache_stats(self) -> dict[str, int] | None:
-        """The shard cache's counts (``ingest.shmcache.ShmCache.stats``); None without one."""
+        """The shard cache's counts (``loader.cache.shm.ShmCache.stats``); None without one."""
         return None if self.store.cache is None else self.store.cache.stats()
 
     @property

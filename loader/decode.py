@@ -4,7 +4,7 @@ A CPU decoder turns one stored image (JPEG or PNG bytes) into the output pixels 
 sample: it decodes, applies a row of crop parameters (``loader.augment.CROP_COLUMNS``) and
 writes uint8 RGB into a slot the caller owns (``decode_into``). A GPU decoder decodes a
 whole batch of JPEGs at once into device tensors (``decode_batch``); cropping then happens
-on the GPU (``loader.augment_gpu``). Backends are imported lazily, so that the loader works
+on the GPU (``loader.gpu.augment``). Backends are imported lazily, so that the loader works
 without the optional GPU libraries.
 """
 
@@ -17,9 +17,9 @@ import numpy as np
 
 # name -> "module:Class", imported on first use.
 _BACKENDS = {
-    "cpu": "loader.decode_cpu:CpuDecoder",
-    "nvjpeg": "loader.decode_nvjpeg:NvjpegDecoder",
-    "dali": "loader.decode_dali:DaliDecoder",
+    "cpu": "loader.cpu.decode:CpuDecoder",
+    "nvjpeg": "loader.gpu.nvjpeg:NvjpegDecoder",
+    "dali": "loader.gpu.dali_decode:DaliDecoder",
 }
 
 
@@ -102,7 +102,7 @@ def runs_in_workers(name: str) -> bool:
 
 def runs_whole_stage(name: str) -> bool:
     """True for a backend that runs the whole GPU stage (decode, crop, resize, flip,
-    normalise) in a pipeline of its own (DALI: ``loader.dali_stage``)."""
+    normalise) in a pipeline of its own (DALI: ``loader.gpu.dali_stage``)."""
     return bool(getattr(_backend(name), "whole_stage", False))
 
 

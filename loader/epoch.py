@@ -27,8 +27,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from ingest import format as fmt
-from loader.batch import BatchReport
-from loader.sampler import EpochPlan, batch_seed
+from loader.cpu.batches import BatchReport
+from loader.plan.sampler import EpochPlan, batch_seed
 
 _POLL_S = 1.0  # longest wait between checks of the workers' liveness and of the timeout
 MIN_CHUNK = 16  # samples per task at least: keeps the messages per image negligible

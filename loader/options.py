@@ -15,9 +15,9 @@ from torch.utils.data import DistributedSampler, RandomSampler, SequentialSample
 from loader.augment import Transform
 from loader.dataset import LMDBDataset
 from loader.decode import decoders, delivers_to
-from loader.decode_nvjpeg import import_torchvision_io
+from loader.gpu.nvjpeg import import_torchvision_io
+from loader.plan.sampler import check_int
 from loader.recipes import NotARecipe, recognise
-from loader.sampler import check_int
 from loader.store import Store
 
 log = logging.getLogger(__name__)

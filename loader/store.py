@@ -17,10 +17,10 @@ import msgpack
 import numpy as np
 
 from ingest import format as fmt
-from ingest import lmdbpages
-from ingest.codec import encoded_limit, image_bytes, size_problem, unpack_record
-from ingest.probe import header_problem
-from ingest.safeio import FileRefused, read_regular
+from ingest.format import pages as lmdbpages
+from ingest.format.codec import encoded_limit, image_bytes, size_problem, unpack_record
+from ingest.format.safeio import FileRefused, read_regular
+from ingest.images.probe import header_problem
 
 T = TypeVar("T")
 
@@ -41,7 +41,7 @@ class Store:
     store on a read-only filesystem reads fine. The index is memory-mapped.
 
     A store is untrusted input: the manifest, the index and each shard file's size and
-    LMDB pages (``ingest.lmdbpages``) are checked when the store is opened; the file a
+    LMDB pages (``ingest.format.pages``) are checked when the store is opened; the file a
     process maps (the shard's, or a cache's copy), before it maps it, with the shard's
     build identity (its pages walked again unless those very bytes were walked by this
     process, the one that forked it, or the cache's copier); and each record (CRC-32,
@@ -52,7 +52,7 @@ class Store:
 
     Args:
         root: the store directory.
-        cache: where to open each shard from, e.g. an ``ingest.shmcache.ShmCache``: its
+        cache: where to open each shard from, e.g. an ``loader.cache.shm.ShmCache``: its
             ``shard_path(shard)`` gives the shard directory to open (a RAM copy or the
             original), asked once per shard and process.
         max_pixels: the most pixels this reader decodes for one image (default
@@ -136,7 +136,7 @@ class Store:
     def _open_checked(self, shard: int) -> _Opened:
         """Shard ``shard``'s environment, once its file has the recorded size (mapping a
         truncated file kills the process with SIGBUS), LMDB's pages in the file it opens
-        (the original or the cache's copy) lead nowhere outside it (``ingest.lmdbpages``:
+        (the original or the cache's copy) lead nowhere outside it (``ingest.format.pages``:
         LMDB trusts them), and it was written by the build that wrote this manifest (a
         store rebuilt while open must not mix two builds). A copy that fails is discarded
         and the original opened.

@@ -28,9 +28,9 @@ from PIL import Image, ImageOps
 
 from ingest import format as fmt
 from ingest.build import BuildOptions
-from ingest.lmdbpages import open_lmdb
-from ingest.probe import parse_jpeg
-from ingest.synth import make_image_folder, random_view, sample_photos
+from ingest.format.pages import open_lmdb
+from ingest.images.probe import parse_jpeg
+from loader.bench.synth import make_image_folder, random_view, sample_photos
 
 REPO = Path(__file__).resolve().parents[1]
 KiB = 1 << 10

@@ -18,8 +18,8 @@ import torch
 from PIL import Image
 
 from ingest.build import build
-from ingest.synth import make_image_folder, random_view, sample_photos
-from loader.decode_nvjpeg import import_torchvision_io
+from loader.bench.synth import make_image_folder, random_view, sample_photos
+from loader.gpu.nvjpeg import import_torchvision_io
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -138,7 +138,7 @@ def dali_backend() -> str:
 
 
 def _dali_cpu_decoder():
-    from loader.decode_dali import DaliDecoder
+    from loader.gpu.dali_decode import DaliDecoder
 
     class DaliCpuDecoder(DaliDecoder):
         """The DALI decoder with DALI's CPU operators, where there is no GPU."""

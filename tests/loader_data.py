@@ -10,7 +10,7 @@ import numpy as np
 
 from ingest import format as fmt
 from ingest.build import build
-from ingest.synth import make_image_folder, random_view, sample_photos
+from loader.bench.synth import make_image_folder, random_view, sample_photos
 from loader.store import Store
 
 CLASSES, PER_CLASS = 3, 20

@@ -22,7 +22,7 @@ import time
 import torch
 
 import loader
-from ingest import shmcache
+from loader.cache import shm as shmcache
 from loader.dataset import LMDBDataset
 
 

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from ingest.synth import make_image_folder
 from loader.bench import chart, machine, report, runner
 from loader.bench import data as bench_data
 from loader.bench.cli import main
 from loader.bench.machine import CoreClock, cores_mhz
 from loader.bench.pipelines import Settings, Spec, build, share_variant, specs, unavailable
 from loader.bench.run import choose
+from loader.bench.synth import make_image_folder
 from loader.decode import decoders
 from loader.store import Store
 

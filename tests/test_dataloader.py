@@ -25,9 +25,9 @@ from loader_data import NUM_SAMPLES, corrupt, make_store
 
 import loader
 from ingest import format as fmt
-from ingest.synth import make_image_folder
 from loader import workers as loader_workers
-from loader.batch import PixelBatches
+from loader.bench.synth import make_image_folder
+from loader.cpu.batches import PixelBatches
 from loader.store import Store
 
 B = 8  # 63 samples: 7 full batches and one of 7

@@ -17,7 +17,7 @@ import torch
 import torch.utils.data
 
 from ingest.build import build
-from ingest.synth import make_image_folder
+from loader.bench.synth import make_image_folder
 
 N_TRAIN, N_VAL, B = 24, 11, 5
 FAST = "loader.dataloader"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fixtures import CLEAN_OPTIONS, assert_same_store
 
-import ingest.ray_tasks
+import ingest.build.tasks
 from ingest import cli
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
@@ -50,7 +50,7 @@ def test_verify_shows_progress(clean_store, capsys):
 def interrupted_build(src: Path, out: Path, options: BuildOptions, monkeypatch, after: int):
     """Build until the shards written hold ``after`` images or more, then stop as Ctrl-C
     does (before the next shard is written)."""
-    real = ingest.ray_tasks.write_shard
+    real = ingest.build.tasks.write_shard
 
     def stopping(src, out, k, first, *args):
         if first >= after:
@@ -58,7 +58,7 @@ def interrupted_build(src: Path, out: Path, options: BuildOptions, monkeypatch, 
         return real(src, out, k, first, *args)
 
     with monkeypatch.context() as m:
-        m.setattr(ingest.ray_tasks, "write_shard", stopping)
+        m.setattr(ingest.build.tasks, "write_shard", stopping)
         with pytest.raises(KeyboardInterrupt):
             build(src, out, options, workers=1, progress=False)
     return json.loads((out / fmt.BUILD_STATE).read_text())
@@ -69,7 +69,7 @@ def test_a_resumed_build_says_so(tmp_path, clean_tree, clean_store, monkeypatch,
     state = interrupted_build(clean_tree, out, CLEAN_OPTIONS, monkeypatch, after=15)
     cursor, sealed = state["cursor"], len(state["shards"])
     assert 15 <= cursor < 24 and sealed > 0
-    with caplog.at_level(logging.WARNING, logger="ingest.resume"):
+    with caplog.at_level(logging.WARNING, logger="ingest.build.resume"):
         build(clean_tree, out, CLEAN_OPTIONS, workers=1, progress=False)
     assert caplog.messages == [
         f"ingest: resuming the interrupted build in {out}: {cursor} of 24 images were done, "
@@ -100,7 +100,7 @@ def test_a_discarded_build_says_what_differs(
     if not change:
         next(src.rglob("*.JPEG")).unlink()
     options = BuildOptions(**{**CLEAN_OPTIONS.__dict__, **change})
-    with caplog.at_level(logging.WARNING, logger="ingest.resume"):
+    with caplog.at_level(logging.WARNING, logger="ingest.build.resume"):
         manifest = build(src, out, options, workers=1, progress=False)
     assert caplog.messages == [f"ingest: {out} holds an interrupted build {why}; starting over"]
     assert manifest["num_samples"] == (24 if change else 23)
@@ -116,7 +116,7 @@ def test_a_build_interrupted_under_another_converter_starts_over(
     with monkeypatch.context() as m:
         m.setattr(fmt, "CONVERTER_VERSION", 1)
         interrupted_build(clean_tree, out, CLEAN_OPTIONS, monkeypatch, after=15)
-    with caplog.at_level(logging.WARNING, logger="ingest.resume"):
+    with caplog.at_level(logging.WARNING, logger="ingest.build.resume"):
         build(clean_tree, out, CLEAN_OPTIONS, workers=1, progress=False)
     assert caplog.messages == [
         f"ingest: {out} holds an interrupted build made by another version of ingest (its "
@@ -126,8 +126,8 @@ def test_a_build_interrupted_under_another_converter_starts_over(
 
 
 def test_a_build_state_of_an_older_ingest_is_named_so(clean_tree):
-    from ingest.resume import difference, fingerprint
-    from ingest.scan import scan
+    from ingest.build.resume import difference, fingerprint
+    from ingest.build.scan import scan
 
     now = fingerprint(scan(clean_tree), CLEAN_OPTIONS.output_affecting())
     assert now == json.loads(json.dumps(now))  # compares equal to itself read back

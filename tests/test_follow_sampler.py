@@ -14,7 +14,7 @@ from loader_data import NUM_SAMPLES, make_store
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
 import loader
-from loader.sampler import EpochPlan
+from loader.plan.sampler import EpochPlan
 
 B = 8
 

@@ -1,5 +1,5 @@
 """The DALI decoder (``decoder="dali"``): one DALI pipeline decodes only each sample's crop
-window, resizes, flips and normalises it (``loader.dali_stage``), so the samples, labels
+window, resizes, flips and normalises it (``loader.gpu.dali_stage``), so the samples, labels
 and windows are those of the other GPU decoder, and the pixels within a stated tolerance.
 
 On CUDA these run DALI's mixed decoder and GPU operators; without one, DALI's CPU
@@ -60,14 +60,14 @@ from test_gpu_path import (
 from test_gpu_path import make as make_loader
 
 import loader
-import loader.dali_stage
 import loader.decode as decode_registry
+import loader.gpu.dali_stage
 from ingest import format as fmt
 from loader.augment import Transform
-from loader.dali_stage import CUDA as CUDA_WAY
-from loader.dali_stage import ENGINES
-from loader.decode_dali import _LIBRARY_LINES, copy_into
-from loader.pace import WayPicker
+from loader.gpu.dali_decode import _LIBRARY_LINES, copy_into
+from loader.gpu.dali_stage import CUDA as CUDA_WAY
+from loader.gpu.dali_stage import ENGINES
+from loader.gpu.tuning.picker import WayPicker
 from loader.store import Store
 
 TRAIN, EVAL = Transform("train", SIZE), Transform("eval", SIZE)
@@ -433,7 +433,7 @@ def test_the_workers_rows_are_read_where_they_lie(store, monkeypatch):
 @needs_dali
 @pytest.mark.parametrize("queries", [3, None], ids=["done-soon", "done-when-waited"])
 def test_a_slot_is_refilled_only_once_its_batch_gpu_work_is_done(store, queries, monkeypatch):
-    from loader.dali_stage import DaliStage
+    from loader.gpu.dali_stage import DaliStage
 
     dl = make(store, batch_size=2, persistent_workers=True)  # more batches than slots
     assert_slots_kept_until_done(dl, DaliStage, monkeypatch, queries)
@@ -469,7 +469,7 @@ def test_gpu_memory_is_flat_across_epochs(store):
 
 @pytest.mark.parametrize("nested", [True, False], ids=["one-call", "per-image"])
 def test_views_of_the_copied_images_in_one_call_or_one_by_one(monkeypatch, nested):
-    from loader.decode_dali import hwc_views
+    from loader.gpu.dali_decode import hwc_views
 
     if not nested:  # a torch without the nested view: the per-image views
         monkeypatch.delattr(torch, "_nested_view_from_buffer")
@@ -524,7 +524,7 @@ def test_the_stage_trims_the_heap_when_its_pipelines_go_and_before_the_first(sto
     another on the H200: 407 MiB, free in malloc's arenas): the stage gives it back when
     it lets go of its pipelines and before it builds its first."""
     trims = []
-    monkeypatch.setattr(loader.dali_stage, "trim_heap", lambda: trims.append(1) or True)
+    monkeypatch.setattr(loader.gpu.dali_stage, "trim_heap", lambda: trims.append(1) or True)
     dl = make(store)
     epoch(dl)
     assert len(trims) == 1  # before its first pipeline; none for the next ones

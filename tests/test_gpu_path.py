@@ -60,17 +60,17 @@ pytest.importorskip("triton")
 
 import loader
 from ingest import format as fmt
-from ingest.synth import random_view, sample_photos
 from loader.augment import Transform, plan_crops
-from loader.augment_gpu import GpuAugment
-from loader.encoded import EncodedBatches
-from loader.gpu_stage import GpuStage, WindowShare
+from loader.bench.synth import random_view, sample_photos
+from loader.gpu.augment import GpuAugment
+from loader.gpu.encoded import EncodedBatches
+from loader.gpu.prefetch import GpuEpochIterator, _DecodeThreads, ring_slots
+from loader.gpu.stage import GpuStage, WindowShare
+from loader.gpu.tuning.picker import WayPicker
 from loader.options import resolve_decoder
-from loader.pace import WayPicker
-from loader.prefetch import GpuEpochIterator, _DecodeThreads, ring_slots
-from loader.sampler import batch_seed
-from loader.stats import LoaderStats
+from loader.plan.sampler import batch_seed
 from loader.store import Store
+from loader.telemetry.stats import LoaderStats
 
 B = 8  # 23 samples: batches of 8, 8, 7
 GPU_ELIGIBLE = NUM_SAMPLES - 2  # all but the PNG and the progressive JPEG
@@ -602,7 +602,7 @@ def test_a_stopped_decoder_runs_nothing_more():
 
 
 def test_a_call_gives_its_outcome_once_and_a_failed_one_is_freed_untaken():
-    from loader.gpu_stage import Call
+    from loader.gpu.stage import Call
 
     assert Call.of(lambda: 7).result() == 7
     with pytest.raises(ZeroDivisionError):
@@ -752,7 +752,7 @@ def test_stats_count_the_bytes_copied_to_the_device(store):
 
 def assert_rows_read_where_they_lie(make, store, monkeypatch, persistent: bool) -> None:
     """The workers' rows, gathered by a kernel from the ring's registered memory
-    (``loader.mapped``) for three epochs (without ``persistent_workers``, workers forked
+    (``loader.gpu.mapped``) for three epochs (without ``persistent_workers``, workers forked
     after the registration write them), are bit for bit those copied through a pinned
     buffer; closing the loader undoes the registration."""
     got = make(store, cpu_share=0.5, persistent_workers=persistent)
@@ -1318,12 +1318,12 @@ def test_close_with_stopped_workers_returns_promptly(store):
 
 
 def test_the_training_process_never_takes_over_stderr(store, monkeypatch):
-    import loader.decode_cpu
+    import loader.cpu.decode
 
     def no(*args):
         raise AssertionError("fd 2 redirected in the training process")
 
-    monkeypatch.setattr(loader.decode_cpu, "captured", no)
+    monkeypatch.setattr(loader.cpu.decode, "captured", no)
     # Every sample through the CPU decoder, in the main process (num_workers=0).
     got = epoch(make(store, num_workers=0, cpu_share=1.0))
     assert sorted(flat(got, 2).tolist()) == list(range(NUM_SAMPLES))
@@ -1474,7 +1474,7 @@ def test_an_error_from_the_gpu_stage_holds_nothing_once_handled(store, monkeypat
 FIRST_IMPORT = """
 import gc, sys, weakref
 import torch
-from loader.decode_nvjpeg import import_torchvision_io
+from loader.gpu.nvjpeg import import_torchvision_io
 assert "torchvision" not in sys.modules
 gc.disable()
 
@@ -1527,7 +1527,7 @@ def test_the_stream_pool_lends_again_what_was_given_back_by_role_and_device(monk
     monkeypatch.setattr(
         torch.cuda, "Stream", lambda index, priority: made.append(index) or _Stream(index)
     )
-    pool = loader.gpu_stage._StreamPool()
+    pool = loader.gpu.stage._StreamPool()
     gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
     lent = {"finish": pool.lend(gpu0, "finish"), "decode": pool.lend(gpu0, "decode")}
     first = dict(lent)
@@ -1577,9 +1577,9 @@ def test_a_loader_built_again_reuses_the_streams_and_memory_of_the_one_closed(st
 def test_close_leaves_a_stage_a_hung_thread_may_still_be_in(store, monkeypatch):
     """A prefetch thread that does not stop within the wait for it may still be in the
     stage: ``close`` then lets go of nothing of the stage's (the thread would use it)."""
-    import loader.prefetch
+    import loader.gpu.prefetch
 
-    monkeypatch.setattr(loader.prefetch, "_JOIN_S", 0.2)
+    monkeypatch.setattr(loader.gpu.prefetch, "_JOIN_S", 0.2)
     dl = make(store, transform=TRAIN, num_workers=2, shuffle=False)
     real = dl._gpu_stage._decode
     entered, returns = threading.Event(), threading.Event()
@@ -1665,7 +1665,7 @@ def test_the_ring_keeps_every_worker_busy(batch, workers, prefetch, on_gpu, slot
 
 
 def test_gathering_rows_into_a_buffer_matches_numpy():
-    from loader.augment_gpu import Rows, copy_holding_gil, gather
+    from loader.gpu.augment import Rows, copy_holding_gil, gather
 
     pixels = np.random.default_rng(0).integers(0, 256, (6, 5, 4, 3), dtype=np.uint8)
     rows = np.array([4, 0, 5, 4])
@@ -1697,7 +1697,7 @@ def test_gathering_rows_into_a_buffer_matches_numpy():
     ],
 )
 def test_cutting_spans_out_of_a_slot_matches_slicing(starts, lengths):
-    from loader.augment_gpu import cut
+    from loader.gpu.augment import cut
 
     data = torch.arange(40, dtype=torch.uint8)
     pieces = cut(data, starts, lengths)
@@ -1712,7 +1712,7 @@ def test_cutting_spans_out_of_a_slot_matches_slicing(starts, lengths):
 
 
 def test_one_copy_unpacks_into_arrays_of_their_shapes_and_dtypes():
-    from loader.augment_gpu import Rows, unpack
+    from loader.gpu.augment import Rows, unpack
 
     pixels = np.arange(2 * 3 * 2 * 3, dtype=np.uint8).reshape(2, 3, 2, 3)
     arrays = [

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 from fixtures import REPO, assert_same_store, run_ingest
 
-from ingest import buildlock, local_build, outdir
 from ingest import format as fmt
-from ingest.build import BuildOptions, build
-from ingest.buildlock import BuildLock
-from ingest.resume import OutputError
-from ingest.synth import make_image_folder
+from ingest.build import BuildOptions, build, outdir
+from ingest.build import local as local_build
+from ingest.build.resume import OutputError
+from ingest.format import lock as buildlock
+from ingest.format.lock import BuildLock
 from ingest.verify import verify_store
+from loader.bench.synth import make_image_folder
 
 SMALL = BuildOptions(shard_size=16 << 10)
 OTHER = BuildOptions(shard_size=16 << 10, max_size=24)

@@ -21,12 +21,12 @@ from fixtures import run_ingest
 from test_hostile_inputs import _damage_last_leaf_page
 
 import loader
-from ingest import cachedir as cd
 from ingest import format as fmt
-from ingest import shmcache
 from ingest.build import BuildOptions, build
 from ingest.cli import main as ingest_main
-from ingest.synth import make_image_folder
+from ingest.format import cachedir as cd
+from loader.bench.synth import make_image_folder
+from loader.cache import shm as shmcache
 from loader.dataset import LMDBDataset
 from loader.store import Store
 

@@ -36,17 +36,17 @@ from fixtures import REPO, assert_same_store, run_ingest, run_python
 from PIL import Image
 
 import ingest.build as ingest_build
-import ingest.writer as ingest_writer
+import ingest.build.writer as ingest_writer
 import loader
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
-from ingest.codec import decompress, encoded_limit, pack_record, record_limit, unpack_record
-from ingest.lmdbpages import open_lmdb
-from ingest.probe import PngError, image_size, parse_jpeg, plain_png
-from ingest.resume import OutputError
-from ingest.synth import make_image_folder
+from ingest.build.resume import OutputError
+from ingest.format.codec import decompress, encoded_limit, pack_record, record_limit, unpack_record
+from ingest.format.pages import open_lmdb
+from ingest.images.probe import PngError, image_size, parse_jpeg, plain_png
 from ingest.verify import verify_store
 from loader import LMDBDataset
+from loader.bench.synth import make_image_folder
 from loader.store import Store
 
 HANG_S = 90  # the random-damage tests take a fifth of this; a hang fails the test, not the suite
@@ -1351,7 +1351,7 @@ def _damage_last_leaf_page(shard: Path) -> int:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_shard_damaged_in_place_is_refused_before_lmdb_reads_it(copy: Path, workers: int):
     """LMDB trusts its pages: unchecked, this damage kills the process that reads the
-    shard. Readers check the pages first (ingest.lmdbpages): at open, and in each process
+    shard. Readers check the pages first (ingest.format.pages): at open, and in each process
     before it maps a shard whose file changed since; they raise the store's error, the
     same one line from a worker as from the training process; verify names the shard."""
     dl = loader.DataLoader(copy, batch_size=4, transform="eval", device="cpu",

@@ -17,10 +17,10 @@ import pytest
 from fixtures import REPO
 
 from ingest.build import BuildOptions, build
+from ingest.build.resume import OutputError
+from ingest.build.writer import MiB, ShardSizeError, check_shard_size
 from ingest.cli import parse_size
-from ingest.resume import OutputError
-from ingest.synth import make_image_folder
-from ingest.writer import MiB, ShardSizeError, check_shard_size
+from loader.bench.synth import make_image_folder
 
 TiB = 1 << 40
 WHY = (
@@ -126,8 +126,8 @@ def test_a_map_that_cannot_be_made_is_said_as_such_not_as_a_disk_failure(src, tm
 
 
 def test_the_python_build_refuses_it_before_out_is_made(tmp_path):
-    from ingest.synth import make_image_folder
-    from ingest.writer import ShardSizeError
+    from ingest.build.writer import ShardSizeError
+    from loader.bench.synth import make_image_folder
 
     make_image_folder(tmp_path / "src", 1, 2, seed=1, short_side=(32, 40))
     with pytest.raises(ShardSizeError, match="a shard is mapped in memory whole"):

@@ -15,8 +15,8 @@ from gpu_path_data import CUDA, DEVICE, dali_backend, use_stand_ins
 
 import loader
 from ingest.build import BuildOptions, build
-from ingest.synth import make_image_folder
-from loader import gpu_stage
+from loader.bench.synth import make_image_folder
+from loader.gpu import stage as gpu_stage
 
 PER_CLASS = 6
 

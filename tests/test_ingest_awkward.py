@@ -27,8 +27,8 @@ from fixtures import (
 )
 
 from ingest import format as fmt
-from ingest.codec import RECORD_KEYS, image_bytes, unpack_record
-from ingest.probe import parse_jpeg
+from ingest.format.codec import RECORD_KEYS, image_bytes, unpack_record
+from ingest.images.probe import parse_jpeg
 
 
 @pytest.fixture(scope="module")

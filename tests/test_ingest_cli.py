@@ -15,11 +15,11 @@ from fixtures import REPO, read_shards, run_ingest
 
 from ingest import format as fmt
 from ingest.build import build
-from ingest.codec import unpack_record
-from ingest.resume import OutputError
-from ingest.scan import SourceError
-from ingest.synth import make_image_folder
+from ingest.build.resume import OutputError
+from ingest.build.scan import SourceError
+from ingest.format.codec import unpack_record
 from ingest.verify import verify_store
+from loader.bench.synth import make_image_folder
 
 
 @pytest.fixture(scope="module")

@@ -20,15 +20,15 @@ import torch
 from fixtures import run_ingest
 from PIL import Image, ImageOps
 
-import ingest.normalize as normalize
+import ingest.images.normalize as normalize
 import loader
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
-from ingest.probe import parse_jpeg, plain_png, walk_scans
-from ingest.resume import OutputError
-from ingest.scan import SourceError, scan
-from ingest.synth import make_image_folder
+from ingest.build.resume import OutputError
+from ingest.build.scan import SourceError, scan
+from ingest.images.probe import parse_jpeg, plain_png, walk_scans
 from loader import LMDBDataset
+from loader.bench.synth import make_image_folder
 from loader.store import Store
 
 
@@ -137,7 +137,7 @@ def test_unreadable_source_and_output_are_one_line(tmp_path: Path, monkeypatch):
     def denied(claim):
         raise PermissionError(13, "Permission denied", str(claim.out))
 
-    monkeypatch.setattr("ingest.outdir.Claim.take", denied)
+    monkeypatch.setattr("ingest.build.outdir.Claim.take", denied)
     with pytest.raises(OutputError) as e:
         build(src, out, workers=1, progress=False)
     assert str(e.value) == (

@@ -21,7 +21,7 @@ from PIL import Image
 
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
-from ingest.codec import Compression, image_bytes, parse_compression, unpack_record
+from ingest.format.codec import Compression, image_bytes, parse_compression, unpack_record
 from loader.store import Store
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"

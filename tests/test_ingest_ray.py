@@ -29,10 +29,10 @@ from fixtures import (
 from ingest import cli
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
-from ingest.resume import OutputError, fingerprint, fresh_state
-from ingest.scan import SourceError, scan
-from ingest.shardplan import rolls_over, shard_starts
-from ingest.synth import make_image_folder
+from ingest.build.resume import OutputError, fingerprint, fresh_state
+from ingest.build.scan import SourceError, scan
+from ingest.build.shardplan import rolls_over, shard_starts
+from loader.bench.synth import make_image_folder
 
 KiB = 1 << 10
 
@@ -144,7 +144,7 @@ def ray_address():
 def test_ray_build_gives_the_local_store(
     tmp_path: Path, ray_address: str, awkward_tree: Tree, awkward_store: Path
 ) -> None:
-    from ingest.ray_build import build_ray
+    from ingest.build.ray import build_ray
 
     out = tmp_path / "store"
     # 4 samples a task: 8 ranges of the first pass, none of them cut at a shard boundary.
@@ -170,7 +170,7 @@ class KillOnce:
 def test_a_killed_worker_is_retried_to_the_same_store(
     tmp_path: Path, ray_address: str, awkward_tree: Tree, awkward_store: Path
 ) -> None:
-    from ingest.ray_build import build_ray
+    from ingest.build.ray import build_ray
 
     kills = [KillOnce(("check", 8, 2), tmp_path / "check-kill"),
              KillOnce(("write", 4, 2), tmp_path / "write-kill")]  # fmt: skip
@@ -189,7 +189,7 @@ def test_a_killed_worker_is_retried_to_the_same_store(
 def test_a_file_changed_between_the_passes_stops_the_build(
     tmp_path: Path, ray_address: str, awkward_tree: Tree
 ) -> None:
-    from ingest.ray_build import build_ray
+    from ingest.build.ray import build_ray
 
     src = tmp_path / "src"
     shutil.copytree(awkward_tree.root, src)
@@ -215,7 +215,7 @@ def test_a_file_changed_between_the_passes_stops_the_build(
 def test_a_store_error_in_a_task_is_its_one_line(tmp_path: Path, ray_address: str, awkward_tree):
     """A StoreError raised on a node (its py-lmdb without LMDB 0.9's engine) reached the
     command as Ray's task error, whose message is the whole remote traceback."""
-    from ingest.ray_build import build_ray
+    from ingest.build.ray import build_ray
 
     def fault(kind: str, where: int, item: int) -> None:
         if kind == "write":
@@ -255,7 +255,7 @@ def test_a_killed_driver_resumes_to_the_same_store(tmp_path: Path, ray_address: 
 
 
 def test_a_task_on_a_node_without_src_or_out_refuses_to_run(tmp_path: Path) -> None:
-    from ingest.ray_tasks import check_range
+    from ingest.build.tasks import check_range
 
     missing, out = tmp_path / "nowhere", tmp_path / "out"
     (out / fmt.PARTIAL_DIR).mkdir(parents=True)
@@ -271,7 +271,7 @@ def test_a_rerun_takes_the_first_pass_from_its_plans(
 ) -> None:
     import ray
 
-    from ingest.ray_build import build_ray
+    from ingest.build.ray import build_ray
 
     def fail_writing(kind: str, where: int, item: int) -> None:
         if kind == "write" and where == 5:
@@ -292,7 +292,7 @@ def test_a_rerun_takes_the_first_pass_from_its_plans(
 
 
 def test_no_valid_image_is_an_error_with_ray_too(tmp_path: Path, ray_address: str) -> None:
-    from ingest.ray_build import build_ray
+    from ingest.build.ray import build_ray
 
     src, out = tmp_path / "src", tmp_path / "out"
     for name in ("class_00", "class_01"):
@@ -306,7 +306,7 @@ def test_no_valid_image_is_an_error_with_ray_too(tmp_path: Path, ray_address: st
 
 
 def test_names_that_are_not_utf8_with_ray(tmp_path: Path, ray_address: str) -> None:
-    from ingest.ray_build import build_ray
+    from ingest.build.ray import build_ray
 
     src = tmp_path / "src"
     make_image_folder(src, 2, 2, short_side=(48, 72))
@@ -328,7 +328,7 @@ def test_names_that_are_not_utf8_with_ray(tmp_path: Path, ray_address: str) -> N
 def test_an_interrupted_local_build_is_not_resumed_with_ray(
     tmp_path: Path, ray_address: str, awkward_tree: Tree, awkward_store: Path, caplog
 ) -> None:
-    from ingest.ray_build import build_ray
+    from ingest.build.ray import build_ray
 
     out = tmp_path / "store"
     out.mkdir()

@@ -18,13 +18,14 @@ from fixtures import (
     sealed_shards,
 )
 
-from ingest import cli, ray_tasks
+from ingest import cli
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
-from ingest.codec import unpack_record
-from ingest.local_build import file_facts, make_pool
-from ingest.resume import fingerprint
-from ingest.scan import scan
+from ingest.build import tasks as ray_tasks
+from ingest.build.local import file_facts, make_pool
+from ingest.build.resume import fingerprint
+from ingest.build.scan import scan
+from ingest.format.codec import unpack_record
 
 
 def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 import ingest.build
 from ingest.build import build
-from ingest.synth import make_image_folder
+from loader.bench.synth import make_image_folder
 
 
 def _png_claiming(width: int, height: int) -> bytes:

@@ -1,4 +1,4 @@
-"""ingest.lmdbpages: a shard's LMDB pages are checked before LMDB trusts them.
+"""ingest.format.pages: a shard's LMDB pages are checked before LMDB trusts them.
 
 Each damage LMDB's lookups would follow outside the file, or into one of its assertions,
 is refused with its own message; thousands of random damages to the tree's pages either
@@ -19,7 +19,7 @@ import pytest
 from fixtures import run_python
 
 from ingest.format import StoreError
-from ingest.lmdbpages import open_lmdb, pages_problem, require_sound
+from ingest.format.pages import open_lmdb, pages_problem, require_sound
 
 PAGE = min(mmap.PAGESIZE, 32768)  # LMDB's page: the system's, at most 32 KiB
 KEYS = 400  # two levels: a branch page over leaf pages
@@ -185,7 +185,7 @@ def test_a_file_too_short_for_its_meta_pages(tmp_path: Path):
 
 
 def test_a_sound_file_is_walked_once_until_it_changes(sound: bytes, tmp_path: Path, monkeypatch):
-    import ingest.lmdbpages as lmdbpages
+    import ingest.format.pages as lmdbpages
 
     path = tmp_path / "data.mdb"
     path.write_bytes(sound)
@@ -206,7 +206,7 @@ def test_a_sound_file_is_walked_once_until_it_changes(sound: bytes, tmp_path: Pa
 _FUZZ = r"""
 import json, os, random, struct, sys, lmdb
 from pathlib import Path
-from ingest.lmdbpages import open_lmdb, pages_problem
+from ingest.format.pages import open_lmdb, pages_problem
 base, seeds, check = Path(sys.argv[1]), range(*map(int, sys.argv[2:4])), sys.argv[4] == "1"
 sound = base.read_bytes()
 page = struct.unpack_from("<I", sound, 40)[0]  # the page size, in the first meta page
@@ -298,7 +298,7 @@ def test_stores_are_written_and_read_by_lmdb_0_9_whatever_the_default(tmp_path: 
     """py-lmdb 3 picks an engine for a new file from LMDB_DEFAULT_LIB_VERSION, and for an
     existing one from its first bytes, which a damaged file can make 1.0's: the build and
     every reader name LMDB 0.9's, whose format the page check models."""
-    from ingest.synth import make_image_folder
+    from loader.bench.synth import make_image_folder
 
     make_image_folder(tmp_path / "src", 2, 2, short_side=(48, 72))
     result = run_python(
@@ -331,7 +331,7 @@ def test_a_binding_without_lmdb_0_9_is_one_line_that_says_what_to_install(
     raised a bare ``lmdb.Error`` at every open. The build, verify and readers now say what
     to install, before a worker or LMDB is asked."""
     from ingest import cli
-    from ingest.synth import make_image_folder
+    from loader.bench.synth import make_image_folder
 
     make_image_folder(tmp_path / "src", 2, 2, short_side=(48, 72))
     assert cli.main(["build", str(tmp_path / "src"), str(tmp_path / "out")]) == 0

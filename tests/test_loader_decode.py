@@ -15,9 +15,9 @@ from PIL import Image
 
 import loader
 from loader.augment import Transform
-from loader.batch import PixelBatches
+from loader.cpu.batches import PixelBatches
+from loader.cpu.decode import reduction
 from loader.decode import DecodeError, decoders, get_decoder
-from loader.decode_cpu import reduction
 from loader.store import Store
 
 
@@ -178,7 +178,7 @@ def test_a_large_shrink_averages_boxes_before_the_blur(tmp_path, monkeypatch):
     the blur gets a window 2-3 times the output. Measured against PIL on this photograph
     (1095x960 to 32x32): mean abs difference 0.84 (0.64 without boxes first, the prefilter
     taking 41 ms against 3.6); the tolerance leaves 1.5x room."""
-    from ingest.synth import make_image_folder
+    from loader.bench.synth import make_image_folder
 
     (path,) = make_image_folder(tmp_path, 1, 1, short_side=(960, 960))
     pil = Image.open(path).convert("RGB")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loader.augment import Transform
-from loader.output import BatchOutput
+from loader.cpu.output import BatchOutput
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8])

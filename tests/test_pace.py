@@ -1,4 +1,5 @@
-"""WayPicker (``loader.pace``): the way with which the training loop takes batches sooner,
+"""WayPicker (``loader.gpu.tuning.picker``): the way with which the training loop takes batches
+sooner,
 found by trying each, driven here by a simulated loop on a fake clock.
 
 The simulation: batches are started ``LAG`` batches before they are handed off (as in the
@@ -14,7 +15,7 @@ import itertools
 import numpy as np
 import pytest
 
-from loader.pace import Trial, WayPicker, steady_mean
+from loader.gpu.tuning.picker import Trial, WayPicker, steady_mean
 
 LAG = 5
 

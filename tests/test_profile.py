@@ -15,7 +15,7 @@ from loader_data import make_store
 import loader
 import loader.decode as decode_registry
 from ingest.cores import half_the_cores, usable_cores
-from loader.profiler import Stats, knob, verdict
+from loader.telemetry.profiler import Stats, knob, verdict
 
 SLEEP = 0.15  # far longer than anything else a step does here
 
@@ -37,7 +37,7 @@ def slow(n: int):
 
 
 def test_exported_from_the_package():
-    assert loader.profile is loader.profiler.profile
+    assert loader.profile is loader.telemetry.profiler.profile
     assert isinstance(loader.profile([]), loader.Profile)
 
 
@@ -134,7 +134,7 @@ def test_the_cores_counted_are_those_this_process_may_run_on(monkeypatch):
     """Under ``taskset``, a cpuset or ``torchrun --numa-binding`` the process may use fewer
     cores than the machine has: the knob, the CPU conversion's threads and the DALI stage's
     threads (``half_the_cores``) count those (``os.cpu_count()`` counts the machine's)."""
-    from loader.output import conversion_threads
+    from loader.cpu.output import conversion_threads
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6}, raising=False)
     assert usable_cores() == 3 and conversion_threads() == 1 and half_the_cores(8) == 1

@@ -1,4 +1,4 @@
-"""Tests of loader.sampler: exactly-once epochs, ranks, resume, determinism, bad arguments."""
+"""Tests of loader.plan.sampler: exactly-once epochs, ranks, resume, determinism, bad arguments."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from loader.epoch import EpochTasks
-from loader.sampler import EpochPlan, batch_seed
+from loader.plan.sampler import EpochPlan, batch_seed
 
 
 def plans(world: int, n: int, bs: int, **kw) -> list[EpochPlan]:

@@ -22,9 +22,9 @@ import torch
 from fixtures import REPO, run_ingest
 
 import loader
-from ingest import cachedir as cd
 from ingest import format as fmt
-from ingest import shmcache
+from ingest.format import cachedir as cd
+from loader.cache import shm as shmcache
 from loader.dataset import LMDBDataset
 from loader.store import Store
 
@@ -133,7 +133,7 @@ def test_budget_smaller_than_the_store(clean_store: Path, tmp_path: Path, caplog
     size = sizes(clean_store)  # 4 shards
     limit = size[0] + size[2]  # in store order, shard 1 and then 3 no longer fit
     plain = list(eval_loader(clean_store))
-    with caplog.at_level(logging.WARNING, logger="ingest.shmcache"):
+    with caplog.at_level(logging.WARNING, logger="loader.cache.shm"):
         dl = eval_loader(clean_store, cache="shm", cache_limit=limit, cache_root=tmp_path)
         batches = list(dl)
     assert len(batches) == len(plain) == 5
@@ -209,7 +209,7 @@ def test_damaged_copy_is_detected_and_replaced(clean_store: Path, tmp_path, capl
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     data.write_bytes(raw)
-    with caplog.at_level(logging.WARNING, logger="ingest.shmcache"):
+    with caplog.at_level(logging.WARNING, logger="loader.cache.shm"):
         ds = LMDBDataset(clean_store, cache="shm", cache_root=tmp_path)
         assert records(ds.store) == records(clean_store)
     assert ds.cache_stats() == {"hits": 3, "misses": 1, "bytes_copied": sizes(clean_store)[1],
@@ -228,7 +228,7 @@ def test_a_damaged_store_shard_is_not_cached(clean_store: Path, tmp_path, caplog
     raw = bytearray(data.read_bytes())
     raw[raw.index(b"\xff\xd8\xff") + 200] ^= 0x01  # inside a JPEG payload: a CRC mismatch
     data.write_bytes(raw)
-    with caplog.at_level(logging.WARNING, logger="ingest.shmcache"):
+    with caplog.at_level(logging.WARNING, logger="loader.cache.shm"):
         ds = LMDBDataset(store, cache="shm", cache_root=tmp_path)
         assert records(ds.store) == records(store)
     assert entries(cache_of(store, tmp_path), "shard-") == ["shard-00000", "shard-00001",
@@ -368,23 +368,23 @@ def test_the_real_dev_shm(clean_store: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("cache", [None, "shm"])
 def test_each_file_is_walked_once(clean_store: Path, tmp_path: Path, monkeypatch, cache) -> None:
-    """The LMDB pages of what is mapped are walked once (ingest.lmdbpages), whatever the
+    """The LMDB pages of what is mapped are walked once (ingest.format.pages), whatever the
     processes: without a cache each shard when the store is opened, its forked workers
     never again at any epoch; with one each copy as it is made, never the shard it copies,
     nor the copy again in the other workers."""
-    import ingest.lmdbpages
-    import ingest.shmcache
+    import ingest.format.pages
+    import loader.cache.shm
 
-    log, real = tmp_path / "walks", ingest.lmdbpages.pages_problem
+    log, real = tmp_path / "walks", ingest.format.pages.pages_problem
 
     def walk(path):
         with open(log, "a") as f:  # from every process: a line each
             f.write(f"{os.getpid()} {path}\n")
         return real(path)
 
-    monkeypatch.setattr(ingest.lmdbpages, "pages_problem", walk)
-    monkeypatch.setattr(ingest.shmcache, "pages_problem", walk)
-    monkeypatch.setattr(ingest.lmdbpages, "_SOUND", set())  # what earlier tests walked
+    monkeypatch.setattr(ingest.format.pages, "pages_problem", walk)
+    monkeypatch.setattr(loader.cache.shm, "pages_problem", walk)
+    monkeypatch.setattr(ingest.format.pages, "_SOUND", set())  # what earlier tests walked
     extra = {"cache": cache, "cache_root": tmp_path} if cache else {}
     dl = eval_loader(clean_store, num_workers=2, **extra)
     for _ in range(2):  # workers started again at each epoch
@@ -411,7 +411,7 @@ def test_a_copy_changed_after_its_walk_is_checked_again(clean_store: Path, tmp_p
     records(first.store)  # every shard copied, each copy walked and opened
     shard = cache_of(clean_store, tmp_path) / "shard-00001"
     _damage_last_leaf_page(shard)
-    with caplog.at_level(logging.WARNING, logger="ingest.shmcache"):
+    with caplog.at_level(logging.WARNING, logger="loader.cache.shm"):
         second = LMDBDataset(clean_store, cache="shm", cache_root=tmp_path)  # the same session
         assert records(second.store) == records(clean_store)
         assert records(first.store) == records(clean_store)  # its mapping changed under it

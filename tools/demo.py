@@ -21,8 +21,8 @@ from PIL import Image
 
 from ingest.build import BuildOptions, build
 from ingest.cli import quiet_pipe
-from ingest.synth import make_image_folder
 from ingest.verify import verify_store
+from loader.bench.synth import make_image_folder
 
 
 def add_real_world_mess(src: Path) -> None:

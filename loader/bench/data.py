@@ -126,7 +126,7 @@ def make_folder(
 
 
 def _make_class(job: tuple) -> None:
-    from ingest.synth import make_image_folder
+    from loader.bench.synth import make_image_folder
 
     dst, per_class, seed, photos, short_side = job
     make_image_folder(

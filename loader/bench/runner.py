@@ -30,7 +30,7 @@ from loader.bench.train import (
     settling,
     train_check,
 )
-from loader.proctree import PeakMemory, tree_cpu_seconds
+from loader.telemetry.proctree import PeakMemory, tree_cpu_seconds
 
 READY_TIMEOUT = 600.0  # seconds for a pipeline to start (imports, DALI's first batches)
 PASS_TIMEOUT = 1800.0  # seconds for one pass or training check before it counts as hung

@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Iterator
 
 from loader.bench.pipelines import SIZE, Settings
-from loader.profiler import profile
+from loader.telemetry.profiler import profile
 
 MODELS = ("resnet18", "resnet50")
 
@@ -113,7 +113,7 @@ def model_step(model_name: str, device):
 def settling(dl) -> bool:
     """Whether ``dl`` (our loader where it picks among ways: ``decoder="dali"`` on CUDA,
     ``cpu_share="auto"``) has yet to finish a trial of its ways, its first or one under
-    way (``loader.pace``); False for any other (None: a peer's pipeline)."""
+    way (``loader.gpu.tuning.picker``); False for any other (None: a peer's pipeline)."""
     stats = _stats(dl)
     return stats.get("way_trials") == 0 or bool(stats.get("way_trialing"))
 
@@ -133,7 +133,7 @@ def loader_times(pipe) -> dict | None:
 
 def picked_way(pipe) -> dict:
     """``{"way": way, "way_trials": n, "way_paces_ms": {way: ms}}``: how our loader makes
-    batches after its trials, and each way's pace in the last (``loader.pace``); the
+    batches after its trials, and each way's pace in the last (``loader.gpu.tuning.picker``); the
     workers' ``cpu_share`` and what steers it with "auto" (``loop_wait_share``,
     ``held_share``, ``loop_waits_held``); empty for any other pipeline."""
     stats = _stats(getattr(pipe, "dl", None))

@@ -24,8 +24,9 @@ beside it train faster depends on the model, and even on the loan of the machine
 H200, ResNet-50 at 98.1-98.3% of its ceiling the CUDA way against 95.8-96.0%; ResNet-18 at
 71.9-72.1% against 82.9-84.3%, then 89.7% against 79.6% on the next loan,
 ``gpu-h200-diagnose3/4-*.log``), so a ``WayPicker`` tries both and keeps the one with which
-the training loop takes batches sooner (``loader.pace``; with ``cpu_share="auto"``, each
-also with the workers' share and without: ``loader.gpu_stage``); ``note_finished`` and
+the training loop takes batches sooner (``loader.gpu.tuning.picker``; with ``cpu_share="auto"``,
+each
+also with the workers' share and without: ``loader.gpu.stage``); ``note_finished`` and
 ``note_handoff`` tell it.
 
 A batch the pipeline fails on (a stream no decoder takes, a window outside its image) is
@@ -51,10 +52,10 @@ import torch
 
 from ingest.cores import half_the_cores
 from ingest.cstderr import filtered
-from loader.augment_gpu import cut, upload
-from loader.decode_dali import _LIBRARY_LINES, HW_DECODER_LOAD, copy_into, jpeg_batch
-from loader.decode_nvjpeg import raise_if_not_the_data
-from loader.gpu_stage import WITH_SHARE, GpuStage, Started, _event, read_slot
+from loader.gpu.augment import cut, upload
+from loader.gpu.dali_decode import _LIBRARY_LINES, HW_DECODER_LOAD, copy_into, jpeg_batch
+from loader.gpu.nvjpeg import raise_if_not_the_data
+from loader.gpu.stage import WITH_SHARE, GpuStage, Started, _event, read_slot
 from loader.hostmem import trim_heap
 
 MAX_THREADS = 8  # DALI's CPU threads (parsing; Huffman decode of what the engines skip)

@@ -1,11 +1,11 @@
 """GpuStage: one gathered ring slot -> a finished batch on the GPU, on side streams.
 
-For each slot the workers filled (``loader.encoded``) it decodes the JPEG bytes with the
+For each slot the workers filled (``loader.gpu.encoded``) it decodes the JPEG bytes with the
 GPU decoder (one batched call), retries any image the decoder rejects on the CPU (then,
 like the CPU path, replaces a record that fails there too), crops/resizes/flips/normalises
-every GPU-decoded image straight into the output batch (``loader.augment_gpu``), gathers
+every GPU-decoded image straight into the output batch (``loader.gpu.augment``), gathers
 the rows the workers decoded on the CPU from the ring's shared memory (registered with
-CUDA: ``loader.mapped``; else through pinned memory) and normalises them into the same
+CUDA: ``loader.gpu.mapped``; else through pinned memory) and normalises them into the same
 batch. The decode (which ``start`` hands to the caller's decode threads: several at
 once where the decoder allows) runs on one high-priority side stream, the rest
 (``finish``) on another, which ends with an event the training stream waits on; nothing
@@ -44,7 +44,7 @@ Alone the thread holds batches 0.2% of its time, and the rule is as before
 (``benchmarks/README.md``, "The share's loop-wait rule").
 
 Whether a share pays at all is then measured, not inferred: with "auto", the picker
-(``loader.pace``) tries each of the decoder's ways with the share and without ("+cpu"),
+(``loader.gpu.tuning.picker``) tries each of the decoder's ways with the share and without ("+cpu"),
 and keeps the one with which the training loop takes batches soonest; only the batches
 of a way with the share steer it. The loop's wait does not show what a share costs the
 loop's own steps: beside ResNet-18 in the same run it stopped waiting (5% of its step
@@ -72,13 +72,13 @@ import numpy as np
 import torch
 
 from loader.augment import Transform
-from loader.augment_gpu import GpuAugment, Rows, cut, upload
 from loader.decode import get_decoder
-from loader.decode_nvjpeg import check_decoded
-from loader.encoded import EncodedBatches
-from loader.mapped import MappedRows
-from loader.pace import WayPicker
-from loader.stats import LoaderStats
+from loader.gpu.augment import GpuAugment, Rows, cut, upload
+from loader.gpu.encoded import EncodedBatches
+from loader.gpu.mapped import MappedRows
+from loader.gpu.nvjpeg import check_decoded
+from loader.gpu.tuning.picker import WayPicker
+from loader.telemetry.stats import LoaderStats
 
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()  # the unverified stores this process was told of
@@ -148,7 +148,7 @@ _STREAMS = _StreamPool()
 
 class Call:
     """A call whose outcome one thread waits for while another makes it (``_decode``, in a
-    decode thread of ``loader.prefetch``): the few parts of a ``Future`` used here, but
+    decode thread of ``loader.gpu.prefetch``): the few parts of a ``Future`` used here, but
     the outcome is let go of as it is taken. An error keeps its traceback, which holds the
     frames of the thread that waited for it, whose locals hold the call: a Future keeping
     the error made a cycle, and kept the stage, the iterator and the loader alive until a
@@ -281,7 +281,8 @@ class GpuStage:
         # Threads that may decode at once (see ``loader.decode.Decoder``).
         self.concurrent_calls = int(getattr(self.decoder, "concurrent_calls", 1))
         # The ways to make batches, of which the picker keeps the one with which the
-        # training loop takes them soonest (``loader.pace``): the decoder's, each also with
+        # training loop takes them soonest (``loader.gpu.tuning.picker``): the decoder's, each also
+        # with
         # the workers' share where it is "auto". Chosen as each batch is planned (the share
         # is the workers'), remembered by the batch's seed (in its slot) until it is
         # started: however many batches planned are dropped, none takes another's way.
@@ -347,7 +348,7 @@ class GpuStage:
         """The batch in ``slot`` (``report.n`` samples) as (images, labels, indices, event).
 
         The slot must stay untouched until ``event`` completes (the workers' rows may be
-        read there by a kernel: ``loader.mapped``); so are the tensors ready.
+        read there by a kernel: ``loader.gpu.mapped``); so are the tensors ready.
         ``waited``: how long the caller waited for the workers to fill this slot.
         """
         return self.finish(self.start(slot, report), waited)
@@ -452,7 +453,7 @@ class GpuStage:
 
     def map_rows(self, pixels: torch.Tensor) -> None:
         """Read the workers' rows from ``pixels`` (the ring's pixel buffer, every slot)
-        where they lie (``loader.mapped``), on a CUDA device."""
+        where they lie (``loader.gpu.mapped``), on a CUDA device."""
         if self.device.type == "cuda":
             self._mapped = MappedRows(pixels, self.device)
 

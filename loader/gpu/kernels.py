@@ -1,4 +1,4 @@
-"""Triton kernels of ``loader.augment_gpu`` (imported only when a batch is augmented).
+"""Triton kernels of ``loader.gpu.augment`` (imported only when a batch is augmented).
 
 Triton resolves the helpers a kernel calls from the module's globals, so the kernels live
 at the top level of a module of their own, which the rest of the loader imports lazily.

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from ingest.buildlock import holder
-from ingest.safeio import FileRefused, kind_of, read_regular, sha256_file
+from ingest.format.lock import holder
+from ingest.format.safeio import FileRefused, kind_of, read_regular, sha256_file
 
 FORMAT_NAME = "imfeed-lmdb"
 FORMAT_VERSION = 2
-# Raised whenever ``ingest.normalize.convert`` would store other bytes for the same file
+# Raised whenever ``ingest.images.normalize.convert`` would store other bytes for the same file
 # (2: images cut at their end, PNGs kept only as the readers' check passes them; 3: PNGs
 # stored with their critical chunks only, EXIF orientation taken as PIL takes it, JPEGs
 # of many scans and lossless ones re-encoded, 12-bit ones and those of over 1,000 scans
@@ -274,7 +274,7 @@ def read_manifest(root: str | os.PathLike) -> dict:
     if not _may(root, os.X_OK) or (os.path.lexists(path) and not _may(path, os.R_OK)):
         raise access_denied(path)
     if not os.path.lexists(path):
-        from ingest.scan import looks_like_image_folder
+        from ingest.build.scan import looks_like_image_folder
 
         if who := holder(root):
             hint = f" (`ingest build` is writing it now, {who}: wait for it to end)"

@@ -40,7 +40,7 @@ import lmdb
 from tqdm import tqdm
 
 from ingest import format as fmt
-from ingest import twopass
+from ingest.build import twopass
 from ingest.build import (
     BuildOptions,
     Run,
@@ -48,10 +48,10 @@ from ingest.build import (
     start,
     writing,
 )
-from ingest.outdir import Claim
-from ingest.ray_tasks import Fault, check_range, write_shard
-from ingest.resume import OutputError
-from ingest.scan import SourceError
+from ingest.build.outdir import Claim
+from ingest.build.tasks import Fault, check_range, write_shard
+from ingest.build.resume import OutputError
+from ingest.build.scan import SourceError
 
 INSTALL = "pip install 'imfeed[ray]'"
 RETRIES = 5  # attempts after the first, for a task whose worker or node died

@@ -8,8 +8,8 @@ import cv2
 import numpy as np
 
 from ingest.cstderr import captured
-from ingest.normalize import Reject, check_jpeg
-from ingest.probe import PngError, plain_png
+from ingest.images.normalize import Reject, check_jpeg
+from ingest.images.probe import PngError, plain_png
 from loader.decode import DecodeError, in_worker_process
 
 _BASE = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # stored images are upright
@@ -90,7 +90,7 @@ def _quietly(data: bytes, kind: str) -> contextlib.AbstractContextManager:
     process (``num_workers=0``, the GPU path's retries) may have other threads writing to
     stderr, so there a JPEG is first decoded in libjpeg-turbo's stop-on-warning mode at
     1/8 scale instead, and one that would warn is refused before OpenCV can print (a PNG
-    is checked whole before it gets here: ``ingest.probe.plain_png``).
+    is checked whole before it gets here: ``ingest.images.probe.plain_png``).
     """
     if in_worker_process():
         return captured()

@@ -316,7 +316,7 @@ class EpochPlan:
 
 
 class RankSampler:
-    """``loader.sampler`` when no sampler was given: this rank's share of each epoch.
+    """``loader.plan.sampler`` when no sampler was given: this rank's share of each epoch.
 
     ``len()`` is the number of samples this rank yields per epoch, iterating yields their
     indices in the current epoch, and ``set_epoch`` is the loader's.

@@ -20,7 +20,7 @@ import numpy as np
 
 from ingest import format as fmt
 from ingest.build import Run
-from ingest.shardplan import shard_starts
+from ingest.build.shardplan import shard_starts
 
 
 def ranges(n: int, range_items: int | None = None) -> list[tuple[int, int]]:

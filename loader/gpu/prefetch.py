@@ -40,7 +40,7 @@ import weakref
 import torch
 
 from loader.epoch import EpochIterator, LoaderGone, chunk_size
-from loader.gpu_stage import Call
+from loader.gpu.stage import Call
 
 _JOIN_S = 30.0  # longest wait for the thread to finish the batch it is on
 _PUT_POLL_S = 0.1
@@ -232,7 +232,7 @@ class GpuEpochIterator(EpochIterator):
     # Slots go back to the workers once the GPU work of their batch is done, not when
     # ``finish`` has queued it: DALI reads the JPEGs in the slot (``dali_stage.NO_COPY``)
     # until its output for them is consumed, and an asynchronous pipeline may still be at
-    # it; a kernel gathers the workers' rows from it (``loader.mapped``). Only a batch
+    # it; a kernel gathers the workers' rows from it (``loader.gpu.mapped``). Only a batch
     # that has no slot else waits for one (``_produce``).
 
     def _dispatch(self) -> None:

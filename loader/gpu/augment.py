@@ -36,7 +36,7 @@ _ROWS = 4  # rows per kernel tile
 
 def _kernels():
     """The two Triton kernels (Triton is imported on first use)."""
-    from loader import augment_kernels
+    from loader.gpu import kernels as augment_kernels
 
     return augment_kernels.resample_rows, augment_kernels.resample_cols
 

@@ -17,8 +17,8 @@ import shutil
 from pathlib import Path
 
 from ingest import format as fmt
-from ingest.buildlock import LOCK, BuildLock, Busy
-from ingest.resume import OutputError
+from ingest.format.lock import LOCK, BuildLock, Busy
+from ingest.build.resume import OutputError
 
 
 class Claim:

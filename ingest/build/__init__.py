@@ -20,15 +20,15 @@ import msgpack
 import numpy as np
 
 from ingest import format as fmt
-from ingest.codec import Compression, compress, pack_record, record_limit
+from ingest.format.codec import Compression, compress, pack_record, record_limit
 from ingest.cores import usable_cores
 from ingest.cstderr import captured
-from ingest.normalize import DEFAULT_MAX_PIXELS, OBJECT_AT, Options, Reject, convert
-from ingest.outdir import Claim
-from ingest.resume import OutputError, fingerprint, identity, load_state
-from ingest.safeio import FileRefused, read_regular, sha256_file
-from ingest.scan import Scan, SourceError, scan
-from ingest.writer import MiB, ShardWriter, check_shard_size, initial_map_size
+from ingest.images.normalize import DEFAULT_MAX_PIXELS, OBJECT_AT, Options, Reject, convert
+from ingest.build.outdir import Claim
+from ingest.build.resume import OutputError, fingerprint, identity, load_state
+from ingest.format.safeio import FileRefused, read_regular, sha256_file
+from ingest.build.scan import Scan, SourceError, scan
+from ingest.build.writer import MiB, ShardWriter, check_shard_size, initial_map_size
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def build(
         progress: show a progress bar (default: when stderr is a terminal).
         map_size: initial LMDB map size of a shard (default: 1.25 x shard_size); grows as needed.
     """
-    from ingest import local_build  # its tasks are built on this module
+    from ingest.build import local as local_build  # its tasks are built on this module
 
     options = options or BuildOptions()
     claim = Claim(Path(src), Path(out), overwrite)

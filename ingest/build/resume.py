@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ingest import format as fmt
-from ingest.scan import Scan
+from ingest.build.scan import Scan
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ingest import format as fmt
-from ingest import ray_tasks, resume, twopass
+from ingest.build import tasks as ray_tasks
+from ingest.build import resume
+from ingest.build import twopass
 from ingest.build import Run
 from ingest.parallel import ForkPool, InlinePool, can_fork, ordered
-from ingest.scan import Scan
+from ingest.build.scan import Scan
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ full decode's pixels would be thrown away. The regions are the sampler's crop wi
 the samples are the same on every backend.
 
 With ``decoder="dali"`` the loader runs its whole GPU stage in one asynchronous DALI
-pipeline (``loader.dali_stage``: decode, resize, flip and normalise in DALI); this decoder
+pipeline (``loader.gpu.dali_stage``: decode, resize, flip and normalise in DALI); this decoder
 serves the batches that pipeline fails on, decoding them image by image where a batch
 fails, with the loader's own kernels doing the rest, as for the other GPU decoders.
 
@@ -38,7 +38,7 @@ import torch
 
 from ingest.cores import half_the_cores
 from ingest.cstderr import filtered
-from loader.decode_nvjpeg import raise_if_not_the_data
+from loader.gpu.nvjpeg import raise_if_not_the_data
 
 # nvImageCodec (inside DALI) prints to stderr, whatever DALI's log level: "[ERROR] ..."
 # (colour codes around the level) for each stream it cannot parse, and when a pipeline is

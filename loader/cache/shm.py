@@ -1,7 +1,7 @@
 """ShmCache: one RAM copy per node of a store's shards, shared by every process that reads it.
 
 The first process that needs a shard copies it into the store's cache directory (layout in
-``ingest.cachedir``) under the shard's flock, into a temporary directory named after
+``ingest.format.cachedir``) under the shard's flock, into a temporary directory named after
 itself, and renames it into place when complete and checked; processes that need the
 shard meanwhile wait on the lock, then open the same copy. Space is reserved (allocated
 up front) under a budget lock before a copy starts, so the cache never takes more than
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import lmdb
 
-from ingest import cachedir as cd
 from ingest import format as fmt
-from ingest.cachestats import Counters
-from ingest.lmdbpages import identity, pages_problem, trust_sound
-from ingest.shardcopy import copy_bytes, file_sha256, records_digest
+from ingest.format import cachedir as cd
+from ingest.format.pages import identity, pages_problem, trust_sound
+from loader.cache.copy import copy_bytes, file_sha256, records_digest
+from loader.cache.stats import Counters
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class ShmCache:
         cache_root: where the cache lives (a tmpfs): default /dev/shm.
 
     Raises:
-        ingest.cachedir.CacheError: ``cache_root`` cannot be used.
+        ingest.format.cachedir.CacheError: ``cache_root`` cannot be used.
     """
 
     def __init__(self, store_root, *, keep: bool = False, limit: int | None = None,
@@ -118,7 +118,7 @@ class ShmCache:
 
     @property
     def session(self) -> str | None:
-        """This run's token (see ``ingest.cachedir.join``), that of the cache as this process
+        """This run's token (see ``ingest.format.cachedir.join``), that of the cache as this process
         joined it last; None when the cache could not be made."""
         return None if self._held is None else self._held[1]
 
@@ -197,7 +197,7 @@ class ShmCache:
     def _verified(self, final: Path) -> bool:
         """Whether the copy ``final`` was checked in this run and is still the bytes it was
         (a copy changed since, in place, is checked again); if so, its pages are taken as
-        walked (``ingest.lmdbpages.trust_sound``)."""
+        walked (``ingest.format.pages.trust_sound``)."""
         try:
             if (final / VERIFIED).read_text(encoding="utf-8") != self.session:
                 return False

@@ -23,7 +23,7 @@ import simplejpeg
 from PIL import Image, ImageOps
 
 from ingest.format import DEFAULT_MAX_PIXELS
-from ingest.probe import (
+from ingest.images.probe import (
     JpegHeaderError,
     JpegInfo,
     PngError,
@@ -196,7 +196,8 @@ def _plain_png(data: bytes, opts: Options) -> Converted | None:
 
 
 def _png_kept(data: bytes) -> tuple[bytes, list[str]] | None:
-    """A PNG to store as it is, and its fixes: its critical chunks (``ingest.probe.plain_png``:
+    """A PNG to store as it is, and its fixes: its critical chunks
+    (``ingest.images.probe.plain_png``:
     every chunk, and all the image data inflated and its rows' filters checked, as a decode
     would), which are what the loader's readers decode, where that check passes it; None:
     convert it (PIL reads some PNGs it refuses, such as one with bytes after the end of its

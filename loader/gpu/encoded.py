@@ -19,11 +19,11 @@ import numpy as np
 import simplejpeg
 
 from ingest import format as fmt
-from ingest.probe import without_icc
+from ingest.images.probe import without_icc
 from loader.augment import CROP_COLUMNS, Transform
-from loader.batch import BatchReport, PixelBatches
+from loader.cpu.batches import BatchReport, PixelBatches
+from loader.cpu.decode import reduction
 from loader.decode import DecodeError
-from loader.decode_cpu import reduction
 from loader.store import Store
 
 # Extra columns of a planned row, after CROP_COLUMNS: where the worker puts the sample's

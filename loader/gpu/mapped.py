@@ -12,7 +12,7 @@ later (``benchmarks/pinned_slot_probe.py``, ``gpu-h200-s38-pinned-slot.log``).
 
 The ring is shared memory (``MAP_SHARED``): workers forked after the registration write the
 same pages, no copy-on-write between them and the device's view. A slot goes back to the
-workers only once the batch's GPU work is done (``loader.prefetch``), the gather included.
+workers only once the batch's GPU work is done (``loader.gpu.prefetch``), the gather included.
 Where the memory cannot be registered or read this way (no unified addressing, a driver
 that refuses), ``rows`` returns None and the caller copies the rows as before.
 """

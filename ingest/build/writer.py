@@ -23,8 +23,8 @@ from pathlib import Path
 import lmdb
 
 from ingest.format import BUILD_KEY, encode_key, fsync_path
-from ingest.lmdbpages import open_lmdb
-from ingest.resume import OutputError
+from ingest.format.pages import open_lmdb
+from ingest.build.resume import OutputError
 
 MiB = 1 << 20
 TXN_BYTES = 16 * MiB  # commit this often: bounds the dirty pages LMDB keeps in memory

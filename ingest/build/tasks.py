@@ -18,9 +18,9 @@ import numpy as np
 
 from ingest import format as fmt
 from ingest.build import BuildOptions, format_mix, process_file, seal_shard
-from ingest.resume import OutputError
-from ingest.scan import SourceError
-from ingest.writer import ShardWriter
+from ingest.build.resume import OutputError
+from ingest.build.scan import SourceError
+from ingest.build.writer import ShardWriter
 
 Fault = Callable[[str, int, int], None]  # tests: (pass, range or shard, item) in a task
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ingest import format as fmt
-from ingest.lmdbpages import open_lmdb
+from ingest.format.pages import open_lmdb
 
 CHUNK = 8 << 20
 

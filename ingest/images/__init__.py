@@ -1,0 +1,1 @@
+"""Image checks and normalisation: header probes, JPEG/PNG checks, re-encoding."""

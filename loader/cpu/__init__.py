@@ -1,0 +1,1 @@
+"""The CPU executor: workers decode, augment and collate each planned batch."""

@@ -1,0 +1,1 @@
+"""What tunes the GPU executor as it runs: the way picker."""

@@ -1,0 +1,1 @@
+"""The plan of an epoch: the seeded order of samples, per rank, resumable."""

@@ -1,0 +1,1 @@
+"""What the loader measures about itself: stats, process CPU time, profile()."""
