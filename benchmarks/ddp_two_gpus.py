@@ -4,8 +4,8 @@ Each rank trains on its own GPU with its share of the cores as workers: first on
 data on the GPU (the ceiling), then the loader alone (after an untimed epoch, and the DALI
 stage's first trial of its two ways: its throughput on this rank), then fed by the loader
 (``cache="shm"``: one copy of the store's bytes in RAM for all ranks). Rank 0 prints one
-JSON line with every rank's figures; run it with ``--nproc_per_node=1`` and ``2`` in the
-same session to compare per-GPU figures.
+JSON line with every rank's figures; run it with ``--nproc_per_node=1`` and ``2`` on the
+same machine to compare per-GPU figures.
 
 The model trains as imfeed-bench's training check does (bf16 autocast, channels_last, SGD,
 ``cudnn.benchmark``); the synthetic batch is in the loader's dtype (bfloat16), so that both
@@ -247,7 +247,7 @@ def main() -> None:
         cpu_share=a.cpu_share if a.cpu_share == "auto" else float(a.cpu_share),
     )  # fmt: skip
     if a.dali_way and getattr(dl._gpu_stage, "picker", None) is not None:
-        dl._gpu_stage.fix_way(a.dali_way)  # as diagnose_training.py's "engines" / "cuda"
+        dl._gpu_stage.fix_way(a.dali_way)  # every batch that way: no trials
     elif a.cuda_first and getattr(dl._gpu_stage, "picker", None) is not None:
         dl._gpu_stage.picker = WayPicker(tuple(reversed(dl._gpu_stage.picker.ways)))
     # Untimed epochs: the first starts the workers and fills the cache; more until the DALI

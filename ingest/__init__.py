@@ -1,4 +1,4 @@
-"""Offline converter: ImageFolder trees into sharded LMDB stores (see FORMAT.md).
+"""Offline converter: ImageFolder trees into sharded LMDB stores (see docs/FORMAT.md).
 
 Never imports torch: a store is built on any machine with numpy, lmdb and OpenCV.
 """

@@ -22,7 +22,8 @@ from ingest.format.codec import encoded_limit, image_bytes, size_problem, unpack
 from ingest.format.pages import open_lmdb, pages_problem
 from ingest.format.safeio import FileRefused, sha256_file
 from ingest.images.normalize import Reject, check_jpeg
-from ingest.images.probe import PngError, header_problem, plain_png
+from ingest.images.png import PngError, plain_png
+from ingest.images.probe import header_problem
 
 
 def verify_store(

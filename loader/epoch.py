@@ -9,29 +9,24 @@ been copied out. The loader's plan advances only when a batch is delivered, so
 
 With persistent workers the last batches' refills already place the next epoch's first
 ones (``EpochTasks``: the loader's plan one epoch on), and the finished iterator is kept by
-the loader for the next iteration, which takes it on if its plan is that one and drops it
-otherwise (``follows_on``, ``carry_on``, ``discard``): the next epoch starts with batches
+the loader's session for the next iteration, which takes it on if its plan is that one and
+drops it otherwise (``follows_on``, ``carry_on``, ``discard``): the next epoch starts with batches
 made, not with idle workers.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy
 import threading
 import time
 import weakref
-from collections.abc import Iterator
-
-import numpy as np
 
 from ingest import format as fmt
 from loader.cpu.batches import BatchReport
-from loader.plan.sampler import EpochPlan, batch_seed
+from loader.plan.sampler import EpochPlan
+from loader.plan.tasks import EpochTasks, chunk_size
 
 _POLL_S = 1.0  # longest wait between checks of the workers' liveness and of the timeout
-MIN_CHUNK = 16  # samples per task at least: keeps the messages per image negligible
 
 
 class LoaderGone(RuntimeError):
@@ -39,110 +34,29 @@ class LoaderGone(RuntimeError):
     moot: nothing can take its batches)."""
 
 
-def chunk_size(batch_size: int, num_workers: int) -> int:
-    """Samples per worker task: a batch split evenly over the workers, not too finely."""
-    return max(MIN_CHUNK, -(-batch_size // max(1, num_workers)))
-
-
-def tasks(plan: EpochPlan, seed: int) -> Iterator[tuple[int, np.ndarray, int]]:
-    """Yield (global step, indices, augmentation seed) for the rest of ``plan``'s epoch.
-
-    Iterates a copy, taken now (not at the first ``next``): the caller's plan is advanced
-    separately, on delivery, and moves to the next epoch at the end of this one, which may
-    come before the first task is asked for (an epoch with nothing left, as after loading
-    the state saved at its last batch).
-    """
-    return _tasks_of(copy.copy(plan), seed)
-
-
-def _tasks_of(shadow: EpochPlan, seed: int) -> Iterator[tuple[int, np.ndarray, int]]:
-    for indices in shadow.batches():
-        step = shadow.step - 1
-        yield step, indices, batch_seed(seed, shadow.epoch, step, rank=shadow.rank)
-
-
-class EpochTasks:
-    """The worker tasks ``(key, indices, augmentation seed)`` of the rest of ``plan``'s
-    epoch, then of up to ``ahead`` epochs after it (and one more per ``allow``): each
-    ``plan`` one epoch on, as ``DataLoader`` moves it at an epoch's end. Keys are the
-    epoch's steps, counted on across epochs (the first epoch's own steps, then the next
-    one's from where it ended), so that batches keep one order; ``ends`` holds the key
-    after each epoch's last batch, once its tasks began. Iterates copies of ``plan``.
-
-    Once ``ahead`` runs out, ``next`` raises StopIteration, and yields again after
-    ``allow`` (asked again at each free slot)."""
-
-    def __init__(self, plan: EpochPlan, seed: int, ahead: int = 0) -> None:
-        self._plan, self._seed = copy.copy(plan), seed
-        self._tasks = tasks(plan, seed)
-        self._offset = 0
-        self._ahead = ahead
-        # allow() is the training thread's; next and wait, the prefetch thread's.
-        self._allowed = threading.Condition()
-        self.ends = collections.deque([plan.step + plan.remaining()])
-        self._end = self.ends[0]
-
-    def ended_before(self, key: int) -> bool:
-        """Whether an epoch ends before batch ``key`` (each end is told once)."""
-        if self.ends and key == self.ends[0]:
-            self.ends.popleft()
-            return True
-        return False
-
-    def allow(self) -> None:
-        with self._allowed:
-            self._ahead += 1
-            self._allowed.notify_all()
-
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s until ``next`` may go on into another epoch."""
-        with self._allowed:
-            return self._allowed.wait_for(lambda: self._ahead > 0, timeout)
-
-    def __iter__(self) -> EpochTasks:
-        return self
-
-    def __next__(self) -> tuple:
-        task = next(self._tasks, None)
-        while task is None:
-            with self._allowed:
-                if not self._ahead:
-                    raise StopIteration
-                self._ahead -= 1
-            self._plan = copy.copy(self._plan)
-            self._plan.end_epoch()
-            self._tasks, self._offset = tasks(self._plan, self._seed), self._end
-            self._end += len(self._plan)
-            self.ends.append(self._end)
-            task = next(self._tasks, None)
-        step, indices, seed = task
-        return self._offset + step, indices, seed
-
-
 class EpochIterator:
     """The iterator ``DataLoader.__iter__`` returns; see there.
 
     Args:
-        loader: the owning ``loader.DataLoader`` (plan, producer, ring, pool, output).
+        session: the loader's ``loader.session.Session`` (plan, producer, ring, pool).
     """
 
-    def __init__(self, loader) -> None:
-        # The loader: held until the epoch's last batch is out, only referred to from then
-        # on, while the loader holds this iterator (``_read``, then ``_carry`` where it
-        # is parked), so that the two do not hold each other: a loader let go of after an
-        # epoch read to its end was freed only by a full collection, and meanwhile its
-        # thread and workers went on with the next epoch's batches, its GPU stage held
-        # its device memory. Where the loop held only this iterator (``for batch in
-        # DataLoader(...)``), the loader goes with the last batch: the loop's next ask
-        # ends the iteration (``LoaderGone``).
-        self._held = loader
-        self._loader_ref = weakref.ref(loader)
-        self._official = loader._plan.batches()  # advanced once per delivered batch
-        self._length = loader._plan.remaining()
-        self._next_step = loader._plan.step
-        self._ring, self._pool = loader._ring, loader._pool
-        self._producer = loader._producer
-        self._chunk = chunk_size(loader.batch_size, loader.num_workers)
+    def __init__(self, session) -> None:
+        # The session: held until the epoch's last batch is out, only referred to from then
+        # on, while the session holds this iterator (``read``, then ``carry`` where it is
+        # parked), so that the two do not hold each other: a loader let go of after an
+        # epoch read to its end is freed at once, its thread and workers stopped. Where the
+        # loop held only this iterator (``for batch in DataLoader(...)``), the session goes
+        # with the last batch: the loop's next ask ends the iteration (``LoaderGone``).
+        self._held = session
+        self._loader_ref = weakref.ref(session)
+        plan, settings = session.plan, session.settings
+        self._official = plan.batches()  # advanced once per delivered batch
+        self._length = plan.remaining()
+        self._next_step = plan.step
+        self._ring, self._pool = session.ring, session.pool
+        self._producer = session.producer
+        self._chunk = chunk_size(settings.batch_size, settings.num_workers)
         self._free = list(range(self._ring.slots - 1, -1, -1))
         self._pending: dict[int, list] = {}  # step -> [slot, chunks out, merged report]
         self._ready: dict[int, tuple[int, BatchReport]] = {}  # step -> (slot, report)
@@ -150,22 +64,22 @@ class EpochIterator:
         self._failure: Exception | None = None  # raised by a refill after a delivery
         self.ended_by: str | None = None
         # With persistent workers an epoch's end does not stop the work: the next epoch's
-        # first batches (the plan one epoch on) are made meanwhile, and the loader keeps
+        # first batches (the plan one epoch on) are made meanwhile, and the session keeps
         # the finished iterator for the next iteration to take on (``follows_on``).
-        self._carries = loader.persistent_workers and self._pool is not None
-        self._tasks = EpochTasks(loader._plan, loader.seed, ahead=int(self._carries))
-        self._epoch, self._seed = loader._plan.epoch, loader.seed  # the loop's epoch
+        self._carries = settings.persistent_workers and self._pool is not None
+        self._tasks = EpochTasks(plan, settings.seed, ahead=int(self._carries))
+        self._epoch, self._seed = plan.epoch, settings.seed  # the loop's epoch
         self._parked = False  # read to its end, and on into the next epoch
         # next() one thread at a time: each batch to one of them, none lost or repeated.
         self.taking = threading.RLock()
         self.consumer = threading.current_thread()  # the last to take a batch, or its maker
 
     @property
-    def _loader(self):
-        loader = self._held if self._held is not None else self._loader_ref()
-        if loader is None:
+    def _session(self):
+        session = self._held if self._held is not None else self._loader_ref()
+        if session is None:
             raise LoaderGone("imfeed: the loader of this iteration, read whole, was freed")
-        return loader
+        return session
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -187,7 +101,7 @@ class EpochIterator:
         self._closed = self._parked = False  # in this order: see ``_dispatching``
         self.ended_by = None
         self._tasks.allow()
-        self._loader._stats.add(epochs_carried=1)
+        self._session.stats.add(epochs_carried=1)
 
     def discard(self) -> None:
         """Stop a parked iterator: drop the batches made for an epoch the loop did not
@@ -197,15 +111,15 @@ class EpochIterator:
             if self._loader_ref() is None:  # freed: what it made is moot
                 self._end_orphaned()
                 return
-            self._loader._stats.add(carries_dropped=1)
+            self._session.stats.add(carries_dropped=1)
             self._close(finished=False)
 
     def _epoch_over(self, carrying: bool) -> None:
-        """The loop read the epoch to its end: kept by the loader for the next iteration
+        """The loop read the epoch to its end: kept by the session for the next iteration
         where the next epoch's first batches are under way (``carrying``), else closed."""
-        if carrying and self._loader._iteration_parked(self):
+        if carrying and self._session.park(self):
             self._parked = self._closed = True  # in this order: see ``_dispatching``
-            self._held = None  # the loader holds it (``__init__``)
+            self._held = None  # the session holds it (``__init__``)
         else:
             self._close(finished=True)
 
@@ -247,9 +161,9 @@ class EpochIterator:
                 raise self._failure
             t0 = time.perf_counter()
             slot, report = self._produce()
-            self._loader._stats.add(wait_s=time.perf_counter() - t0)
+            self._session.stats.add(wait_s=time.perf_counter() - t0)
             try:  # a failure here loses the batch: end the iteration, not only this call
-                batch = self._loader._deliver(self._ring.slot(slot), report)
+                batch = self._session.delivery.batch(self._ring.slot(slot), report)
             finally:
                 self._free.append(slot)
         except StopIteration:
@@ -272,7 +186,7 @@ class EpochIterator:
         """A batch is out: where it was its epoch's last, going on into the next, the loader
         holds this iterator until it is ended, and this iterator lets go of it
         (``__init__``)."""
-        if self._carries and self._loader._hold_if_read(self):
+        if self._carries and self._session.hold_if_read(self):
             self._held = None
 
     def _produce(self) -> tuple[int, BatchReport]:
@@ -288,7 +202,7 @@ class EpochIterator:
         if step not in self._pending and step not in self._ready:
             raise StopIteration
         self._pool.check_alive()
-        timeout = self._loader.timeout
+        timeout = self._session.settings.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else None
         while step not in self._ready:
             wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
@@ -358,7 +272,7 @@ class EpochIterator:
     def _close(self, finished: bool, failed: bool = False) -> None:
         """End the iteration (its workers drained or stopped), counted by the loader from
         its first step to its last: a new iteration waits for it (``_wait_for_closes``)."""
-        with self._loader._closing_iteration():
+        with self._session.closing():
             self._close_counted(finished, failed)
 
     def _close_counted(self, finished: bool, failed: bool) -> None:
@@ -367,7 +281,7 @@ class EpochIterator:
         # means a chunk that will never come: no draining waits for it.
         failed = failed or self._failure is not None
         self._failure = None  # its traceback holds this iterator: let it go now
-        self._loader._iteration_ended(self, finished, drained=not self._pending, failed=failed)
+        self._session.ended(self, finished, drained=not self._pending, failed=failed)
 
     def drain(self, timeout: float) -> bool:
         """Wait for batches still in the workers (to reuse the workers); False if it failed."""

@@ -81,8 +81,6 @@ _MALLOC_TRIM = _malloc_trim()
 def trim_heap() -> bool:
     """Give the memory glibc's malloc holds free back to the system (``malloc_trim(0)``);
     True where it gave some. What a DALI pipeline's threads freed stays resident after
-    the pipeline is gone: on the H200, 20 loaders built one after another (DALI stage)
-    left the process 407 MiB larger, all of it free in malloc's arenas, and
-    ``malloc_trim`` then gave back 334 MiB (``benchmarks/results/gpu-h200-rebuild-malloc.json``);
-    with torchvision's nvJPEG nothing grew. A no-op where malloc is not glibc's."""
+    the pipeline is gone, free in malloc's arenas (with torchvision's nvJPEG nothing
+    grows). A no-op where malloc is not glibc's."""
     return _MALLOC_TRIM is not None and bool(_MALLOC_TRIM(0))

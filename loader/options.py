@@ -218,10 +218,8 @@ def check_worker_nice(nice) -> int:
 def resolve_decoder(name: str, device) -> str:
     """The decoder backend ``decoder=`` asks for on ``device``: "auto" is the GPU path on
     a CUDA device, else "cpu". The GPU path: "dali" (the whole stage in DALI) where NVIDIA
-    DALI is installed, as it is faster and leaves more of the GPU to training (on the H200:
-    32.7k img/s against 23.0k, ResNet-50 at 98% of its ceiling against 91%, ResNet-18 82%
-    against 69%, ``benchmarks/results/gpu-h200-picker2.md``); else "nvjpeg" (torchvision's
-    batched nvjpeg decode, which needs nothing beyond torchvision).
+    DALI is installed, as it is faster and leaves more of the GPU to training; else
+    "nvjpeg" (torchvision's batched nvjpeg decode, which needs nothing beyond torchvision).
 
     Raises:
         ValueError: an unknown name, or a GPU decoder with a CPU device.

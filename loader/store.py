@@ -1,36 +1,30 @@
-"""Fork-safe, read-only access to a store's shards; LMDB handles open lazily in each process."""
+"""Store: fork-safe, read-only access to a store; LMDB handles open lazily in each process.
+
+The shard environments live in ``loader.shard_envs``, the checked reads of one record in
+``loader.records``; this module decides where each read goes (the store's shard or a
+cache's copy) and which error a failure is (a bad sample, a bad store, a rebuild).
+"""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import weakref
-import zlib
 from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import lmdb
-import msgpack
 import numpy as np
 
 from ingest import format as fmt
 from ingest.format import pages as lmdbpages
-from ingest.format.codec import encoded_limit, image_bytes, size_problem, unpack_record
-from ingest.format.safeio import FileRefused, read_regular
+from ingest.format.codec import encoded_limit, image_bytes, size_problem
 from ingest.images.probe import header_problem
+from loader.records import read_paths, read_record, read_value, verify_advice
+from loader.shard_envs import Opened, check_build, env_key, identity, open_env, rebuilt, track
 
 T = TypeVar("T")
-
-
-class _Opened(NamedTuple):
-    """A shard's environment in one process, and the cache's copy it maps, if any."""
-
-    env: lmdb.Environment
-    copy: Path | None = None  # the copy's data.mdb; None: the store's own shard
-    ident: tuple | None = None  # the copy's identity (``lmdbpages.identity``) when opened
 
 
 class Store:
@@ -74,8 +68,8 @@ class Store:
         self.max_pixels = fmt.pixel_limit(self.root, self.manifest, self.index, max_pixels)
         self.classes: list[str] = list(self.manifest["classes"])
         self._first = np.array([s["first"] for s in self.manifest["shards"]], dtype=np.int64)
-        self._keys = [_env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
-        self._envs: dict[int, _Opened] = {}  # keeps the shared environments open
+        self._keys = [env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
+        self._envs: dict[int, Opened] = {}  # keeps the shared environments open
         self._advice = verify_advice("", self.root)  # the ends of a read's messages
         if problem := lmdbpages.engine_problem():  # at open, not at the first batch
             raise fmt.StoreError(problem)
@@ -85,7 +79,7 @@ class Store:
         for shard in range(len(self._first)):
             with self._rebuilt_if_refused(self.root / fmt.shard_name(shard)):
                 lmdbpages.require_sound(fmt.store_file(self.root, self.manifest, shard))
-        _LIVE.add(self)
+        track(self)
 
     def __len__(self) -> int:
         return self.manifest["num_samples"]
@@ -101,7 +95,7 @@ class Store:
     def __setstate__(self, state: dict) -> None:
         lmdbpages.trust_sound(state.pop("_sound", []))
         self.__dict__.update(state)
-        _LIVE.add(self)
+        track(self)
 
     @cached_property
     def index(self) -> np.ndarray:
@@ -116,7 +110,7 @@ class Store:
         """Source path of every sample, relative to the converted folder (names that are
         not UTF-8 as ``os.walk`` gives them, with surrogate escapes)."""
         with self._rebuilt_if_refused(self.root / self.manifest["paths"]["file"]):
-            return _read_paths(self.root, self.manifest)
+            return read_paths(self.root, self.manifest)
 
     @property
     def labels(self) -> np.ndarray:
@@ -125,15 +119,15 @@ class Store:
     def shard_of(self, i: int) -> int:
         return int(np.searchsorted(self._first, i, side="right") - 1)
 
-    def _env(self, shard: int) -> _Opened:
+    def _env(self, shard: int) -> Opened:
         opened = self._envs.get(shard)
         # A copy changed since it was opened (damaged in place, replaced, removed) is asked
         # of the cache again before LMDB reads its pages, which it trusts (a stat, in RAM).
-        if opened is None or (opened.copy is not None and _identity(opened.copy) != opened.ident):
+        if opened is None or (opened.copy is not None and identity(opened.copy) != opened.ident):
             opened = self._envs[shard] = self._open_checked(shard)
         return opened
 
-    def _open_checked(self, shard: int) -> _Opened:
+    def _open_checked(self, shard: int) -> Opened:
         """Shard ``shard``'s environment, once its file has the recorded size (mapping a
         truncated file kills the process with SIGBUS), LMDB's pages in the file it opens
         (the original or the cache's copy) lead nowhere outside it (``ingest.format.pages``:
@@ -150,18 +144,18 @@ class Store:
             copy = self._copy_of(shard)
             if copy is not None:
                 try:
-                    ident = _identity(copy / "data.mdb")
-                    return _Opened(self._open_shard(_env_key(copy), copy), copy / "data.mdb", ident)
+                    ident = identity(copy / "data.mdb")
+                    return Opened(self._open_shard(env_key(copy), copy), copy / "data.mdb", ident)
                 except fmt.StoreError as e:  # the store's advice does not apply to a copy
                     self.cache.discard(shard, str(e).rsplit("; ", 1)[0])
-            return _Opened(self._open_shard(self._keys[shard], where))
+            return Opened(self._open_shard(self._keys[shard], where))
 
     def _copy_of(self, shard: int) -> Path | None:
         """The cache's copy of shard ``shard`` (a RAM copy), or None: the store's own."""
         if self.cache is None:
             return None
         path = Path(self.cache.shard_path(shard))
-        return None if _env_key(path) == self._keys[shard] else path
+        return None if env_key(path) == self._keys[shard] else path
 
     def _open_shard(self, key: str, where: Path) -> lmdb.Environment:
         """The checked environment of the shard directory ``key``, the store's ``where``
@@ -172,7 +166,7 @@ class Store:
         """
         lmdbpages.require_sound(Path(key) / "data.mdb")
         try:
-            env = _open_env(key)
+            env = open_env(key)
             check_build(env, self.manifest, where)
         except lmdb.Error as e:  # the whole shard, not one sample: no replacement helps
             raise fmt.StoreError(
@@ -198,7 +192,7 @@ class Store:
         except lmdb.Error as e:
             problem = f"{opened.copy.parent}: key {i}: LMDB cannot read it ({e})"
         with self._rebuilt_if_refused(Path(here)):
-            store = _Opened(self._open_shard(self._keys[shard], Path(here)))
+            store = Opened(self._open_shard(self._keys[shard], Path(here)))
         value = read(store.env, here, advice)  # the store's own error, should it fail too
         self._envs[shard] = store
         self.cache.discard(shard, problem)
@@ -221,7 +215,7 @@ class Store:
             except fmt.StoreError:  # its manifest gone or replaced since: a rebuild under way
                 build = None
             if build != self.manifest.get("build"):
-                raise fmt.StoreError(_rebuilt(where)) from None
+                raise fmt.StoreError(rebuilt(where)) from None
             raise
 
     def raw(self, i: int, nbytes: int | None = None) -> bytes:
@@ -235,7 +229,7 @@ class Store:
             ingest.format.RecordError: the value is not ``nbytes`` long.
         """
         i = self._position(i)
-        return self._read(i, lambda env, where, advice: _value(env, where, i, nbytes, advice))
+        return self._read(i, lambda env, where, advice: read_value(env, where, i, nbytes, advice))
 
     def _position(self, i: int) -> int:
         """Sample ``i`` (negative: from the end) as a position in the store.
@@ -269,7 +263,11 @@ class Store:
         problem = size_problem(int(row["height"]), int(row["width"]), nbytes, self.max_pixels)
         if problem:
             raise fmt.RecordError(f"{self._where(i)}: {problem}; rebuild the store")
-        return i, row, self._read(i, lambda env, where, advice: _record(env, where, i, row, advice))
+        return (
+            i,
+            row,
+            self._read(i, lambda env, where, advice: read_record(env, where, i, row, advice)),
+        )
 
     def _where(self, i: int) -> str:
         return f"{self.root}/{fmt.shard_name(self.shard_of(i))}: key {i}"
@@ -301,127 +299,3 @@ class Store:
         """Let go of this store's shard environments; LMDB closes each one as soon as no
         Store of this process uses it any more (reopened on next use)."""
         self._envs = {}
-
-
-# Every Store of a process shares one environment per shard: LMDB forbids opening an
-# environment twice in one process (py-lmdb refuses). The registry holds them weakly, so an
-# environment closes with the last Store using it. A forked child must drop all of the
-# parent's handles, those of every Store it inherited, before it can open its own.
-_ENVS: weakref.WeakValueDictionary[tuple, lmdb.Environment] = weakref.WeakValueDictionary()
-_LIVE: weakref.WeakSet[Store] = weakref.WeakSet()
-
-
-def _env_key(path: Path) -> str:
-    return os.path.realpath(path)
-
-
-def _identity(path: Path) -> tuple | None:
-    try:
-        return lmdbpages.identity(path)
-    except OSError:  # gone
-        return None
-
-
-def _open_env(key: str) -> lmdb.Environment:
-    """The environment of the shard directory ``key`` (a real path), opened once per process
-    and file (as LMDB requires: a copy replaced at the same path is another file)."""
-    ident = _identity(Path(key) / "data.mdb")
-    file = (key, *ident[:2]) if ident else (key,)
-    env = _ENVS.get(file)
-    if env is None:
-        env = lmdbpages.open_lmdb(
-            key, readonly=True, lock=False, readahead=False, subdir=True,
-            max_readers=1, max_spare_txns=1,
-        )  # fmt: skip
-        _ENVS[file] = env
-    return env
-
-
-def _value(env: lmdb.Environment, where: str, i: int, nbytes: int | None, advice: str) -> bytes:
-    """``Store.raw``'s read of key ``i`` in ``env``, the shard ``where``."""
-    with env.begin(buffers=True) as txn:
-        view = txn.get(fmt.encode_key(i))  # the mapped pages, valid in the transaction
-        if view is None:
-            raise KeyError(f"{where}: key {i} is missing")
-        if nbytes is not None and len(view) != nbytes:
-            raise fmt.RecordError(
-                f"{where}: key {i}: the record is {len(view)} bytes, the index says {nbytes}"
-                + advice
-            )
-        return bytes(view)
-
-
-def _record(env: lmdb.Environment, where: str, i: int, row: np.void, advice: str) -> dict:
-    """``Store.record``'s read and checks of key ``i`` (index row ``row``) in ``env``."""
-    value = _value(env, where, i, int(row["nbytes"]), advice)
-    at = f"{where}: key {i}"
-    if zlib.crc32(value) != row["crc32"]:
-        raise fmt.RecordError(
-            f"{at}: the record's bytes differ from the index (CRC-32 mismatch){advice}"
-        )
-    try:
-        rec = unpack_record(value)
-    except Exception as e:  # msgpack raises several types
-        raise fmt.RecordError(f"{at}: does not unpack: {e}") from None
-    problem = fmt.check_record(rec)
-    if problem:
-        raise fmt.RecordError(f"{at}: malformed record: {problem}")
-    if rec["label"] != row["label"]:
-        raise fmt.RecordError(
-            f"{at}: label {rec['label']} differs from the index's ({row['label']}){advice}"
-        )
-    return rec
-
-
-def check_build(env: lmdb.Environment, manifest: dict, where: Path) -> None:
-    """Raise StoreError unless the shard ``env`` was written by the manifest's build.
-
-    A version 1 store records no build identity: nothing to check.
-    """
-    if "build" not in manifest:
-        return
-    with env.begin() as txn:
-        build = txn.get(fmt.BUILD_KEY)
-    if build != manifest["build"].encode():  # the manifest on disk the same: not a rebuild
-        raise fmt.StoreError(
-            f"{where}: written by another build than the store's manifest (a mixed store, "
-            "or damaged pages LMDB reads as an older state); rebuild the store"
-        )
-
-
-def verify_advice(reason: str, root: Path) -> str:
-    """What a message about a record ``reason`` ends with: ``ingest verify``'s advice,
-    unless ``reason`` (one of the store's errors) gives it already."""
-    return "" if "`ingest verify " in reason else f"; check the store with `ingest verify {root}`"
-
-
-def _rebuilt(where: Path) -> str:
-    return (
-        f"{where}: written by another build than the store's manifest (the store was "
-        "rebuilt or changed since it was opened); open the store again"
-    )
-
-
-def _read_paths(root: Path, manifest: dict) -> list[str]:
-    path = fmt.store_file(root, manifest, "paths")
-    try:
-        data = read_regular(path, 1 << 40, size=manifest["paths"].get("bytes"))
-        paths = msgpack.unpackb(data, raw=False)
-    except (FileRefused, ValueError, msgpack.UnpackException) as e:
-        raise fmt.StoreError(f"{path}: unreadable ({e}); rebuild the store") from None
-    if not isinstance(paths, list) or len(paths) != manifest["num_samples"]:
-        raise fmt.StoreError(f"{path}: does not list {manifest['num_samples']} paths")
-    if not all(isinstance(p, (str, bytes)) for p in paths):
-        raise fmt.StoreError(f"{path}: an entry is not a path; rebuild the store")
-    if hashlib.sha256(data).hexdigest() != manifest["paths"]["sha256"]:
-        raise fmt.StoreError(f"{path}: checksum mismatch; rebuild the store")
-    return [fmt.path_text(p) for p in paths]
-
-
-def _forget_parent_envs() -> None:
-    for store in list(_LIVE):
-        store._envs = {}
-    _ENVS.clear()
-
-
-os.register_at_fork(after_in_child=_forget_parent_envs)

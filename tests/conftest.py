@@ -1,13 +1,25 @@
-"""Session-wide source trees and stores of the ingest and dataset tests (see fixtures.py)."""
+"""Session-wide source trees and stores of the ingest and dataset tests (see fixtures.py),
+and a collector that scans only what the module under test made."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
 from fixtures import AWKWARD_OPTIONS, CLEAN_OPTIONS, Tree, make_awkward_tree, make_clean_tree
 
 from ingest.build import build
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _freeze_the_heap_so_far():
+    """What earlier modules left alive (torch, Triton, the stores) is moved out of the
+    collector's sight, so the many ``gc.collect()`` of the tests scan only this module's
+    objects: a full collection of the whole heap took most of the resource tests' time."""
+    gc.collect()
+    gc.freeze()
+    yield
 
 
 @pytest.fixture(scope="session")

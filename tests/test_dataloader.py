@@ -123,67 +123,6 @@ def test_same_seed_same_batches_whatever_the_workers(store, batch_size):
     assert torch.equal(first_a[2], first_b[2]) and not torch.equal(first_a[0], first_b[0])
 
 
-def test_each_sample_exactly_once_per_epoch(store):
-    dl = make(store, shuffle=True, num_workers=2)
-    labels = Store(store).labels
-    for _ in range(2):
-        batches = epoch(dl)
-        got = indices(batches)
-        assert sorted(got.tolist()) == list(range(NUM_SAMPLES))
-        assert torch.cat([b[1] for b in batches]).tolist() == labels[got].tolist()
-    assert dl.epoch == 2
-
-
-def test_shuffle_false_reads_in_store_order(store):
-    assert indices(epoch(make(store))).tolist() == list(range(NUM_SAMPLES))
-
-
-def test_epochs_advance_and_set_epoch_repeats(store):
-    dl = make(store, shuffle=True)
-    e0, e1 = indices(epoch(dl)), indices(epoch(dl))
-    assert not np.array_equal(e0, e1)
-    dl.set_epoch(0)
-    assert np.array_equal(indices(epoch(dl)), e0)
-
-
-def test_resume_mid_epoch(store):
-    a = make(store, shuffle=True, seed=5, num_workers=2)
-    it = iter(a)
-    head = [tuple(t.clone() for t in next(it)) for _ in range(3)]
-    state = a.state_dict()
-    assert state["consumed"] == 3 * B and state["epoch"] == 0
-    rest = [tuple(t.clone() for t in b) for b in it]
-    later = epoch(a)
-    b = make(store, shuffle=True, seed=5)  # a fresh loader, other worker count
-    b.load_state_dict(state)
-    b.set_epoch(0)  # the usual loop calls set_epoch(epoch) first: the resume is kept
-    assert same(epoch(b), rest)
-    assert same(epoch(b), later)
-    assert sorted(indices(head + rest).tolist()) == list(range(NUM_SAMPLES))
-
-
-def test_resume_with_another_world_size(store):
-    a = make(store, shuffle=True, seed=6)
-    it = iter(a)
-    seen = [next(it)[2] for _ in range(2)]
-    state = a.state_dict()
-    ranks = [make(store, shuffle=True, seed=6, rank=r, world_size=2) for r in range(2)]
-    for r in ranks:
-        r.load_state_dict(state)
-    parts = [indices(epoch(r)) for r in ranks]
-    assert len(parts[0]) == len(parts[1])
-    assert not set(parts[0]) & set(parts[1])
-    done = torch.cat(seen).tolist() + parts[0].tolist() + parts[1].tolist()
-    assert set(done) == set(range(NUM_SAMPLES))
-
-
-def test_ranks_get_disjoint_equal_shares(store):
-    ranks = [make(store, shuffle=True, rank=r, world_size=2, drop_last=True) for r in range(2)]
-    parts = [indices(epoch(r)) for r in ranks]
-    assert len(ranks[0]) == len(ranks[1]) == 3 and len(parts[0]) == len(parts[1]) == 3 * B
-    assert not set(parts[0]) & set(parts[1])
-
-
 def test_stopping_early_then_iterating_again_restarts_the_epoch(store):
     for persistent in (False, True):
         dl = make(store, shuffle=True, num_workers=2, persistent_workers=persistent)

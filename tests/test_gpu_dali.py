@@ -64,7 +64,8 @@ import loader.decode as decode_registry
 import loader.gpu.dali_stage
 from ingest import format as fmt
 from loader.augment import Transform
-from loader.gpu.dali_decode import _LIBRARY_LINES, copy_into
+from loader.gpu.dali_decode import LIBRARY_LINES as _LIBRARY_LINES
+from loader.gpu.dali_decode import copy_into
 from loader.gpu.dali_stage import CUDA as CUDA_WAY
 from loader.gpu.dali_stage import ENGINES
 from loader.gpu.tuning.picker import WayPicker

@@ -356,17 +356,25 @@ def _run_capturing(fn, *args) -> dict:
         logging.getLogger().removeHandler(handler)
 
 
-@pytest.fixture
-def public_dir():
+@contextlib.contextmanager
+def _public_folder():
     """A folder the user nobody can enter (tmp_path's parents may not let it), removed after."""
     base = Path(tempfile.mkdtemp(dir="/tmp"))
     base.chmod(0o755)
-    yield base
-    for folder, dirs, _ in os.walk(base):  # as a user that is not root: let it remove them
-        for d in dirs:
-            with contextlib.suppress(OSError):
-                os.chmod(os.path.join(folder, d), 0o755)
-    shutil.rmtree(base, ignore_errors=True)
+    try:
+        yield base
+    finally:
+        for folder, dirs, _ in os.walk(base):  # as a user that is not root: let it remove them
+            for d in dirs:
+                with contextlib.suppress(OSError):
+                    os.chmod(os.path.join(folder, d), 0o755)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def public_dir():
+    with _public_folder() as base:
+        yield base
 
 
 # -- 3. a cache_root this user cannot write -------------------------------------------------
@@ -431,6 +439,11 @@ UNREADABLE = {
 }
 
 
+def _all_readers(cases: dict[str, tuple[str, str, int]]) -> dict:
+    """``_readers`` of each case in turn, in one process: {case: what they said}."""
+    return {what: _readers(*args) for what, args in cases.items()}
+
+
 def _readers(store: str, target: str, mode: int) -> dict:
     """As the store's owner: make a loader with workers, then take this user's access to
     ``target`` away; then what `ingest info`, `ingest verify`, LMDBDataset and the loader's
@@ -450,19 +463,34 @@ def _readers(store: str, target: str, mode: int) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def unreadable(store: Path):
+    """Each case of UNREADABLE on a copy of its own, all read by one process as the user
+    nobody (one start, not one per case): {case: (the copy, its target, what was said)}."""
+    with _public_folder() as base:
+        cases, paths = {}, {}
+        for k, (what, (rel, folder, _)) in enumerate(UNREADABLE.items()):
+            mid = base / f"case-{k}" / "mid"
+            shutil.copytree(store, mid / "store")
+            if os.geteuid() == 0:  # the store nobody's, so that it can change its modes
+                for path in [mid, *mid.rglob("*")]:
+                    os.chown(path, NOBODY, NOBODY)
+            root = mid / "store"
+            target = (root / rel).resolve()
+            cases[what] = (str(root), str(target), 0o600 if folder else 0)
+            paths[what] = (root, target)
+        said = as_nobody(store, _all_readers, cases)
+        assert "error" not in said, said["error"]
+        yield {what: (*paths[what], out) for what, out in said["value"].items()}
+
+
 @pytest.mark.parametrize("what", UNREADABLE)
-def test_an_unreadable_store_says_which_file_in_one_line(store: Path, public_dir: Path, what):
+def test_an_unreadable_store_says_which_file_in_one_line(unreadable, what):
     """A file or folder of a store this user may not read is said so, in one line naming
     it and what to do, by `ingest info`, `ingest verify`, LMDBDataset and a worker (the
     same one line: no traceback in it, no chained one); never "rebuild the store"."""
     rel, folder, in_workers = UNREADABLE[what]
-    shutil.copytree(store, public_dir / "mid" / "store")
-    if os.geteuid() == 0:  # the store nobody's, so that it can change its modes
-        for path in [public_dir / "mid", *(public_dir / "mid").rglob("*")]:
-            os.chown(path, NOBODY, NOBODY)
-    root = public_dir / "mid" / "store"
-    target = (root / rel).resolve()
-    out = as_nobody(store, _readers, str(root), str(target), 0o600 if folder else 0)
+    root, target, value = unreadable[what]
     uid = NOBODY if os.geteuid() == 0 else os.geteuid()
     shown = target if folder else root / rel
     said = (
@@ -472,7 +500,6 @@ def test_an_unreadable_store_says_which_file_in_one_line(store: Path, public_dir
         else f"{shown}: permission denied: this user (uid {uid}) may not read it; give it "
         "read access (chmod/chown)"
     )
-    value = out["value"]
     info_code = 1 if what.startswith("shard") else 2  # the summary is the manifest's
     assert value["info"] == [info_code, f"ingest info: error: {said}\n"]
     assert value["verify"] == [2, f"ingest verify: error: {said}\n"]

@@ -35,7 +35,7 @@ import zstandard
 from fixtures import REPO, assert_same_store, run_ingest, run_python
 from PIL import Image
 
-import ingest.build as ingest_build
+import ingest.build.run as ingest_build
 import ingest.build.writer as ingest_writer
 import loader
 from ingest import format as fmt
@@ -302,7 +302,7 @@ def test_no_valid_image_leaves_no_store_and_the_rerun_is_not_refused(tmp_path: P
 
 
 def _small_jpeg() -> bytes:
-    photo = cv2.imread(str(REPO / "ingest" / "samples" / "Elephants.jpg"))
+    photo = cv2.imread(str(REPO / "loader" / "bench" / "samples" / "Elephants.jpg"))
     return cv2.imencode(".jpg", cv2.resize(photo, (64, 48)))[1].tobytes()
 
 

@@ -16,7 +16,7 @@ from gpu_path_data import CUDA, DEVICE, dali_backend, use_stand_ins
 import loader
 from ingest.build import BuildOptions, build
 from loader.bench.synth import make_image_folder
-from loader.gpu import stage as gpu_stage
+from loader.gpu import unverified as gpu_unverified
 
 PER_CLASS = 6
 
@@ -46,7 +46,7 @@ def _decoders() -> list[str]:
 @pytest.mark.parametrize("decoder", _decoders())
 def test_an_unverified_store_on_the_gpu_path_is_said_once(stores, decoder, caplog, monkeypatch):
     use_stand_ins(monkeypatch)
-    monkeypatch.setattr(gpu_stage, "_WARNED", set())
+    monkeypatch.setattr(gpu_unverified, "_WARNED", set())
     unverified, verified = stores
 
     def epoch(store) -> int:

@@ -232,7 +232,9 @@ def test_a_reader_gone_ends_the_command_quietly(
     if module == "ingest":
         args.append(str(awkward_store))
     else:  # imfeed-bench prints a finished run's table again
-        shutil.copy(REPO / "benchmarks" / "results" / "gpu-h200-s34.json", tmp_path / "run.json")
+        shutil.copy(
+            REPO / "benchmarks" / "results" / "gpu-h200-picker11.json", tmp_path / "run.json"
+        )
         args.append(str(tmp_path / "run.json"))
     read, write = os.pipe()
     os.close(read)  # the reader is gone: every write fails with EPIPE

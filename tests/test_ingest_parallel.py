@@ -188,7 +188,13 @@ def test_a_worker_never_finalises_what_it_inherits(no_workers_left):
     assert got == {i: True for i in range(4)}
 
 
-def test_the_parents_generations_are_left_alone(monkeypatch):
+@pytest.fixture
+def nothing_frozen():
+    """Freezes counted from none: the suite's own (conftest) is undone for this test."""
+    gc.unfreeze()
+
+
+def test_the_parents_generations_are_left_alone(monkeypatch, nothing_frozen):
     """Nothing of the parent is frozen for good (its cycles are still collected), and a
     freeze of the caller's own stays as it was."""
     with inherited_objects_frozen():

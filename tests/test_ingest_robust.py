@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import ingest.build
-from ingest.build import build
+from ingest.build import build, process
 from loader.bench.synth import make_image_folder
 
 
@@ -51,14 +50,14 @@ def test_an_unexpected_error_on_one_file_rejects_only_that_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
 ):
     make_image_folder(tmp_path / "src", 2, 4)
-    convert = ingest.build.convert
+    convert = process.convert
 
     def flaky(data: bytes, opts):
         if data == (tmp_path / "src" / "class_01" / "img_00002.JPEG").read_bytes():
             raise MemoryError("decoder ran out of memory")
         return convert(data, opts)
 
-    monkeypatch.setattr(ingest.build, "convert", flaky)  # forked workers inherit it
+    monkeypatch.setattr(process, "convert", flaky)  # forked workers inherit it
     manifest = build(tmp_path / "src", tmp_path / "out", workers=workers, progress=False)
     assert (manifest["num_samples"], manifest["num_rejected"]) == (7, 1)
     reasons = _rejects(tmp_path / "out")

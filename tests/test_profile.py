@@ -185,3 +185,17 @@ def test_epochs_add_up_and_the_time_between_them_is_left_out():
     s = prof.stats
     assert (s.steps, s.images) == (5, 20)  # 2 x 3 batches, the first one warm-up
     assert s.seconds < 4 * SLEEP  # counted, it would be twice that
+
+
+def test_knob_for_our_gpu_path_whose_decoder_is_the_limit(store, monkeypatch):
+    """On our GPU path, a decode thread busier than it waits is the limit: the knob is
+    smaller images (it read the loader's own stats; a rewrite had broken that call)."""
+    from gpu_path_data import CUDA, DEVICE, use_stand_ins
+
+    use_stand_ins(monkeypatch)
+    dl = loader.DataLoader(store, batch_size=8, transform="eval", device=DEVICE,
+                           decoder="nvjpeg" if CUDA else "tvcpu", num_workers=0)  # fmt: skip
+    monkeypatch.setattr(dl, "stats", lambda: {"stage_busy_s": 2.0, "stage_wait_s": 1.0})
+    assert knob(_stats(0.5, 0.1), dl).startswith(
+        "smaller images: rebuild the store with `ingest build --max-size 512` (the GPU decoder"
+    )

@@ -9,8 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from loader.epoch import EpochTasks
 from loader.plan.sampler import EpochPlan, batch_seed
+from loader.plan.tasks import EpochTasks
 
 
 def plans(world: int, n: int, bs: int, **kw) -> list[EpochPlan]:

@@ -1,6 +1,7 @@
-"""The passes of a local build on a pool of forked workers, the second overlapping the first.
+"""``build``: a build on this machine, its two passes on a pool of forked workers, the
+second overlapping the first.
 
-The tasks are the Ray build's (ray_tasks.py): workers verify ranges of samples, then write
+The tasks are the Ray build's (tasks.py): workers verify ranges of samples, then write
 whole shards themselves, so that the records never pass through this process and the
 shards are written on as many cores as there are shards ready. A shard is written as soon
 as the plans before and after it cut it; write tasks go first to an idle worker, so that
@@ -9,7 +10,9 @@ the shards keep pace with the checks.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -18,14 +21,55 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ingest import format as fmt
-from ingest.build import tasks as ray_tasks
-from ingest.build import resume
-from ingest.build import twopass
-from ingest.build import Run
-from ingest.parallel import ForkPool, InlinePool, can_fork, ordered
+from ingest.build import resume, tasks, twopass
+from ingest.build.failures import writing
+from ingest.build.options import BuildOptions, default_map_size
+from ingest.build.outdir import Claim
+from ingest.build.run import Run, start
 from ingest.build.scan import Scan
+from ingest.cores import usable_cores
+from ingest.parallel import ForkPool, InlinePool, can_fork, ordered
 
 log = logging.getLogger(__name__)
+
+
+def build(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    options: BuildOptions | None = None,
+    *,
+    workers: int | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    map_size: int | None = None,
+) -> dict:
+    """Convert the ImageFolder tree ``src`` into a store at ``out``; return its manifest.
+
+    Resumes an interrupted build of the same inputs and options from its sealed shards.
+
+    Args:
+        options: what decides the store's content (same options, same records).
+        workers: processes that verify images and write the shards (default: all cores;
+            1: everything in this process).
+        overwrite: replace a complete store at ``out``.
+        progress: show a progress bar (default: when stderr is a terminal).
+        map_size: initial LMDB map size of a shard (default: 1.25 x shard_size); grows as needed.
+    """
+    options = options or BuildOptions()
+    claim = Claim(Path(src), Path(out), overwrite)
+    with make_pool(workers or usable_cores()) as pool:
+        try:
+            facts = functools.partial(file_facts, pool)
+            tree, state = start(src, claim, options, "local", facts)
+            if state is None:  # an --overwrite cut short in its swap: that store is this one
+                return fmt.read_manifest(claim.out)
+            run = Run(tree, claim.target, options, state, map_size or default_map_size(options))
+            with writing(claim.out):
+                manifest = convert(run, Path(src), pool, progress)
+                claim.commit()
+            return manifest
+        finally:
+            claim.release()
 
 
 def convert(run: Run, src: Path, pool: InlinePool, progress: bool | None) -> dict:
@@ -93,12 +137,12 @@ def _submit(run: Run, src: Path, pool, cuts, writes: deque, checks: deque) -> No
     while pool.idle and (writes or checks):
         if writes:
             k, a, b = writes.popleft()
-            pool.submit(k, ray_tasks.write_shard, *_write_args(run, src, cuts, k, a, b))
+            pool.submit(k, tasks.write_shard, *_write_args(run, src, cuts, k, a, b))
         else:
             a, b = checks.popleft()
             plan = twopass.plan_path(run, a, b)
             items = run.tree.items[a:b]
-            pool.submit((a, b), ray_tasks.check_range, src, items, a, run.options, plan, None)
+            pool.submit((a, b), tasks.check_range, src, items, a, run.options, plan, None)
 
 
 class _State:

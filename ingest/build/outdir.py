@@ -17,8 +17,8 @@ import shutil
 from pathlib import Path
 
 from ingest import format as fmt
-from ingest.format.lock import LOCK, BuildLock, Busy
 from ingest.build.resume import OutputError
+from ingest.format.lock import LOCK, BuildLock, Busy
 
 
 class Claim:
@@ -117,11 +117,16 @@ def check_apart(src: Path, out: Path) -> None:
         )
 
 
+# A build's own names, seen also mid-write (another build's state as it is first written).
+_BUILD_ONLY = {fmt.BUILD_STATE, f"{fmt.BUILD_STATE}.tmp", fmt.PARTIAL_DIR, fmt.STAGING_DIR,
+               fmt.RETIRED_DIR}  # fmt: skip
+
+
 def _ours(out: Path) -> bool:
     """Whether ``out`` is empty (but for a build lock), a store, or a build's: a
     manifest.json of another program's does not make a folder ours."""
     names = set(os.listdir(out)) - {LOCK}
-    if not names or names & {fmt.BUILD_STATE, fmt.STAGING_DIR, fmt.RETIRED_DIR}:
+    if not names or names & _BUILD_ONLY:  # names no other program writes
         return True
     if fmt.MANIFEST not in names:
         return False

@@ -1,26 +1,14 @@
-"""build_ray(): the build on a Ray cluster, giving the very store a local build gives.
+"""``build_ray``: the build on a Ray cluster, giving the very store a local build gives.
 
-Where a shard starts depends on the sizes of all the records before it (shardplan.py),
-and a record's size is known only once its image is verified and normalised. So the
-build makes two passes, each over many tasks:
-
-1. check: a task per contiguous range of samples verifies and normalises them, and keeps
-   a plan of the range in OUT/.partial (each stored sample's record size and CRC-32,
-   whether it was re-encoded, the rejects, the format counts); no record is kept;
-2. write: from the sizes, the driver cuts the shards as a local build does; a task per
-   shard reads its files again, makes each record again, checks it against the plan
-   (size and CRC-32) and writes and seals the shard into OUT.
-
-Why two passes: a range can cut its shards right only from a known shard start. Ranges
-ending at the first boundary after a cut point would each wait for the one before (one
-range at a time, the pace of one core); keeping the records between the passes would
-write every byte twice to the shared filesystem. The second pass reads the files again
-instead, and does not decode the ones stored as they are (the first pass verified them;
-their CRC-32 must match). The driver writes the index, paths, rejects and the manifest
-last, as a local build does, and records the sealed shards in OUT/.build-state.json as
-they come: a driver killed mid-build resumes from the plans and shards already sealed.
-
-The tasks themselves are in ray_tasks.py.
+Where a shard starts depends on the sizes of all the records before it, known only once
+each image is verified and normalised; so the build makes two passes of many tasks
+(twopass.py, tasks.py). Check: a task per range of samples keeps a plan of it in
+OUT/.partial (record sizes and CRC-32s, rejects; no record). Write: the driver cuts the
+shards from the plans, and a task per shard makes its records again, checks them against
+the plan and seals the shard. Ranges that waited for the shard start before them would run
+one at a time; records kept between the passes would cross the shared filesystem twice.
+The driver writes the manifest last and records sealed shards as they come: a driver
+killed mid-build resumes from the plans and shards already sealed.
 """
 
 from __future__ import annotations
@@ -41,17 +29,13 @@ from tqdm import tqdm
 
 from ingest import format as fmt
 from ingest.build import twopass
-from ingest.build import (
-    BuildOptions,
-    Run,
-    default_map_size,
-    start,
-    writing,
-)
+from ingest.build.failures import writing
+from ingest.build.options import BuildOptions, default_map_size
 from ingest.build.outdir import Claim
-from ingest.build.tasks import Fault, check_range, write_shard
 from ingest.build.resume import OutputError
+from ingest.build.run import Run, start
 from ingest.build.scan import SourceError
+from ingest.build.tasks import Fault, check_range, write_shard
 
 INSTALL = "pip install 'imfeed[ray]'"
 RETRIES = 5  # attempts after the first, for a task whose worker or node died

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import stat
@@ -11,30 +10,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ingest.format import BUILD_STATE, FORMAT_NAME, INDEX, MANIFEST, MAX_MANIFEST_BYTES, PARTIAL_DIR
+from ingest.format.layout import (
+    BUILD_STATE,
+    FORMAT_NAME,
+    IMAGE_EXTENSIONS,
+    INDEX,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    PARTIAL_DIR,
+)
 
-# torchvision's IMG_EXTENSIONS plus GIF and JFIF; matched case-insensitively, as it does.
-IMAGE_EXTENSIONS = (
-    ".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif", ".jfif",
-)  # fmt: skip
 SYSTEM_FILES = {"thumbs.db", "desktop.ini", "ehthumbs.db", "icon\r"}
-
-
-def looks_like_image_folder(root: Path, peek: int = 64) -> bool:
-    """Whether ``root`` holds image files, in it or in its first 8 subfolders (ImageFolder's
-    layout), judged from at most ``peek`` entries of each."""
-    folders = [root]
-    for folder in folders:
-        try:
-            with os.scandir(folder) as entries:
-                for entry in itertools.islice(entries, peek):
-                    if entry.name.lower().endswith(IMAGE_EXTENSIONS):
-                        return True
-                    if folder == root and len(folders) < 9 and entry.is_dir():
-                        folders.append(Path(entry.path))
-        except OSError:
-            continue
-    return False
 
 
 @dataclass

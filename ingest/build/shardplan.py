@@ -1,6 +1,6 @@
 """Where shards start: a function of the records' sizes, in sample order, and shard_size.
 
-FORMAT.md's rule: a new shard starts when adding the next record would take the sum of
+docs/FORMAT.md's rule: a new shard starts when adding the next record would take the sum of
 record sizes in the current shard over ``shard_size`` (a larger record gets a shard of its
 own). Nothing else decides a boundary (not the workers, not which process wrote what),
 so any build that knows the ordered sizes (the local one as it goes, the Ray one from its

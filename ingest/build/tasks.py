@@ -1,6 +1,6 @@
-"""The two tasks of a Ray build (ray_build.py), run on the cluster's workers.
+"""The two tasks of a build, run on a local build's workers and a Ray cluster's alike.
 
-Plain functions: ray_build wraps them with ``ray.remote`` (so this module never imports
+Plain functions: ray.py wraps them with ``ray.remote`` (so this module never imports
 Ray). Each writes only under OUT/.partial and its own shard, through names of its own
 process, so a retried attempt and the attempt it replaces never write the same file.
 """
@@ -17,8 +17,10 @@ import msgpack
 import numpy as np
 
 from ingest import format as fmt
-from ingest.build import BuildOptions, format_mix, process_file, seal_shard
+from ingest.build.options import BuildOptions
+from ingest.build.process import format_mix, process_file
 from ingest.build.resume import OutputError
+from ingest.build.run import seal_shard
 from ingest.build.scan import SourceError
 from ingest.build.writer import ShardWriter
 

@@ -1,9 +1,9 @@
 """The two passes of a build, shared by its drivers (a local fork pool, a Ray cluster).
 
 1. check: a task per contiguous range of samples verifies and normalises them and keeps a
-   plan of the range in OUT/.partial (``ray_tasks.check_range``);
+   plan of the range in OUT/.partial (``tasks.check_range``);
 2. write: a task per shard makes its records again and writes and seals the shard
-   (``ray_tasks.write_shard``).
+   (``tasks.write_shard``).
 
 Here: the ranges and their plan files, the shards cut from the plans (as the plans come,
 in sample order), recording a sealed shard, and the end of the build from the plans.
@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 from ingest import format as fmt
-from ingest.build import Run
+from ingest.build.run import Run
 from ingest.build.shardplan import shard_starts
 
 
@@ -45,7 +45,7 @@ def load_plan(path: Path, a: int, b: int) -> dict | None:
 
 
 class ShardCuts:
-    """The shards of a build, cut by FORMAT.md's rule from the plans given in sample order.
+    """The shards of a build, cut by docs/FORMAT.md's rule from the plans given in sample order.
 
     ``add`` takes the next plan and returns the shards it completed, as (k, a, b): shard
     ``k`` holds the stored records a..b-1 (numbered among the stored ones). A shard is

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import lmdb
 
+from ingest.build.resume import OutputError
 from ingest.format import BUILD_KEY, encode_key, fsync_path
 from ingest.format.pages import open_lmdb
-from ingest.build.resume import OutputError
 
 MiB = 1 << 20
 TXN_BYTES = 16 * MiB  # commit this often: bounds the dirty pages LMDB keeps in memory
@@ -101,7 +101,7 @@ class ShardWriter:
 
     def seal(self) -> dict:
         """Commit, sync, close, drop the lock file and rename into place; return its entry."""
-        if self.build:  # not a record: its key is not 8 bytes long (FORMAT.md)
+        if self.build:  # not a record: its key is not 8 bytes long (docs/FORMAT.md)
             self._pending.append((BUILD_KEY, self.build.encode("ascii")))
         self._commit()
         self._flusher.join()
@@ -228,9 +228,9 @@ def keep_heap() -> None:
     LMDB copies a transaction's records into pages it mallocs, and frees them at commit;
     glibc then gives them back to the kernel (records over its adaptive mmap threshold are
     unmapped, the top of the heap is trimmed), and the next transaction faults them in
-    again, page by page: that was about half of the CPU time of writing a record (106 KB
-    JPEGs on a 2-core VM: 76 us a record, 36 us with this). Costs the memory of one
-    transaction's pages, kept for the next one.
+    again, page by page: about half of the CPU time of writing a record
+    (docs/design/ingest.md). Costs the memory of one transaction's pages, kept for the
+    next one.
     """
     if os.getpid() in _heap_kept:
         return

@@ -1,25 +1,18 @@
 """The on-disk layout of the node-wide shard cache: directories, locks, users, liveness.
 
-One directory per user under the cache root (``/dev/shm`` by default), one per store in it,
-named from the store's identity (the SHA-256 of its manifest, which covers every shard's
-content checksum), so two stores never share one and a rebuilt store never meets the
-copies of its predecessor::
+A directory per user under the cache root, one per store in it named from the SHA-256 of
+its manifest (which covers every shard's checksum): a rebuilt store never meets old copies::
 
-    <cache root>/imfeed-cache-<uid>/          mode 0700, checked to be this user's
-      <id>.lock                               flock: joining, leaving, removing <id>/
-      <id>/
-        store.json                            the store's path and shard count (for `ls`)
-        session                               token of the current run (see join())
-        keep                                  a user of this run asked to keep the cache
-        users/<pid>-<start>                   one empty file per process using the cache
-        budget.lock                           flock: reserving space for a copy
-        locks/shard-00000.lock                flock: one copier per shard
-        .tmp-shard-00000.<pid>-<start>/       a copy in progress, its owner in the name
-        shard-00000/                          a complete copy: data.mdb, copy.json, verified
+    <cache root>/imfeed-cache-<uid>/   mode 0700, checked to be this user's
+      <id>.lock                        flock: joining, leaving, removing <id>/
+      <id>/store.json, session, keep   the store (for `ls`), this run's token (join()), keep
+      <id>/users/<pid>-<start>         one empty file per process using the cache
+      <id>/budget.lock, locks/shard-00000.lock    flock: reserving space; one copier a shard
+      <id>/.tmp-shard-00000.<pid>-<start>/        a copy in progress, its owner in the name
+      <id>/shard-00000/                a complete copy: data.mdb, copy.json, verified
 
-Processes are named ``<pid>-<start time>``: the start time (from /proc) tells a live
-process from a dead one whose pid was reused. A process killed at any point leaves only
-entries whose owner is dead, which the next process recognises and removes.
+Processes are named ``<pid>-<start time>`` (/proc tells a reused pid): what a process
+killed at any point leaves, the next one recognises as dead and removes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Record pack/unpack (msgpack maps) and the payload compression registry ("zstd:3")."""
+"""Record pack/unpack (msgpack maps), their checks, and the payload compression registry
+("zstd:3")."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from typing import Any
 
 import msgpack
 
-# Keys every record has (FORMAT.md, "Records").
+from ingest.format.layout import FORMAT_CODES
+
+# Keys every record has (docs/FORMAT.md, "Records").
 RECORD_KEYS = (
     "image",
     "label",
@@ -113,6 +116,25 @@ def pack_record(record: dict) -> bytes:
 def unpack_record(value: bytes | memoryview) -> dict:
     """Parse a stored value into a record map (no code runs: msgpack, never pickle)."""
     return msgpack.unpackb(value, raw=False, strict_map_key=True)
+
+
+def check_record(record: object) -> str | None:
+    """What makes an unpacked record unusable (not a map, a field of the wrong type), or
+    None. Readers check this before using a record: a store is untrusted input."""
+    if not isinstance(record, dict):
+        return f"not a map but {type(record).__name__}"
+    for key, types in _RECORD_TYPES.items():
+        if not isinstance(record.get(key), types):
+            return f"field {key!r} is {type(record.get(key)).__name__}, not {types[0].__name__}"
+    if record["format"] not in FORMAT_CODES:
+        return f"unknown image format {record['format']!r}"
+    if not isinstance(record.get("path", ""), (str, bytes)):
+        return f"field 'path' is {type(record['path']).__name__}, not str"
+    return None
+
+
+_RECORD_TYPES = {"image": (bytes,), "label": (int,), "format": (str,), "height": (int,),
+                 "width": (int,), "compression": (str, type(None))}  # fmt: skip
 
 
 def image_bytes(record: dict, limit: int | None = None) -> bytes:

@@ -1,29 +1,18 @@
-"""A check of a shard's LMDB pages before LMDB reads them.
+"""A check of a shard's LMDB pages before LMDB reads them (LMDB 0.9's format, ``mdb.c``).
 
-LMDB trusts its file: a page number, a node's offset or a value's length damaged in place
-(the file's size unchanged) makes it read past the end of the file (SIGBUS), or fail one of
-its assertions (SIGABRT), in the process that reads it. This check walks the tree of a
-shard's main database as LMDB's lookups and cursors do (LMDB 0.9's file format, data
-format 1, `mdb.c`), and refuses what would lead them outside the file or into a code path
-a store never uses:
+LMDB trusts its file: a page number, node offset or value length damaged in place makes it
+read past the end of the file (SIGBUS) or fail an assertion (SIGABRT) in the reader. This
+walks the main database's tree as LMDB's lookups and cursors do, and refuses what would
+lead them outside the file or into a code path a store never uses: the meta page LMDB
+picks; every branch and leaf page from the root (number, kind, bounds, nodes, node flags,
+keys a branch, each child reached once, every leaf at the tree's depth); every overflow
+value's first page and length. It reads the tree's pages only, never the values, through a
+read-only map Python bounds-checks (``lmdb.verify`` also checks the write paths' invariants
+and reads every value's first page: a random read per record on a cold disk).
 
-- the meta page LMDB picks (the one with the higher transaction id): its magic number,
-  version, page size, last page within the file, and a main database without flags;
-- every branch and leaf page, from the root: its number and kind, the bounds of its
-  pointer array, each node with its key and inline value inside the page, no node flags
-  but "value on overflow pages", at least two keys a branch page (LMDB asserts it), every
-  child a page of the file reached once, every leaf at the database's depth;
-- every value on overflow pages: its first page and its length within the file.
-
-It reads the tree's pages only, not the values (a few pages in a thousand of a store of
-images over 2 KB; every page where the images are smaller), through a read-only map of
-the file that Python bounds-checks. py-lmdb 3's ``lmdb.verify`` checks every invariant of
-LMDB's write paths, and so reads every value's first page and marks every page of the
-file: a random read per record on a cold disk, where a reader needs the read paths only.
-
-py-lmdb 3 holds two engines, LMDB 0.9 and 1.0, and picks one for an existing file from its
-first bytes, which a damaged file can make the 1.0 engine's: every LMDB environment of a
-store is opened through ``open_lmdb``, with the 0.9 engine whose format this check models.
+Every LMDB environment of a store is opened through ``open_lmdb``, with the 0.9 engine
+this check models: py-lmdb 3 picks its engine from a file's first bytes, which damage can
+make the 1.0 engine's.
 """
 
 from __future__ import annotations
@@ -36,7 +25,7 @@ import struct
 import lmdb
 import numpy as np
 
-from ingest.format import StoreError
+from ingest.format.errors import StoreError
 
 # lmdb.open's arguments that choose LMDB 0.9's engine (data format 1), where the binding
 # has several (py-lmdb 3); older bindings have that engine only.

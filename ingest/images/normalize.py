@@ -11,7 +11,6 @@ as baseline JPEG at ``quality``; other sources as lossless PNG.
 
 from __future__ import annotations
 
-import io
 import re
 import struct
 import warnings
@@ -23,23 +22,23 @@ import simplejpeg
 from PIL import Image, ImageOps
 
 from ingest.format import DEFAULT_MAX_PIXELS
-from ingest.images.probe import (
-    JpegHeaderError,
-    JpegInfo,
-    PngError,
-    parse_jpeg,
-    plain_png,
-    png_end,
-    png_has_exif,
-    sniff,
-    walk_scans,
-    without_icc,
+from ingest.images.jpeg import JpegHeaderError, JpegInfo, parse_jpeg, walk_scans, without_icc
+from ingest.images.pixels import (
+    bgr,
+    channels,
+    open_unlimited,
+    pil_orientation,
+    png_bit_depth,
+    resize,
+    to_8bit,
 )
+from ingest.images.png import PngError, plain_png, png_end, png_has_exif
+from ingest.images.probe import sniff
 
 cv2.setNumThreads(1)
 
 # A progressive JPEG's decode costs a pass over its coefficients per scan: libjpeg's own
-# scripts make 6-10 scans, and one of 700 cost 15 times a normal decode. Over KEPT_SCANS
+# scripts make 6-10 scans, and hundreds multiply a decode's cost. Over KEPT_SCANS
 # the build decodes it once and stores it as baseline; over MAX_SCANS it is refused.
 KEPT_SCANS = 64
 MAX_SCANS = 1000
@@ -197,7 +196,7 @@ def _plain_png(data: bytes, opts: Options) -> Converted | None:
 
 def _png_kept(data: bytes) -> tuple[bytes, list[str]] | None:
     """A PNG to store as it is, and its fixes: its critical chunks
-    (``ingest.images.probe.plain_png``:
+    (``ingest.images.png.plain_png``:
     every chunk, and all the image data inflated and its rows' filters checked, as a decode
     would), which are what the loader's readers decode, where that check passes it; None:
     convert it (PIL reads some PNGs it refuses, such as one with bytes after the end of its
@@ -226,7 +225,7 @@ def _pil_load(data: bytes, kind: str, opts: Options) -> Image.Image:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            img = _open_unlimited(data)
+            img = open_unlimited(data)
             _check_pixels(*img.size, opts)  # ours, from the header, before anything decodes
             img.load()
     except Reject:
@@ -240,41 +239,30 @@ def _pil_load(data: bytes, kind: str, opts: Options) -> Image.Image:
 OBJECT_AT = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")  # an object's repr: its address
 
 
-def _open_unlimited(data: bytes) -> Image.Image:
-    """``Image.open`` without PIL's own pixel limit (Options.max_pixels replaces it, with
-    a reason that names the option); restored at once, for other users of PIL."""
-    limit = Image.MAX_IMAGE_PIXELS
-    Image.MAX_IMAGE_PIXELS = None
-    try:
-        return Image.open(io.BytesIO(data))
-    finally:
-        Image.MAX_IMAGE_PIXELS = limit
-
-
 def _via_pil(data: bytes, kind: str, opts: Options) -> Converted:
     img = _pil_load(data, kind, opts)
     fixes: list[str] = []
     with warnings.catch_warnings():  # PIL's about malformed EXIF data: not the decoder's
         warnings.simplefilter("ignore")
-        orientation = _orientation(img)
+        orientation = pil_orientation(img)
         if orientation != 1:
             img = ImageOps.exif_transpose(img)
             fixes.append(f"exif-orientation:{orientation}")
-    arr = _to_8bit(img, fixes)
-    if kind == "png" and _png_bit_depth(data) == 16 and "16bit-to-8bit" not in fixes:
+    arr = to_8bit(img, fixes)
+    if kind == "png" and png_bit_depth(data) == 16 and "16bit-to-8bit" not in fixes:
         fixes.append("16bit-to-8bit")  # PIL reads 16-bit RGB(A) as 8-bit, by the high bytes
     keep = (
         kind == "png"
         and not fixes
         and not _too_big(*arr.shape[:2], opts)
         and img.mode in ("L", "RGB")
-        and _png_bit_depth(data) == 8
+        and png_bit_depth(data) == 8
     )
     kept = _png_kept(data) if keep else None  # with EXIF data that rotates nothing
     if kept is not None:
-        return Converted(kept[0], "png", kind, *arr.shape[:2], _channels(arr), fixes=kept[1])
+        return Converted(kept[0], "png", kind, *arr.shape[:2], channels(arr), fixes=kept[1])
     if _too_big(*arr.shape[:2], opts):
-        arr = _resize(arr, opts.max_size)
+        arr = resize(arr, opts.max_size)
         fixes.append(f"resized-from:{img.width}x{img.height}")
     if kind == "jpeg":
         return _encode_jpeg(arr, kind, fixes, opts.quality)
@@ -283,64 +271,8 @@ def _via_pil(data: bytes, kind: str, opts: Options) -> Converted:
     return _encode_png(arr, kind, fixes)
 
 
-def _orientation(img: Image.Image) -> int:
-    """The EXIF orientation PIL's ``exif_transpose`` applies: 1..8, where the tag's value
-    (the first of several) equals one (an integer, or a rational such as 6/1), else 1
-    (text, 6/0: PIL rotates nothing)."""
-    try:
-        value = img.getexif().get(0x0112, 1)
-    except Exception:  # EXIF data PIL cannot parse: it rotates nothing either
-        return 1
-    return int(value) if value in range(1, 9) else 1
-
-
-def _png_bit_depth(data: bytes) -> int:
-    return data[24] if len(data) > 25 and data[12:16] == b"IHDR" else 0
-
-
-def _to_8bit(img: Image.Image, fixes: list[str]) -> np.ndarray:
-    """Pixels as uint8 HxW (gray) or HxWx3 (RGB), converting as ImageFolder would see them."""
-    mode = img.mode
-    if mode in ("L", "RGB"):
-        return np.asarray(img)
-    if mode in ("I;16", "I;16B", "I;16L", "I"):
-        fixes.append("16bit-to-8bit")
-        wide = np.asarray(img, dtype=np.uint32 if mode == "I" else np.uint16)
-        return np.clip((wide.astype(np.float64) / 257.0).round(), 0, 255).astype(np.uint8)
-    if mode in ("1", "F"):
-        fixes.append(f"mode-{mode}-to-gray")
-        return np.asarray(img.convert("L"))
-    if mode == "LA":
-        fixes.append("alpha-dropped")
-        return np.asarray(img.convert("L"))
-    fixes.append(
-        {"CMYK": "cmyk-to-rgb", "P": "palette-to-rgb", "PA": "palette-to-rgb"}.get(
-            mode, "alpha-dropped" if "A" in mode else f"mode-{mode}-to-rgb"
-        )
-    )
-    if mode == "P" and "transparency" in img.info:
-        fixes.append("alpha-dropped")
-        img = img.convert("RGBA")
-    return np.asarray(img.convert("RGB"))
-
-
-def _channels(arr: np.ndarray) -> int:
-    return 1 if arr.ndim == 2 else arr.shape[2]
-
-
-def _resize(arr: np.ndarray, max_size: int) -> np.ndarray:
-    h, w = arr.shape[:2]
-    scale = max_size / max(h, w)
-    size = (max(1, round(w * scale)), max(1, round(h * scale)))
-    return cv2.resize(arr, size, interpolation=cv2.INTER_AREA)
-
-
-def _bgr(arr: np.ndarray) -> np.ndarray:
-    return arr if arr.ndim == 2 else np.ascontiguousarray(arr[:, :, ::-1])
-
-
 def _encode_jpeg(arr: np.ndarray, kind: str, fixes: list[str], quality: int) -> Converted:
-    ok, buf = cv2.imencode(".jpg", _bgr(arr), [cv2.IMWRITE_JPEG_QUALITY, quality])
+    ok, buf = cv2.imencode(".jpg", bgr(arr), [cv2.IMWRITE_JPEG_QUALITY, quality])
     if not ok:
         raise Reject("could not re-encode as JPEG")
     payload = buf.tobytes()
@@ -360,8 +292,8 @@ def _encode_jpeg(arr: np.ndarray, kind: str, fixes: list[str], quality: int) -> 
 
 
 def _encode_png(arr: np.ndarray, kind: str, fixes: list[str]) -> Converted:
-    ok, buf = cv2.imencode(".png", _bgr(arr), [cv2.IMWRITE_PNG_COMPRESSION, 3])
+    ok, buf = cv2.imencode(".png", bgr(arr), [cv2.IMWRITE_PNG_COMPRESSION, 3])
     if not ok:
         raise Reject("could not re-encode as PNG")
     fixes.append("reencoded-png")
-    return Converted(buf.tobytes(), "png", kind, *arr.shape[:2], _channels(arr), fixes=fixes)
+    return Converted(buf.tobytes(), "png", kind, *arr.shape[:2], channels(arr), fixes=fixes)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loader.bench.pipelines import MEAN, SIZE, STD, Settings
+from loader.bench.settings import MEAN, SIZE, STD, Settings
 
 _EXTENSIONS = {".jpg", ".jpeg", ".png"}
 

@@ -11,27 +11,9 @@ import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
-SIZE = 224
+from loader.bench.settings import MEAN, SIZE, STD, Settings
+
 BASELINE = "torch-pil"
-
-
-@dataclass(frozen=True)
-class Settings:
-    """One run's settings, the same for every pipeline (sent to each pipeline's process)."""
-
-    folder: str | None
-    store: str | None
-    batch_size: int
-    workers: int
-    dtype: str
-    channels_last: bool
-    eval: bool
-    device: str
-    train_steps: int = 0
-    train_warmup: int = 0
-    min_pass_seconds: float = 0.0  # a pass reads whole epochs until this long has passed
 
 
 @dataclass(frozen=True)
@@ -246,8 +228,8 @@ class OurPipeline:
         Made while other pipelines run their passes, they would be a head start no one
         timed (and would take cores and GPU from those passes); within a pass, from one
         epoch to the next, that head start is timed, as it is in a training loop."""
-        self.dl._end_read()  # an epoch read whole, not asked past, goes to the carry
-        self.dl._drop_carry()
+        self.dl._session.end_read()  # an epoch read whole, not asked past, goes to the carry
+        self.dl._session.drop_carry()
 
     def close(self) -> None:
         self.dl.close()

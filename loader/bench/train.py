@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from loader.bench.pipelines import SIZE, Settings
+from loader.bench.settings import SIZE, Settings
 from loader.telemetry.profiler import profile
 
 MODELS = ("resnet18", "resnet50")

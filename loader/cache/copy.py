@@ -34,7 +34,7 @@ def copy_bytes(src: Path, fd: int, size: int) -> str:
 
 
 def records_digest(shard_dir: Path, entry: dict) -> str | None:
-    """The content checksum (FORMAT.md) of the records in ``shard_dir``; None when its keys
+    """The content checksum (docs/FORMAT.md) of the records in ``shard_dir``; None when its keys
     are not exactly those the manifest gives the shard."""
     crcs, sizes, keys = [], [], []
     env = open_lmdb(shard_dir, readonly=True, lock=False, readahead=False, max_readers=1)

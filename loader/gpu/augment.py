@@ -1,9 +1,8 @@
 """Batched GPU augmentation: decoded images of any size -> the output batch, in two launches.
 
-Each decoded image (uint8, [3, H, W], its own allocation: what a batched JPEG decoder
-returns) gets one row of crop parameters (``loader.augment.CROP_COLUMNS``). Two Triton
-kernels read the ragged images through a table of their addresses, so no image is padded,
-copied or converted to float first:
+Each decoded image (uint8, [3, H, W], its own allocation) gets one row of crop parameters
+(``loader.augment.CROP_COLUMNS``). Two Triton kernels read the ragged images through a
+table of their addresses, so no image is padded, copied or converted to float first:
 
 1. ``_resample_rows``: the crop window's rows, each resampled horizontally to the output
    columns it contributes to, into a float32 scratch of ``sum(window heights)`` rows;
@@ -11,11 +10,10 @@ copied or converted to float first:
    the uint8 grid (as a PIL image would be), mirrored, normalised, cast and written at its
    row of the output batch with the output's strides (contiguous or channels_last).
 
-The filter is PIL's (and torchvision's ``antialias=True``) separable triangle filter:
-when shrinking by a factor s it spans s source pixels on each side, otherwise it is plain
-bilinear interpolation. Windows and flips come from the sampler, exactly as on the CPU path.
-Triton is imported lazily: the module loads without it, and its kernels also run under
-Triton's CPU interpreter (``TRITON_INTERPRET=1``), which the CPU test suite uses.
+The filter is PIL's separable triangle filter (torchvision's ``antialias=True``): s source
+pixels each side when shrinking by s, else bilinear. Windows and flips come from the
+sampler, as on the CPU path. Triton is imported lazily; the kernels also run under its CPU
+interpreter (``TRITON_INTERPRET=1``), which the CPU test suite uses.
 """
 
 from __future__ import annotations
@@ -105,8 +103,7 @@ def copy_holding_gil(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` (C-contiguous ``dst``, same bytes) as one memcpy that keeps the
     GIL. numpy and torch let the GIL go around a large copy, and a thread that lets it go
     waits for a busy one (the training loop) to drop it: up to a switch interval (5 ms)
-    each time. On the dev machine, beside a busy Python thread, the kernels' 300 KB row
-    table took 2.4-2.6 ms by numpy and 0.004-0.006 ms this way (``benchmarks/gil_copies.py``)."""
+    each time."""
     if dst.nbytes:  # (memoryview cannot cast an empty array)
         view = memoryview(dst).cast("B")
         view[:] = memoryview(np.ascontiguousarray(src)).cast("B")
@@ -115,7 +112,7 @@ def copy_holding_gil(dst: np.ndarray, src: np.ndarray) -> None:
 def gather(rows: Rows, target: np.ndarray) -> None:
     """Write ``rows.array[rows.rows]`` into ``target`` (C-contiguous), row by row, keeping
     the GIL (see ``copy_holding_gil``; ``np.take`` and ``torch.index_select`` both let it
-    go: 15.6 and 5.2 ms for 26 rows of 224x224x3 beside a busy thread, against 0.07)."""
+    go)."""
     src = rows.array
     if not target.nbytes:
         return
@@ -131,8 +128,8 @@ def gather(rows: Rows, target: np.ndarray) -> None:
 def cut(data: torch.Tensor | np.ndarray, starts: list[int], lengths: list[int]) -> list:
     """``[data[s : s + m] for s, m in zip(starts, lengths)]``; for a tensor, in two torch
     calls where the spans come in order without overlap (as the workers pack a batch's
-    JPEGs): each torch call lets the GIL go, and a batch's 256 slices took 6.4-8.8 ms beside
-    a busy Python thread, 0.2 alone (``benchmarks/gil_copies.py``). numpy slices keep it."""
+    JPEGs): each torch call lets the GIL go, which beside a busy Python thread makes a
+    batch's 256 slices cost milliseconds. numpy slices keep it."""
     if not starts or not isinstance(data, torch.Tensor):
         return [data[s : s + m] for s, m in zip(starts, lengths, strict=True)]
     sizes, end = [], starts[0]

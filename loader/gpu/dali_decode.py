@@ -1,27 +1,16 @@
 """The DALI decoder: batched JPEG decode of only each sample's crop window, through DALI.
 
-``nvidia.dali.fn.decoders.image_slice`` on DALI's "mixed" device decodes a batch with the
-GPU's hardware JPEG engines and nvjpeg's CUDA decoder side by side, and decodes only the
-region it is given (ROI decode): RandomResizedCrop keeps 8-100% of an image, so most of a
-full decode's pixels would be thrown away. The regions are the sampler's crop windows, so
-the samples are the same on every backend.
+``fn.decoders.image_slice`` on DALI's "mixed" device decodes a batch on the hardware JPEG
+engines and nvjpeg's CUDA decoder side by side, and only the region it is given:
+RandomResizedCrop keeps 8-100% of an image, so most of a full decode would be thrown
+away. The regions are the sampler's windows, so the samples are the same on every backend.
+With ``decoder="dali"`` the whole stage runs in one DALI pipeline
+(``loader.gpu.dali_stage``); this decoder serves the batches that pipeline fails on.
 
-With ``decoder="dali"`` the loader runs its whole GPU stage in one asynchronous DALI
-pipeline (``loader.gpu.dali_stage``: decode, resize, flip and normalise in DALI); this decoder
-serves the batches that pipeline fails on, decoding them image by image where a batch
-fails, with the loader's own kernels doing the rest, as for the other GPU decoders.
-
-DALI is an optional extra (``pip install 'imfeed[dali]'``), imported when this decoder is
-made. A pipeline here is fed by the loader (``external_source``), runs synchronously in
-the calling thread and its output is copied, on the caller's stream, into one tensor of
-the caller's allocator, so DALI's buffers are free again when the copy is done. Each
-concurrent caller gets a pipeline of its own (``PIPELINES``), built on first use.
-
-Measured on an H200 as the loader's decoder (decode only, the loader's kernels after it):
-10-16k img/s inside the loader, against 24-32k for DALI's own pipelines
-(``benchmarks/results/gpu-h200-dali*.md``, ``gpu-h200-async*.md``): the Python work of
-each batch (feeding 256 arrays, the ragged copy-out, the kernels' tables) ran on the
-loader's threads behind one another for the GIL. Hence the whole-stage pipeline.
+DALI is optional (``pip install 'imfeed[dali]'``), imported when the decoder is made. Each
+concurrent caller gets a synchronous pipeline of its own, whose output is copied on the
+caller's stream into one tensor of torch's allocator, so DALI's buffers are free again
+once the copy is done.
 """
 
 from __future__ import annotations
@@ -45,8 +34,8 @@ from loader.gpu.nvjpeg import raise_if_not_the_data
 # built, which optional codec libraries (nvTIFF, nvJPEG2000) it did not find. It writes the
 # colour codes apart from the line, so a capture may begin or end between them: a line of
 # colour codes alone is its too. Its JPEG parser's complaints come alone on a line
-# ("Invalid marker", seen on the H200 for a stream cut short).
-_LIBRARY_LINES = re.compile(
+# ("Invalid marker", for a stream cut short).
+LIBRARY_LINES = re.compile(
     r"^\s*(\x1b\[[0-9;]*m)?\[(FATAL|ERROR|WARNING|INFO|DEBUG|TRACE)\]"
     r"|^Failed to load nv|^Note: If using nvImageCodec|^(\x1b\[[0-9;]*m)+\s*$"
     r"|^(Invalid marker|Unexpected end-of-stream|Unexpected signature"
@@ -55,7 +44,7 @@ _LIBRARY_LINES = re.compile(
 
 # The share of the JPEGs DALI gives its hardware engines (the rest go to nvjpeg's CUDA
 # decoder, whose Huffman stage runs on DALI's CPU threads): all of them, and 4 threads,
-# decoded fastest on an H200 (benchmarks/results/gpu-h200-decoders.log).
+# decoded fastest.
 HW_DECODER_LOAD = 1.0
 MAX_THREADS = 4  # DALI's CPU threads per pipeline: they share the cores with training
 PIPELINES = 2  # pipelines, one per concurrent caller
@@ -190,13 +179,13 @@ class DaliDecoder:
             own.copied.synchronize()
             own.copied = None
         if own.pipe is None:
-            with filtered(_LIBRARY_LINES):  # optional codecs it did not find, among others
+            with filtered(LIBRARY_LINES):  # optional codecs it did not find, among others
                 own.pipe = self._build()
         pipe = own.pipe
         pipe.feed_input("jpegs", jpeg_batch([_as_numpy(t) for t in encoded]))
         pipe.feed_input("anchor", np.ascontiguousarray(windows[:, [1, 0]], dtype=np.float32))
         pipe.feed_input("shape", np.ascontiguousarray(windows[:, [3, 2]], dtype=np.float32))
-        with filtered(_LIBRARY_LINES):  # its complaints about a bad stream: a None here
+        with filtered(LIBRARY_LINES):  # its complaints about a bad stream: a None here
             (out,) = pipe.run()
         images, own.copied = self._to_torch(out, windows)
         return images
@@ -220,9 +209,9 @@ class DaliDecoder:
 
 
 def jpeg_batch(arrays: list[np.ndarray]):
-    """``arrays`` (1-D uint8) as one DALI batch, wrapped where they lie. ``feed_input``
-    given the list checks each array in Python (its type, shape, layout: 0.59-0.62 ms a
-    batch of 256 on the dev machine); wrapped first, it takes 0.28-0.38."""
+    """``arrays`` (1-D uint8) as one DALI batch, wrapped where they lie: ``feed_input``
+    given the list checks each array in Python (its type, shape, layout), which takes
+    about twice as long."""
     from nvidia.dali.tensors import TensorCPU, TensorListCPU
 
     return TensorListCPU([TensorCPU(a) for a in arrays], "", contiguous=False)
@@ -240,10 +229,9 @@ def hwc_views(
     ``expected`` (h, w) with 3 channels.
 
     The views are made in one call (a nested tensor over the buffer, unbound): a view and
-    a permute per image are 512 torch calls a batch, each letting the GIL go, and on the
-    dev machine beside a busy Python thread 256 images took 191-208 ms that way, 36-41
-    this way (``benchmarks/gil_copies.py``).
-    Where that private torch call is missing, it falls back to the calls per image.
+    a permute per image are 512 torch calls a batch, each letting the GIL go, several
+    times slower beside a busy Python thread. Where that private torch call is missing,
+    it falls back to the calls per image.
     """
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     ok = [s == (h, w, 3) for s, (h, w) in zip(shapes, expected.tolist(), strict=True)]
@@ -286,9 +274,8 @@ def copy_into(target: torch.Tensor, out, stream: torch.cuda.Stream | None) -> No
     DALI takes the stream as a ``ctypes.c_void_p``. Given the plain int of
     ``stream.cuda_stream``, it finds no handle in it and copies on the legacy default
     stream, which a torch side stream does not wait for: what ``stream`` did next could
-    read the target before the copy wrote it (on the H200, batches of the DALI stage
-    delivered with NaN where its rows went through a temporary,
-    ``benchmarks/dali_delivery_probe.py``)."""
+    read the target before the copy wrote it (batches came with NaN where their rows went
+    through a temporary)."""
     pointer = ctypes.c_void_p(target.data_ptr())
     if stream is None:
         out.copy_to_external(pointer)

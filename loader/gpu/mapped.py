@@ -1,20 +1,14 @@
 """MappedRows: the ring's pixel rows read by a kernel where the workers wrote them.
 
 The rows the workers decode on the CPU (the GPU path's CPU share, and the images the GPU
-decoder rejects) lie in the ring's shared memory, one row per sample of the slot. Sending
-them to the device through a pinned buffer takes a copy on the CPU first, row by row and
-holding the GIL (``augment_gpu.gather``): 0.44 ms for 25 rows of 224x224x3 and 1.0 ms for
-76 on the H200, while the training loop's thread waits for the GIL. Here the ring's pixel
-buffer is registered with CUDA once (page-locked and mapped into the device's address
-space: ``cudaHostRegister``), and one gather kernel reads a batch's rows straight from it:
-0.03 ms of the thread's time for 25 or 76 rows, the rows on the device 0.11 and 0.26 ms
-later (``benchmarks/pinned_slot_probe.py``, ``gpu-h200-s38-pinned-slot.log``).
-
-The ring is shared memory (``MAP_SHARED``): workers forked after the registration write the
-same pages, no copy-on-write between them and the device's view. A slot goes back to the
-workers only once the batch's GPU work is done (``loader.gpu.prefetch``), the gather included.
-Where the memory cannot be registered or read this way (no unified addressing, a driver
-that refuses), ``rows`` returns None and the caller copies the rows as before.
+decoder rejects) lie in the ring's shared memory. Sending them through a pinned buffer
+takes a copy on the CPU first, row by row and holding the GIL (``augment.gather``), while
+the training loop's thread waits for it. Here the ring's pixel buffer is registered with
+CUDA once (``cudaHostRegister``: page-locked, mapped into the device's address space) and
+one gather kernel reads a batch's rows straight from it. The ring is ``MAP_SHARED``, so
+workers forked after the registration write the same pages; a slot goes back to them only
+once the batch's GPU work, the gather included, is done (``loader.gpu.prefetch``). Where
+the memory cannot be registered or read so, ``rows`` returns None and the caller copies.
 """
 
 from __future__ import annotations

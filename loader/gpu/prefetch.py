@@ -1,32 +1,14 @@
 """GpuEpochIterator: the epoch iterator of the GPU path, with a CUDA prefetch thread.
 
-A background thread runs the whole producing side: it plans and dispatches batches to the
-workers, collects the gathered slots, runs each through the ``GpuStage`` (decode and
-augmentation on side streams) and puts the finished batch into a bounded queue
-(``prefetch_factor`` batches). The GPU decoder blocks the thread that calls it for the
-whole batch (releasing the GIL), so decode threads of their own call it: the prefetch
-thread hands them batches ahead and finishes the oldest one meanwhile.
-
-The training loop only takes finished batches: its stream waits on the batch's event
-(``wait_event``: never the whole device) and the tensors are marked as used by that
-stream (``record_stream``), so the allocator never hands their memory to the side stream
-while the training loop may still read them. The plan advances on delivery, as on the CPU
-path, so ``state_dict()`` counts what the user received.
-
-The thread holds the iterator only weakly while it waits on the queue, so an iterator the
-user abandons is collected, stops its thread and frees the workers as on the CPU path.
-
-With ``persistent_workers=True`` an epoch's end does not stop the thread: it goes on into
-the first batches of the epoch that follows (the loader's plan one epoch on, as it will be
-unless the loop moves it elsewhere) while the training loop finishes the last ones, so the
-next epoch starts with batches ready instead of waiting for the workers and the decoder to
-start again (on an H200, DDP ResNet-50 waited 42-48 ms at each epoch's start, with the GPU
-idle). The loader keeps the finished iterator (``DataLoader._carry``); the next iteration
-takes it on if its plan is the one the thread guessed, and otherwise drops those batches.
-Nothing is counted before it is delivered, so ``state_dict()`` is unchanged by this.
-
-Errors in the thread (a dead worker, a CUDA error, a damaged store) reach the training
-loop as the exception itself, naming the stage.
+A background thread runs the producing side: it dispatches batches to the workers, runs
+each gathered slot through the GPU stage (decode threads call the decoder, which blocks for
+a whole batch, so that the next call already waits inside it) and puts finished batches
+into a bounded queue. The training loop only takes them: its stream waits on the batch's
+event (never the whole device) and ``record_stream`` keeps the allocator from reusing the
+tensors' memory meanwhile. The thread holds the iterator only weakly while it waits, so an
+abandoned iterator is collected and stops. With ``persistent_workers=True`` the thread goes
+on into the next epoch's first batches while the loop finishes the last ones (the session
+keeps the iterator; ``loader.session``). Errors in the thread reach the loop, naming the stage.
 """
 
 from __future__ import annotations
@@ -39,36 +21,12 @@ import weakref
 
 import torch
 
-from loader.epoch import EpochIterator, LoaderGone, chunk_size
-from loader.gpu.stage import Call
+from loader.epoch import EpochIterator, LoaderGone
+from loader.gpu.decode_threads import DecodeThreads
+from loader.gpu.slots import batches_on_gpu, gather_chunk
 
 _JOIN_S = 30.0  # longest wait for the thread to finish the batch it is on
 _PUT_POLL_S = 0.1
-_MIN_GATHER_CHUNK = 64  # samples per worker task on the GPU path
-_MAX_SLOTS = 16  # each slot holds a batch's bytes and a batch of CPU-decoded pixels
-
-
-def gather_chunk(batch_size: int, num_workers: int) -> int:
-    """Samples per worker task on the GPU path: gathering bytes is cheap, so fewer, larger
-    tasks (fewer pipe messages, each costing the prefetch thread a GIL hand-off)."""
-    return max(chunk_size(batch_size, num_workers), _MIN_GATHER_CHUNK)
-
-
-def ring_slots(batch_size: int, num_workers: int, prefetch_factor: int, on_gpu: int = 2) -> int:
-    """Ring slots of the GPU path: ``on_gpu`` batches in the GPU stage's hands (being
-    finished, decoding, queued for the decoder), and enough batches in the workers' hands
-    for every worker to hold a task."""
-    if num_workers == 0:
-        return 1
-    chunks = -(-batch_size // gather_chunk(batch_size, num_workers))  # tasks per batch
-    busy_workers = -(-num_workers // chunks) + on_gpu
-    return max(on_gpu + 1, 2 * prefetch_factor, min(busy_workers, _MAX_SLOTS))
-
-
-def batches_on_gpu(concurrent_calls: int) -> int:
-    """Batches the GPU stage holds at once: the one being finished, and one submitted per
-    decode thread, so that the decoder always has a call waiting."""
-    return 1 + max(1, concurrent_calls)
 
 
 class GpuStageError(RuntimeError):
@@ -78,28 +36,28 @@ class GpuStageError(RuntimeError):
 class GpuEpochIterator(EpochIterator):
     """See the module docstring; ``DataLoader.__iter__`` returns one on the GPU path."""
 
-    def __init__(self, loader) -> None:
-        super().__init__(loader)
-        self._chunk = gather_chunk(loader.batch_size, loader.num_workers)
-        self._stage = loader._gpu_stage
+    def __init__(self, session) -> None:
+        super().__init__(session)
+        settings = session.settings
+        self._chunk = gather_chunk(settings.batch_size, settings.num_workers)
+        self._stage = session.gpu_stage
         self._stage.epoch_started()
-        self._stats = loader._stats
-        self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch_factor)
+        self._stats = session.stats
+        self._queue: queue.Queue = queue.Queue(maxsize=settings.prefetch_factor)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # One batch queued per decode thread beside the one being finished: the next call
         # already waits inside the decoder (GIL released) when the current one ends, where
         # a single thread one batch ahead first waited for the GIL behind this thread
-        # (on the H200, loader alone: 13-15k img/s that way, 18.7-24.5k this way).
         threads = self._stage.concurrent_calls
-        self._decoder = _DecodeThreads(threads) if self._ring.slots > 1 else None
+        self._decoder = DecodeThreads(threads) if self._ring.slots > 1 else None
         self._depth = 1 if self._decoder is None else batches_on_gpu(threads)
         self._started: collections.deque = collections.deque()  # (slot, Started, waited)
         # Finished batches' slots, until their GPU work is done: (slot, event or None).
         self._in_use: collections.deque = collections.deque()
         self._thread_failed = False
         self._closer: threading.Thread | None = None  # the thread that closes the iterator
-        self._out = loader._plan.step  # the key of the next batch the thread finishes
+        self._out = session.plan.step  # the key of the next batch the thread finishes
 
     def _next(self):
         if self._closed:
@@ -136,10 +94,10 @@ class GpuEpochIterator(EpochIterator):
             except BaseException:  # the thread and the workers do not outlive a failed handoff
                 self._close(finished=False, failed=True)
                 raise
-        self._loader._note_bad(bad)
+        self._session.delivery.note_bad(bad)
         self._stats.add(batches=1, samples=len(indices))  # counted as delivered
         next(self._official)
-        with_indices = self._loader.with_indices
+        with_indices = self._session.settings.with_indices
         self._delivered()
         if with_indices:
             return images, labels, torch.from_numpy(indices)
@@ -160,7 +118,7 @@ class GpuEpochIterator(EpochIterator):
         labels.record_stream(stream)
 
     def _take_finished(self) -> tuple[str, object]:
-        timeout = self._loader.timeout
+        timeout = self._session.settings.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else None
         while True:
             wait = 1.0 if deadline is None else min(1.0, max(deadline - time.monotonic(), 0))
@@ -315,60 +273,6 @@ def _from_the_gpu(e: RuntimeError) -> bool:
 def _named(e: RuntimeError, device) -> GpuStageError:
     """A GPU error (``_from_the_gpu``), named as the GPU stage's."""
     return GpuStageError(f"the GPU stage (decode + augmentation on {device}) failed: {e}")
-
-
-class _DecodeThreads:
-    """``count`` daemon threads running submitted calls (started in order); ``submit``
-    returns a ``Call``."""
-
-    def __init__(self, count: int = 1) -> None:
-        self._count = max(1, count)
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._stopping = threading.Event()
-        self._threads: list[threading.Thread] = []
-
-    def submit(self, fn) -> Call:
-        call = Call(fn)
-        if self._stopping.is_set():  # cancelled or stopped: nothing would ever run it
-            call.cancel()
-            return call
-        if not self._threads:
-            for k in range(self._count):
-                thread = threading.Thread(
-                    target=_serve,
-                    args=(self._calls, self._stopping),
-                    name=f"imfeed-gpu-decode-{k}",
-                    daemon=True,
-                )
-                thread.start()
-                self._threads.append(thread)
-        self._calls.put(call)
-        return call
-
-    def cancel(self) -> None:
-        """Cancel the calls not started yet, and any submitted later."""
-        self._stopping.set()
-
-    def stop(self, timeout: float) -> bool:
-        """Let the threads finish the calls they are in, cancel the others and end; False
-        if one is still busy after ``timeout``."""
-        self._stopping.set()
-        for _ in self._threads:
-            self._calls.put(None)
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
-
-
-def _serve(calls: queue.SimpleQueue, stopping: threading.Event) -> None:
-    while (call := calls.get()) is not None:
-        if stopping.is_set():
-            call.cancel()
-        else:
-            call.run()
-        # Not held until the next call: the caller may have let go of it (the stage).
-        del call
 
 
 class _Stopped(Exception):

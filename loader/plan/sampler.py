@@ -1,37 +1,12 @@
 """EpochPlan: seeded epoch order over a store's samples, split across ranks, resumable mid-epoch.
 
-Semantics:
-
-* **Epoch order.** ``shuffle=False``: store order ``0..N-1``. ``shuffle=True``:
-  ``np.random.default_rng([seed, epoch]).permutation(N)``. The order depends on ``seed``,
-  ``epoch`` and ``num_samples`` only (never on the world size, rank or worker count) and is
-  computed without touching any record.
-* **Steps.** Global step ``k`` (all ranks together) takes the next ``batch_size * world_size``
-  entries of the order; rank ``r`` gets the ``r``-th contiguous chunk of that span. The samples
-  consumed so far are therefore always a prefix ``order[:consumed]``, which is what
-  ``state_dict`` records. Resuming with another world size re-splits ``order[consumed:]``
-  over the new ranks, so each remaining sample is still seen exactly once.
-* **Tail, drop_last=True.** The remaining order is cut to whole steps: each rank gets the same
-  number of full batches; the dropped samples are the last ones of the order (fewer than
-  ``batch_size * world_size`` of them).
-* **Tail, drop_last=False.** Like ``torch.utils.data.DistributedSampler``, the remaining order
-  ``order[consumed:]`` is padded with the first samples of the epoch order (``order[:pad]``,
-  cyclically if ``pad > N``) until its length is a multiple of ``world_size``; ``pad`` is
-  below ``world_size``. Padding from the epoch's start, not the resume point, makes a resume
-  at the same world size repeat exactly the samples an uninterrupted epoch would. The last
-  batch may then be smaller than ``batch_size``, with the same size on every rank. With
-  ``world_size=1`` nothing is padded and nothing dropped, exactly as ``DataLoader`` batches.
-
-``len(plan)`` is the number of batches one rank yields in a full epoch, the same on every rank.
-
-**DistributedSampler's semantics** (``EpochPlan.like_distributed_sampler``): the shuffled
-order is ``torch.randperm(N)`` drawn from a generator seeded ``seed + epoch``, the order is
-made a multiple of ``world_size`` first (padded as above, or its last ``N % world_size``
-samples dropped, as the sampler's ``drop_last``), rank ``r`` takes every ``world_size``-th
-sample of each step from offset ``r`` (``indices[r::world_size]``), and ``drop_last`` then
-only drops each rank's last partial batch, as torch's DataLoader does over that sampler. A
-fresh epoch therefore yields exactly the batches of torch's DataLoader with that
-``DistributedSampler``; consumption is still a prefix of the order, so resume is unchanged.
+The order depends on ``seed``, ``epoch`` and the number of samples only (never on the world
+size, rank or worker count), and each global step takes the next ``batch_size * world_size``
+entries of it: the samples consumed so far are always a prefix of the order, which is all
+``state_dict`` records, so a resume, at any world size, sees each remaining sample exactly
+once. The tail is cut to whole steps (``drop_last``) or padded from the epoch's start, as
+``DistributedSampler`` pads; ``like_distributed_sampler`` reproduces that sampler's batches
+exactly. The full semantics: ``docs/design/loader.md``, "Epoch order, ranks and resume".
 """
 
 from __future__ import annotations
@@ -316,7 +291,7 @@ class EpochPlan:
 
 
 class RankSampler:
-    """``loader.plan.sampler`` when no sampler was given: this rank's share of each epoch.
+    """``DataLoader.sampler`` when no sampler was given: this rank's share of each epoch.
 
     ``len()`` is the number of samples this rank yields per epoch, iterating yields their
     indices in the current epoch, and ``set_epoch`` is the loader's.

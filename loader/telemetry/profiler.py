@@ -267,7 +267,7 @@ def knob(stats: Stats, loader) -> str:
     workers = getattr(loader, "num_workers", None)
     saturated = stats.cores_busy is not None and stats.cores_busy >= 0.85 * cores
     if getattr(loader, "_gpu_stage", None) is not None:  # our GPU path
-        stage = loader.telemetry.stats()
+        stage = loader.stats()
         if stage.get("stage_busy_s", 0.0) >= stage.get("stage_wait_s", 0.0):
             return (
                 "smaller images: rebuild the store with `ingest build --max-size 512` (the "

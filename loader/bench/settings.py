@@ -1,0 +1,27 @@
+"""One benchmark run's settings and the augmentation every pipeline shares, apart from the
+pipelines so that each pipeline's module (``dali``, ``train``) imports them, not the registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+SIZE = 224
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's settings, the same for every pipeline (sent to each pipeline's process)."""
+
+    folder: str | None
+    store: str | None
+    batch_size: int
+    workers: int
+    dtype: str
+    channels_last: bool
+    eval: bool
+    device: str
+    train_steps: int = 0
+    train_warmup: int = 0
+    min_pass_seconds: float = 0.0  # a pass reads whole epochs until this long has passed
