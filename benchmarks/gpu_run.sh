@@ -23,7 +23,7 @@ for stage in "$@"; do
   echo "== $stage $(date -u +%T)"
   case $stage in
     prepare) prepare; tail -1 $OUT/prepare.log 2>/dev/null || echo "reusing $STORE" ;;
-    tests) timeout ${TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu_path.py tests/test_gpu_dali.py} ${TESTS_K:+-k "$TESTS_K"} > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
+    tests) timeout ${TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/loader/gpu/test_gpu_path.py tests/loader/gpu/test_gpu_dali.py} ${TESTS_K:+-k "$TESTS_K"} > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
     bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W ${MAX_SIZE:+--max-size $MAX_SIZE} ${SHORT_SIDE:+--short-side $SHORT_SIDE} \
         --batch-size 256 --workers 16 --dtype float16 --channels-last --passes ${PASSES:-3} ${MIN_PASS:+--min-pass-seconds $MIN_PASS} $([ "${TRAIN:-1}" = 1 ] && echo --train-check) \
         --train-steps ${TRAIN_STEPS:-30} ${TRAIN_WARMUP:+--train-warmup $TRAIN_WARMUP} --only "${ONLY:-torch-pil,loader-nvjpeg,loader-dali,loader-dali-auto,dali-crop,dali-ram}" \

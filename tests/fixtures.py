@@ -33,6 +33,7 @@ from ingest.images.probe import parse_jpeg
 from loader.bench.synth import make_image_folder, random_view, sample_photos
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"  # the shared helper modules and scripts, above the tests by package
 KiB = 1 << 10
 
 # Small shards, so that the test stores have several and keys cross shard bounds.

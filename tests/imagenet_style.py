@@ -1,6 +1,6 @@
 """A small training script written as pytorch/examples' imagenet/main.py, after the README's
 swap: ``ImageFolder`` -> ``LMDBDataset`` and ``torch.utils.data.DataLoader`` ->
-``loader.DataLoader``, nothing else changed in the data code. tests/test_dropin.py runs it
+``loader.DataLoader``, nothing else changed in the data code. tests/loader/test_dropin.py runs it
 (single process, --resume, --evaluate, --dummy, and 2 gloo ranks on the CPU) and reads
 what each rank saw from ``--out/rank<R>.json``. Its model is tiny; the targets identify
 the samples (the test stores hold one image per class).

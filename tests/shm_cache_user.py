@@ -1,4 +1,4 @@
-"""A process that uses a store's shm cache, for tests/test_shm_cache.py (run as a script).
+"""A process that uses a store's shm cache, for loader/cache/test_shm_cache.py (run as a script).
 
     python shm_cache_user.py MODE STORE CACHE_ROOT [ARGS]
 

@@ -19,6 +19,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from fixtures import REPO
 
 from loader.bench import chart, machine, report, runner
 from loader.bench import data as bench_data
@@ -30,7 +31,6 @@ from loader.bench.synth import make_image_folder
 from loader.decode import decoders
 from loader.store import Store
 
-REPO = Path(__file__).resolve().parents[1]
 IMAGES = 24  # 3 classes x 8
 PASSES = 2
 
@@ -685,10 +685,16 @@ def run_soak(tmp_path, script: str, *args: str) -> tuple[subprocess.CompletedPro
 
     store = make_small_store(tmp_path)
     out = tmp_path / "soak.json"
+    # The checkout first: soak_stand_ins.py puts tests/ on its path, whose loader/ folder
+    # would otherwise stand in for the package where it is installed in editable mode.
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / script), str(store), "--device", "cpu",
          "--workers", "2", *args, "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True, text=True, timeout=300, check=False, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done, json.loads(out.read_text())

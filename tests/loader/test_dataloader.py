@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.utils.data
 import torchvision.transforms as T
-from fixtures import ParentOnly, collector_off, held_over_epochs, held_resources
+from fixtures import REPO, ParentOnly, collector_off, held_over_epochs, held_resources
 from loader_data import NUM_SAMPLES, corrupt, make_store
 
 import loader
@@ -429,7 +429,7 @@ def test_any_other_dataset_gets_torchs_dataloader(store):
     assert type(dl) is torch.utils.data.DataLoader
     ref = torch.utils.data.DataLoader(ds, 4, False, drop_last=True)
     assert [b[1].tolist() for b in dl] == [b[1].tolist() for b in ref]
-    # Bicubic: not a recipe the loader runs itself (tests/test_recipes.py), so torch's.
+    # Bicubic: not a recipe the loader runs itself (tests/loader/test_recipes.py), so torch's.
     bicubic = T.InterpolationMode.BICUBIC
     tf = T.Compose([T.Resize(64, interpolation=bicubic), T.CenterCrop(64), T.ToTensor()])
     lmdb_ds = loader.LMDBDataset(store, transform=tf)
@@ -563,8 +563,10 @@ def test_interpreter_exits_promptly_with_a_live_persistent_iteration(store):
         "it = iter(dl)\n"
         "next(it)\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     start = time.monotonic()
     subprocess.run([sys.executable, "-c", script, str(store)], env=env, check=True, timeout=60)
     assert time.monotonic() - start < 20  # was 30 s more: draining workers already stopped

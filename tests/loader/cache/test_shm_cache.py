@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import REPO, run_ingest
+from fixtures import REPO, TESTS, run_ingest
 
 import loader
 from ingest import format as fmt
@@ -28,7 +28,7 @@ from loader.cache import shm as shmcache
 from loader.dataset import LMDBDataset
 from loader.store import Store
 
-USER = Path(__file__).with_name("shm_cache_user.py")
+USER = TESTS / "shm_cache_user.py"
 MiB = 1 << 20
 
 
@@ -405,12 +405,12 @@ def test_a_copy_changed_after_its_walk_is_checked_again(clean_store: Path, tmp_p
     bytes that were walked; damaged since (here so that LMDB would read past the end of
     the file), it is checked again before LMDB reads it, by a new reader and by one that
     has it open, and copied again: both read every record as the store holds it."""
-    from test_hostile_inputs import _damage_last_leaf_page
+    from hostile_data import damage_last_leaf_page
 
     first = LMDBDataset(clean_store, cache="shm", cache_root=tmp_path)
     records(first.store)  # every shard copied, each copy walked and opened
     shard = cache_of(clean_store, tmp_path) / "shard-00001"
-    _damage_last_leaf_page(shard)
+    damage_last_leaf_page(shard)
     with caplog.at_level(logging.WARNING, logger="loader.cache.shm"):
         second = LMDBDataset(clean_store, cache="shm", cache_root=tmp_path)  # the same session
         assert records(second.store) == records(clean_store)

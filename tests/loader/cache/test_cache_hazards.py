@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures import run_ingest
-from test_hostile_inputs import _damage_last_leaf_page
+from hostile_data import damage_last_leaf_page
 
 import loader
 from ingest import format as fmt
@@ -169,7 +169,7 @@ def test_a_copy_failing_while_in_use_is_dropped_for_the_store(
     copy = cache_of(store, tmp_path) / name
     leaf = []
     hurt = {"record": lambda p: flip_record(p, store, first),
-            "pages": lambda p: leaf.append(_damage_last_leaf_page(p))}[damage]  # fmt: skip
+            "pages": lambda p: leaf.append(damage_last_leaf_page(p))}[damage]  # fmt: skip
     _damage_once_when_handed_out(monkeypatch, tmp_path / "damaged", shard, hurt)
     dl = eval_loader(store, cache="shm", cache_root=tmp_path, num_workers=num_workers)
     with caplog.at_level(logging.WARNING):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
-import io
 import itertools
 import os
 import signal
@@ -32,13 +31,35 @@ import sys
 import threading
 import time
 import weakref
-from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
 import torch
-from fixtures import collector_off, held_over_epochs
+from fixtures import collector_off
+from gpu_checks import (
+    EVAL,
+    TRAIN,
+    B,
+    all_freed,
+    assert_half_shared_by_way,
+    assert_holds_nothing_more,
+    assert_never_overwritten,
+    assert_rows_read_where_they_lie,
+    assert_slots_kept_until_done,
+    cpu_rows,
+    epoch,
+    exits_without_closing,
+    flat,
+    gpu_only,
+    gpu_threads,
+    make,
+    mean_diff,
+    pil_reference,
+    record_ways_and_shares,
+    same_batches,
+    wait_for_no_gpu_threads,
+)
 from gpu_path_data import (
     BACKEND,
     CUDA,
@@ -51,15 +72,13 @@ from gpu_path_data import (
     pil_resized_crop,
     use_stand_ins,
 )
-from PIL import Image
 
 if not CUDA:  # before Triton is first imported: run the kernels in its CPU interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import loader
-from ingest import format as fmt
-from loader.augment import Transform, plan_crops
+from loader.augment import plan_crops
 from loader.bench.synth import random_view, sample_photos
 from loader.gpu.augment import GpuAugment
 from loader.gpu.decode_threads import DecodeThreads as _DecodeThreads
@@ -70,16 +89,11 @@ from loader.gpu.stage import GpuStage
 from loader.gpu.tuning.picker import WayPicker
 from loader.gpu.tuning.share import WindowShare
 from loader.options import resolve_decoder
-from loader.plan.sampler import batch_seed
 from loader.store import Store
 from loader.telemetry.stats import LoaderStats
 
-B = 8  # 23 samples: batches of 8, 8, 7
 GPU_ELIGIBLE = NUM_SAMPLES - 2  # all but the PNG and the progressive JPEG
 PIL_TOL = 2.0 if CUDA else 0.5
-EVAL = Transform("eval", SIZE)
-TRAIN = Transform("train", SIZE)
-gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")
@@ -90,27 +104,6 @@ def store(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def backend(monkeypatch):
     use_stand_ins(monkeypatch)
-
-
-def make(store, **kwargs) -> loader.DataLoader:
-    args = {
-        "batch_size": B, "transform": EVAL, "device": DEVICE, "decoder": BACKEND,
-        "with_indices": True, "num_workers": 2, "shuffle": True, "seed": 5,
-        "dtype": torch.uint8,
-    }  # fmt: skip
-    return loader.DataLoader(store, **{**args, **kwargs})
-
-
-def epoch(dl) -> list[tuple]:
-    return [tuple(t.cpu() for t in batch) for batch in dl]
-
-
-def flat(batches, k: int) -> torch.Tensor:
-    return torch.cat([b[k] for b in batches])
-
-
-def mean_diff(a, b) -> float:
-    return float((a.float() - b.float()).abs().mean())
 
 
 # -- the augmentation kernels ----------------------------------------------------------------
@@ -200,22 +193,6 @@ def test_augment_without_antialias_is_plain_bilinear():
 # -- the pipeline against the CPU path -------------------------------------------------------
 
 
-def pil_reference(store, spec, batches, seed: int) -> torch.Tensor:
-    """What torchvision's PIL pipeline makes of each delivered sample, with the windows
-    the sampler planned for its batch (as ``PixelBatches.plan`` draws them)."""
-    st = Store(store)
-    out = []
-    for step, (_, _, indices) in enumerate(batches):
-        idx = indices.numpy()
-        rng = np.random.default_rng(batch_seed(seed, 0, step, rank=0))
-        crops = plan_crops(spec, st.index["height"][idx], st.index["width"][idx], rng)
-        for i, crop in zip(idx.tolist(), crops, strict=True):
-            data, _ = st.image(i)
-            rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-            out.append(torch.from_numpy(pil_resized_crop(rgb, crop, spec.size)).permute(2, 0, 1))
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("spec", [EVAL, TRAIN], ids=["eval", "train"])
 def test_same_samples_labels_and_windows_as_the_cpu_path(store, spec):
     on_cpu = epoch(make(store, transform=spec, decoder="cpu", device="cpu"))
@@ -271,36 +248,6 @@ def test_a_cpu_share_decodes_each_sample_on_one_side(store):
     # Each sample is exactly what one side makes of it (the PNG and the progressive JPEG
     # are the workers' on both, so counting sides would not say which decoded what).
     assert "none" not in same_as_one_of(batches, gpu_side, cpu_side)
-
-
-def record_ways_and_shares(stage) -> list[list]:
-    """Hold ``stage``'s share at 0.5, never steered (never told whether the loop waits),
-    and record [the workers' rows, the way] of each batch as it is finished."""
-    stage.loop = WindowShare(10**6)
-    stage.producer.cpu_share = 0.5
-    finished: list[list] = []
-
-    def account(report, on_gpu, on_cpu, decode_s, mapped=False, real=stage._account):
-        real(report, on_gpu, on_cpu, decode_s, mapped)
-        finished.append([on_cpu])
-
-    def steer(waited, busy, way, real=stage._steer):
-        real(waited, busy, way)
-        finished[-1].append(way)
-
-    stage._account, stage._steer = account, steer
-    return finished
-
-
-def assert_half_shared_by_way(stage, finished: list[list], batches: list) -> list[str]:
-    """Each batch of a way "+cpu" had half its GPU-decodable samples (rounded) decoded by
-    the workers, the others none of them (``finished``: ``record_ways_and_shares``'s, in
-    the order of ``batches``); the ways, batch by batch."""
-    for (on_cpu, way), batch in zip(finished, batches, strict=True):
-        gpu = int(stage.producer._gpu_ok[batch[2].numpy()].sum())  # the rest: the workers'
-        share = round(0.5 * gpu) if way.endswith("+cpu") else 0
-        assert on_cpu == len(batch[2]) - gpu + share
-    return [way for _, way in finished]
 
 
 def test_auto_share_is_tried_as_a_way_and_keeps_the_samples(store):
@@ -531,19 +478,6 @@ def test_an_image_the_gpu_decoder_rejects_is_decoded_on_the_cpu(store):
     assert sides[first_gpu] == "cpu" and "none" not in sides
 
 
-def cpu_rows(store, indices) -> set[int]:
-    """Rows of a batch that the workers decode whatever the share (PNG, progressive)."""
-    index = Store(store).index
-    fmts, flags = index["format"][indices.numpy()], index["flags"][indices.numpy()]
-    jpeg = (fmts == fmt.FORMAT_CODES["jpeg"]) & ((flags & fmt.FLAG_PROGRESSIVE) == 0)
-    return set(np.flatnonzero(~jpeg).tolist())
-
-
-def gpu_threads() -> list[str]:
-    """The loader's GPU-path threads still alive (prefetch, decode)."""
-    return [t.name for t in threading.enumerate() if t.name.startswith("imfeed-gpu-")]
-
-
 def test_an_abandoned_iterator_stops_its_thread(store):
     dl = make(store)
     it = iter(dl)
@@ -727,26 +661,6 @@ def test_stats_count_the_bytes_copied_to_the_device(store):
     assert least < stats["h2d_bytes"] <= least + tables + 6 * 8 * stats["batches"]
 
 
-def assert_rows_read_where_they_lie(make, store, monkeypatch, persistent: bool) -> None:
-    """The workers' rows, gathered by a kernel from the ring's registered memory
-    (``loader.gpu.mapped``) for three epochs (without ``persistent_workers``, workers forked
-    after the registration write them), are bit for bit those copied through a pinned
-    buffer; closing the loader undoes the registration."""
-    got = make(store, cpu_share=0.5, persistent_workers=persistent)
-    batches = [epoch(got) for _ in range(3)]
-    stats, mapped = got.stats(), got._gpu_stage._mapped
-    assert stats["mapped_rows"] == stats["cpu_decoded"] > 0
-    got.close()
-    rt = torch.cuda.cudart()  # not registered any more: it registers anew
-    assert int(rt.cudaHostRegister(mapped.array.data_ptr(), mapped.array.nbytes, 0)) == 0
-    assert int(rt.cudaHostUnregister(mapped.array.data_ptr())) == 0
-    monkeypatch.setattr(GpuStage, "map_rows", lambda self, pixels: None)
-    want = make(store, cpu_share=0.5, persistent_workers=persistent)
-    for one in batches:
-        same_batches(one, epoch(want))
-    assert "mapped_rows" not in want.stats() and want.stats()["cpu_decoded"] > 0
-
-
 @gpu_only
 def test_rows_that_cannot_be_read_where_they_lie_are_copied(store, monkeypatch):
     # The ring registered by someone else first: the loader's registration is refused
@@ -782,97 +696,9 @@ def test_delivered_batches_are_never_overwritten(store, own_stream):
     assert_never_overwritten(dl, torch.cuda.Stream() if own_stream else None)
 
 
-def assert_holds_nothing_more(dl, abandon: bool, epochs: int = 8) -> None:
-    """``epochs`` epochs of ``dl``, whole or each left after 2 batches (as a bounded loop
-    leaves them: its threads stop once it is dropped), hold exactly the descriptors,
-    threads and workers the second held; closed, it keeps no thread and no worker."""
-
-    def settle() -> None:  # read whole, an epoch's iteration and threads carry on
-        wait_for_no_gpu_threads(keep=0 if abandon else 1)
-
-    held = held_over_epochs(dl, epochs, abandon, settle=settle)
-    assert held[-1] == held[1], held
-    dl.close()
-    wait_for_no_gpu_threads()
-    assert not gpu_threads() and dl.worker_pids == []
-
-
-def wait_for_no_gpu_threads(seconds: float = 10, keep: int = 0) -> None:
-    """Wait (at most ``seconds``) until no GPU-path thread is left, or with ``keep=1``
-    until none is there twice (one iteration's threads only: no old one still stopping)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        names = gpu_threads()
-        if len(names) <= keep * len(set(names)):
-            return
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("abandon", [False, True], ids=["whole", "abandoned"])
 def test_nothing_is_held_longer_epoch_after_epoch(store, abandon):
     assert_holds_nothing_more(make(store, persistent_workers=True), abandon)
-
-
-class _Pending:
-    """A batch's event whose GPU work completes after ``queries`` queries (None: only when
-    waited for); on completing it notes whether the batch's slot still holds what it held
-    when the batch was finished. On a GPU it stands in front of the stage's real event
-    (``real``): the training stream waits for that one, and completing waits for it too."""
-
-    def __init__(self, views: dict, seen: list, queries: int | None, real=None) -> None:
-        self.views, self.seen, self.left, self.done = views, seen, queries, False
-        self.before = {k: np.array(v, copy=True) for k, v in views.items()}
-        self.real = real
-        # The prefetch thread (giving slots back) and, on a GPU, the training loop (handing
-        # the batch off) both ask: it completes once, whoever asks.
-        self.lock = threading.RLock()
-
-    def wait(self, stream) -> None:
-        if self.real is not None:
-            self.real.wait(stream)
-
-    def query(self) -> bool:
-        with self.lock:
-            if self.left is not None:
-                self.left -= 1
-                if self.left < 0:
-                    self.synchronize()
-            return self.done
-
-    def synchronize(self) -> None:
-        with self.lock:
-            if self.done:
-                return
-            if self.real is not None:
-                self.real.synchronize()
-            self.done = True
-            unchanged = all(np.array_equal(self.before[k], v) for k, v in self.views.items())
-            self.seen.append(unchanged)
-
-
-def assert_slots_kept_until_done(dl, stage_class, monkeypatch, queries: int | None = 3):
-    """``finish`` returns once a batch's GPU work is queued, and DALI may read the JPEGs in
-    the slot until it is done (``dali_stage.NO_COPY``): over two epochs of ``dl``, each
-    slot is refilled only after its batch's event completed (after ``queries`` queries, or
-    never until waited for: the ring runs out, and a batch waits for a slot), and every
-    sample comes once."""
-    seen: list[bool] = []
-    made = []  # (persistent workers: and the first batches of a third epoch)
-    finish = stage_class.finish
-
-    def pending_finish(self, started, waited=0.0):
-        images, labels, indices, event = finish(self, started, waited)
-        made.append(len(indices))
-        return images, labels, indices, _Pending(started.views, seen, queries, event)
-
-    monkeypatch.setattr(stage_class, "finish", pending_finish)
-    try:
-        for _ in range(2):
-            got = sorted(int(i) for _images, _labels, indices in dl for i in indices)
-            assert got == list(range(NUM_SAMPLES))
-    finally:
-        dl.close()
-    assert len(made) >= 2 * len(dl) and seen == [True] * len(made)
 
 
 @pytest.mark.parametrize("queries", [3, None], ids=["done-soon", "done-when-waited"])
@@ -884,34 +710,6 @@ def test_a_slot_is_refilled_only_once_its_batch_gpu_work_is_done(
     # runs out of them.
     dl = make(store, batch_size=2, num_workers=num_workers, persistent_workers=num_workers > 0)
     assert_slots_kept_until_done(dl, type(dl._gpu_stage), monkeypatch, queries)
-
-
-def assert_never_overwritten(dl, stream: torch.cuda.Stream | None = None) -> None:
-    """Hold four delivered batches over three epochs of ``dl`` (``with_indices``) while
-    the device is kept busy, then check they are unchanged (bit for bit: a NaN equals
-    itself), and that every batch was finite when delivered (a NaN there is pixels not
-    yet written: wrong, whatever happens to them later). The training loop runs on
-    ``stream`` where given (else the default stream, which some copies wait for
-    implicitly where a stream of the user's own would not)."""
-    held, copies, not_finite = [], [], []
-    with torch.cuda.stream(stream):
-        for e in range(3):
-            for k, (images, labels, _) in enumerate(dl):
-                if len(held) < 4:
-                    held.append((images, labels))
-                    copies.append((images.clone(), labels.clone()))
-                if images.is_floating_point():  # read after the loop: the host never waits
-                    not_finite.append((e, k, (~images.isfinite()).flatten(1).any(1)))
-                # keep the device busy so that a missing wait would show
-                torch.cuda._sleep(1_000_000)
-    torch.cuda.synchronize()
-    not_finite = [(e, k, r.nonzero().flatten().tolist()) for e, k, r in not_finite if r.any()]
-    assert not not_finite, f"(epoch, batch, rows) delivered with NaN or inf: {not_finite}"
-    for k, ((images, labels), (i0, l0)) in enumerate(zip(held, copies, strict=True)):
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[images.element_size()]
-        changed = (images.view(bits) != i0.view(bits)).flatten(1).any(1).nonzero().flatten()
-        assert not changed.tolist(), f"batch {k}: rows {changed.tolist()} changed"
-        assert torch.equal(labels, l0), f"batch {k}: labels changed"
 
 
 @gpu_only
@@ -957,13 +755,6 @@ def test_persistent_workers_serve_every_epoch(store):
         assert sorted(flat(batches, 2).tolist()) == list(range(NUM_SAMPLES))
     dl.close()
     assert dl.worker_pids == []
-
-
-def same_batches(got: list[tuple], want: list[tuple]) -> None:
-    """Batch for batch: the same samples, labels and pixels (bit for bit)."""
-    assert [len(b[0]) for b in got] == [len(b[0]) for b in want]
-    for k in (2, 1, 0):
-        assert torch.equal(flat(got, k), flat(want, k)), k
 
 
 @pytest.mark.parametrize("pause", [0.0, 0.5], ids=["back-to-back", "loop-pauses"])
@@ -1330,17 +1121,6 @@ def test_timeout_covers_the_gpu_stage(store, monkeypatch):
     assert time.monotonic() - start < 5.0
 
 
-def all_freed(refs: list[weakref.ref], timeout: float = 10.0) -> bool:
-    """Whether every referent of ``refs`` goes within ``timeout`` (a prefetch thread may
-    hold one for the batch it is on)."""
-    deadline = time.monotonic() + timeout
-    while any(r() is not None for r in refs):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 @pytest.mark.parametrize("share", [0.0, "auto"])
 @pytest.mark.parametrize("closed", [True, False])
 def test_a_loader_let_go_is_freed_at_once_with_its_gpu_stage(store, share, closed):
@@ -1595,35 +1375,6 @@ def test_close_leaves_a_stage_a_hung_thread_may_still_be_in(store, monkeypatch):
     for thread in threads:
         thread.join(10)
     assert not [thread.name for thread in threads if thread.is_alive()]
-
-
-AT_EXIT = """
-import atexit, sys
-sys.path.insert(0, {tests!r})
-import pytest, torch, loader
-from gpu_path_data import use_stand_ins
-from test_gpu_path import make, TRAIN
-import loader.decode as registry
-mp = pytest.MonkeyPatch()
-use_stand_ins(mp)
-mp.setitem(registry._BACKENDS, "dalicpu", "gpu_path_data:DaliCpuDecoder")
-seen = []
-atexit.register(lambda: print("workers at the earlier hook:", seen[0]._workers.pool))
-dl = make({store!r}, transform=TRAIN, decoder={decoder!r}, persistent_workers=True)
-seen.append(dl)
-for _ in dl:  # the prefetch thread goes on into the next epoch
-    pass
-print("read")
-"""
-
-
-def exits_without_closing(store, decoder: str) -> subprocess.CompletedProcess:
-    """A script that reads an epoch and exits without closing its loader."""
-    code = AT_EXIT.format(tests=str(Path(__file__).parent), store=str(store), decoder=decoder)
-    env = {**os.environ, "TRITON_INTERPRET": "1"} if not CUDA else None
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
-    )
 
 
 def test_a_loader_left_open_is_closed_at_exit_before_earlier_exit_hooks(store):

@@ -29,6 +29,7 @@ from gpu_path_data import (
     CUDA,
     DEVICE,
     NUM_SAMPLES,
+    SIZE,
     dali_backend,
     make_small_store,
     use_stand_ins,
@@ -38,8 +39,7 @@ from loader_data import corrupt
 if not CUDA:  # before Triton is first imported: run the kernels in its CPU interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from test_gpu_path import (
-    SIZE,
+from gpu_checks import (
     B,
     all_freed,
     assert_half_shared_by_way,
@@ -57,7 +57,7 @@ from test_gpu_path import (
     pil_reference,
     record_ways_and_shares,
 )
-from test_gpu_path import make as make_loader
+from gpu_checks import make as make_loader
 
 import loader
 import loader.decode as decode_registry
