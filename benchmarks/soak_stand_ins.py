@@ -17,7 +17,7 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "tests"), str(HERE)]
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests"), str(HERE)]  # checkout first
 
 import pytest
 import soak
