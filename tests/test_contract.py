@@ -228,3 +228,14 @@ def test_a_corrupt_sample_is_replaced_and_counted(damaged, executor, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     said = [w for w in warnings if "sample 3 " in w]
     assert len(said) == 1 and path in said[0]  # logged once
+
+
+@pytest.mark.parametrize(
+    "executor", [pytest.param("cpu-2"), pytest.param("gpu-2", marks=needs_triton)]
+)
+def test_spawned_workers_deliver_the_same_epoch(store, executor):
+    """Workers started by "spawn" (a common choice beside CUDA) get the same tasks: the
+    producer they are sent pickles (the GPU stage's hold on it once did not)."""
+    forked = epoch(make(store, executor))
+    spawned = epoch(make(store, executor, multiprocessing_context="spawn"))
+    assert same(spawned, forked)

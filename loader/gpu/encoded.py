@@ -61,6 +61,11 @@ class EncodedBatches(PixelBatches):
         # and their device memory alive after its loader is gone, until a full collection.
         self.share_of_next: Callable[[], Callable[[int], float] | None] | None = None
 
+    def __getstate__(self) -> dict:
+        # Batches are planned in the training process: a worker needs no hold on the stage
+        # (nor could a spawned one be sent it: a weak method does not pickle).
+        return {**super().__getstate__(), "share_of_next": None}
+
     def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
         h, w = self.spec.size
         b = self.batch_size
