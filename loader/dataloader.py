@@ -84,7 +84,7 @@ class DataLoader:
             share and without, keeps the one with which the training loop takes batches
             soonest (``loader.gpu.tuning.picker``), and steers the share as it runs: it
             grows while the loop does not wait for batches and the workers keep up, and
-            shrinks while either waits (``loader.gpu.stage``). Beside a model that keeps
+            shrinks while either waits (``loader.gpu.tuning.share``). Beside a model that keeps
             the GPU busy the GPU decoder slows far more than the workers do, and a share
             pays off.
         cache, cache_limit, cache_root: a node-wide RAM copy of the shards, shared by all

@@ -54,7 +54,7 @@ class EpochIterator:
         self._official = plan.batches()  # advanced once per delivered batch
         self._length = plan.remaining()
         self._next_step = plan.step
-        self._ring, self._pool = session.ring, session.pool
+        self._ring, self.pool = session.ring, session.pool
         self._producer = session.producer
         self._chunk = chunk_size(settings.batch_size, settings.num_workers)
         self._free = list(range(self._ring.slots - 1, -1, -1))
@@ -66,7 +66,7 @@ class EpochIterator:
         # With persistent workers an epoch's end does not stop the work: the next epoch's
         # first batches (the plan one epoch on) are made meanwhile, and the session keeps
         # the finished iterator for the next iteration to take on (``follows_on``).
-        self._carries = settings.persistent_workers and self._pool is not None
+        self._carries = settings.persistent_workers and self.pool is not None
         self._tasks = EpochTasks(plan, settings.seed, ahead=int(self._carries))
         self._epoch, self._seed = plan.epoch, settings.seed  # the loop's epoch
         self._parked = False  # read to its end, and on into the next epoch
@@ -191,7 +191,7 @@ class EpochIterator:
 
     def _produce(self) -> tuple[int, BatchReport]:
         """The slot holding the next batch (StopIteration at the end of the epoch)."""
-        if self._pool is None:
+        if self.pool is None:
             step, indices, seed = next(self._tasks)
             slot = self._free.pop()
             views = {k: v.numpy() for k, v in self._ring.slot(slot).items()}
@@ -201,7 +201,7 @@ class EpochIterator:
         step = self._next_step
         if step not in self._pending and step not in self._ready:
             raise StopIteration
-        self._pool.check_alive()
+        self.pool.check_alive()
         timeout = self._session.settings.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else None
         while step not in self._ready:
@@ -211,19 +211,19 @@ class EpochIterator:
                     f"DataLoader timed out after {timeout} seconds waiting for "
                     f"batch {step} (timeout={timeout})"
                 )
-            self._take(self._pool.receive(wait))
+            self._take(self.pool.receive(wait))
         return self._ready.pop(step)
 
     def _next_ready(self) -> bool:
         """Whether ``_produce`` would return (or end the epoch) without waiting for the
         workers."""
-        if self._pool is None:
+        if self.pool is None:
             return True
         self._dispatch()
         step = self._next_step
         if step not in self._pending:
             return True  # ready, or the epoch is over
-        self._take(self._pool.receive(0))
+        self._take(self.pool.receive(0))
         return step in self._ready
 
     def _take(self, results) -> None:
@@ -237,7 +237,7 @@ class EpochIterator:
 
     def _dispatch(self) -> None:
         """Plan batches and send their chunks to the workers while slots are free."""
-        while self._pool is not None and self._free and self._dispatching():
+        while self.pool is not None and self._free and self._dispatching():
             task = next(self._tasks, None)
             if task is None:
                 return
@@ -248,7 +248,7 @@ class EpochIterator:
             self._pending[step] = [slot, len(starts), BatchReport(len(indices))]
             for lo in starts:
                 hi = lo + self._chunk
-                self._pool.submit((slot, step, (lo, indices[lo:hi], crops[lo:hi], seed)))
+                self.pool.submit((slot, step, (lo, indices[lo:hi], crops[lo:hi], seed)))
 
     def _dispatching(self) -> bool:
         """Whether to place more batches with the workers: not once closed, unless parked
@@ -288,7 +288,7 @@ class EpochIterator:
         deadline = time.monotonic() + timeout
         try:
             while self._pending and time.monotonic() < deadline:
-                self._take(self._pool.receive(min(_POLL_S, deadline - time.monotonic())))
+                self._take(self.pool.receive(min(_POLL_S, deadline - time.monotonic())))
         except (RuntimeError, fmt.StoreError):  # what a worker's failure raises
             return False
         return not self._pending

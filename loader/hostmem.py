@@ -1,13 +1,12 @@
 """HostMemory: CPU buffers for delivered batches, reused once nothing refers to them; and
 ``trim_heap``, which gives malloc's free memory back to the system.
 
-A fresh 150 MB batch costs some 40,000 page faults (and the kernel zeroing each page) when
-it is first written: as much time as converting the pixels into it, and all of it in the
-main process. So delivered batches live in anonymous mappings (transparent huge pages where
-the kernel allows) wrapped by ``torch.frombuffer``, which holds a reference to its mapping
-for as long as the storage lives: while any tensor, view, numpy array or autograd graph
-still uses the batch. A mapping whose only reference is ours is free, and the next batch
-of the same size is written into it.
+A fresh batch's pages are faulted in and zeroed by the kernel when it is first written,
+in the main process (docs/design/loader.md). So delivered batches live in anonymous
+mappings (transparent huge pages where the kernel allows) wrapped by ``torch.frombuffer``,
+which holds a reference to its mapping for as long as the storage lives: while any tensor,
+view, numpy array or autograd graph still uses the batch. A mapping whose only reference is
+ours is free, and the next batch of the same size is written into it.
 """
 
 from __future__ import annotations

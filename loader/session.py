@@ -235,7 +235,7 @@ class Session:
         # After an error (a dead or failed worker, a timeout, Ctrl-C) batches in flight may
         # never come: stop the workers at once rather than wait for them.
         keep = self.settings.persistent_workers and not failed and (drained or it.drain(30.0))
-        if not keep and self.workers.pool is it._pool:  # not those of a later iteration
+        if not keep and self.workers.pool is it.pool:  # not those of a later iteration
             self.workers.stop(graceful=finished)
 
     @contextlib.contextmanager

@@ -10,7 +10,8 @@ from loader.bench import report as rep
 from loader.bench import runner
 from loader.bench.data import Data
 from loader.bench.machine import fingerprint
-from loader.bench.pipelines import Settings, share_variant, specs, unavailable
+from loader.bench.pipelines import share_variant, specs, unavailable
+from loader.bench.settings import Settings
 from loader.bench.train import MODELS
 
 

@@ -19,7 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
-from loader.bench.pipelines import Settings, build
+from loader.bench.pipelines import build
+from loader.bench.settings import Settings
 from loader.bench.train import (
     decoded_between,
     decoded_counts,

@@ -24,6 +24,7 @@ import lmdb
 from ingest import format as fmt
 from ingest.format import cachedir as cd
 from ingest.format.pages import identity, pages_problem, trust_sound
+from ingest.sizes import parse_size
 from loader.cache.copy import copy_bytes, file_sha256, records_digest
 from loader.cache.stats import Counters
 
@@ -55,7 +56,7 @@ def parse_cache(cache, cache_limit, cache_root) -> tuple[bool, bool, int | None,
     limit = cache_limit
     if isinstance(cache_limit, str):
         try:
-            limit = _parse_size(cache_limit)
+            limit = parse_size(cache_limit)
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"cache_limit={cache_limit!r}: {e}") from None
     elif cache_limit is not None and (
@@ -64,12 +65,6 @@ def parse_cache(cache, cache_limit, cache_root) -> tuple[bool, bool, int | None,
         raise ValueError(f'cache_limit={cache_limit!r} is invalid: bytes >= 0 or a size, "4GiB"')
     root = cd.DEFAULT_ROOT if cache_root is None else os.fspath(cache_root)
     return cache is not None, cache == "shm:keep", limit, root
-
-
-def _parse_size(text: str) -> int:
-    from ingest.cli import parse_size
-
-    return parse_size(text)
 
 
 class ShmCache:

@@ -207,12 +207,12 @@ class GpuEpochIterator(EpochIterator):
 
     def _next_ready(self) -> bool:
         ready = super()._next_ready()  # True also where the batch has no slot yet
-        held = self._pool is not None and self._in_use and not self._placed(self._next_step)
+        held = self.pool is not None and self._in_use and not self._placed(self._next_step)
         return ready and not held
 
     def _placed(self, step: int) -> bool:
         """Whether batch ``step`` has its slot (with the workers, or filled)."""
-        return self._pool is not None and (step in self._pending or step in self._ready)
+        return self.pool is not None and (step in self._pending or step in self._ready)
 
     def _give_back_slots(self, wait: bool = False, every: bool = False) -> None:
         """Free the slots whose batch's GPU work is done, in order; with ``wait``, at least
