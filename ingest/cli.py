@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 
 from ingest import format as fmt
-from ingest.format import pages as lmdbpages
+from ingest.format import pages
 from ingest.infocli import store_info
 from ingest.sizes import parse_size
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from ingest.parallel import WorkerDied
 
     try:
-        if args.command in ("build", "verify") and (problem := lmdbpages.engine_problem()):
+        if args.command in ("build", "verify") and (problem := pages.engine_problem()):
             raise fmt.StoreError(problem)  # before any worker: each would fail the same way
         commands = {"build": _build, "info": store_info, "verify": _verify, "cache": _cache}
         return commands[args.command](args)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import lmdb
 
 from ingest import format as fmt
-from ingest.format import pages as lmdbpages
+from ingest.format import pages
 
 
 class Opened(NamedTuple):
@@ -24,7 +24,7 @@ class Opened(NamedTuple):
 
     env: lmdb.Environment
     copy: Path | None = None  # the copy's data.mdb; None: the store's own shard
-    ident: tuple | None = None  # the copy's identity (``lmdbpages.identity``) when opened
+    ident: tuple | None = None  # the copy's identity (``pages.identity``) when opened
 
 
 _ENVS: weakref.WeakValueDictionary[tuple, lmdb.Environment] = weakref.WeakValueDictionary()
@@ -42,7 +42,7 @@ def env_key(path: Path) -> str:
 
 def identity(path: Path) -> tuple | None:
     try:
-        return lmdbpages.identity(path)
+        return pages.identity(path)
     except OSError:  # gone
         return None
 
@@ -54,7 +54,7 @@ def open_env(key: str) -> lmdb.Environment:
     file = (key, *ident[:2]) if ident else (key,)
     env = _ENVS.get(file)
     if env is None:
-        env = lmdbpages.open_lmdb(
+        env = pages.open_lmdb(
             key, readonly=True, lock=False, readahead=False, subdir=True,
             max_readers=1, max_spare_txns=1,
         )  # fmt: skip

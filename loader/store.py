@@ -18,7 +18,7 @@ import lmdb
 import numpy as np
 
 from ingest import format as fmt
-from ingest.format import pages as lmdbpages
+from ingest.format import pages
 from ingest.format.codec import encoded_limit, image_bytes, size_problem
 from ingest.images.probe import header_problem
 from loader.records import read_paths, read_record, read_value, verify_advice
@@ -71,14 +71,14 @@ class Store:
         self._keys = [env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
         self._envs: dict[int, Opened] = {}  # keeps the shared environments open
         self._advice = verify_advice("", self.root)  # the ends of a read's messages
-        if problem := lmdbpages.engine_problem():  # at open, not at the first batch
+        if problem := pages.engine_problem():  # at open, not at the first batch
             raise fmt.StoreError(problem)
         # Every shard file's size and LMDB pages now: a damaged store is refused at open,
         # not hours in, and the workers forked from this process inherit the walk (a
         # cache's copy is walked by its copier, and trusted while it is those bytes).
         for shard in range(len(self._first)):
             with self._rebuilt_if_refused(self.root / fmt.shard_name(shard)):
-                lmdbpages.require_sound(fmt.store_file(self.root, self.manifest, shard))
+                pages.require_sound(fmt.store_file(self.root, self.manifest, shard))
         track(self)
 
     def __len__(self) -> int:
@@ -89,11 +89,11 @@ class Store:
         state["_envs"] = {}
         state.pop("index", None)  # re-mapped in the receiving process, not copied
         state.pop("paths", None)
-        state["_sound"] = lmdbpages.sound_files()  # a spawned process walks none again
+        state["_sound"] = pages.sound_files()  # a spawned process walks none again
         return state
 
     def __setstate__(self, state: dict) -> None:
-        lmdbpages.trust_sound(state.pop("_sound", []))
+        pages.trust_sound(state.pop("_sound", []))
         self.__dict__.update(state)
         track(self)
 
@@ -164,7 +164,7 @@ class Store:
         Raises:
             ingest.format.StoreError: naming the file and what is wrong with it.
         """
-        lmdbpages.require_sound(Path(key) / "data.mdb")
+        pages.require_sound(Path(key) / "data.mdb")
         try:
             env = open_env(key)
             check_build(env, self.manifest, where)

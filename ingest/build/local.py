@@ -59,7 +59,7 @@ def build(
     claim = Claim(Path(src), Path(out), overwrite)
     with make_pool(workers or usable_cores()) as pool:
         try:
-            facts = functools.partial(file_facts, pool)
+            facts = functools.partial(facts_on_workers, pool)
             tree, state = start(src, claim, options, "local", facts)
             if state is None:  # an --overwrite cut short in its swap: that store is this one
                 return fmt.read_manifest(claim.out)
@@ -97,7 +97,7 @@ def make_pool(workers: int) -> InlinePool:
     return ForkPool(workers)
 
 
-def file_facts(pool: InlinePool, tree: Scan, chunk: int = 500) -> Iterator[bytes]:
+def facts_on_workers(pool: InlinePool, tree: Scan, chunk: int = 500) -> Iterator[bytes]:
     """``resume.file_facts`` of the items of ``tree``, made on the workers, in order: the
     build's fingerprint stats every file, which would be the longest part of the build
     that runs on one core."""

@@ -22,7 +22,7 @@ from ingest import cli
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
 from ingest.build import tasks as ray_tasks
-from ingest.build.local import file_facts, make_pool
+from ingest.build.local import facts_on_workers, make_pool
 from ingest.build.resume import fingerprint
 from ingest.build.scan import scan
 from ingest.format.codec import unpack_record
@@ -91,7 +91,7 @@ def test_same_store_whatever_the_number_of_workers(
 def test_the_workers_fingerprint_the_files_as_one_process_does(awkward_tree: Tree) -> None:
     tree = scan(awkward_tree.root)
     with make_pool(3) as pool:
-        facts = file_facts(pool, tree, chunk=3)  # many runs of files: their order counts
+        facts = facts_on_workers(pool, tree, chunk=3)  # many runs of files: their order counts
         assert fingerprint(tree, {}, facts) == fingerprint(tree, {})
     assert len(tree.items) > 9
 
