@@ -70,7 +70,9 @@ class Store:
         self._first = np.array([s["first"] for s in self.manifest["shards"]], dtype=np.int64)
         self._keys = [env_key(self.root / fmt.shard_name(s)) for s in range(len(self._first))]
         self._envs: dict[int, Opened] = {}  # keeps the shared environments open
-        self._advice = verify_advice("", self.root)  # the ends of a read's messages
+        # How a read's messages begin and end, made once: a read is per sample.
+        self._shard_texts = [f"{self.root}/{fmt.shard_name(s)}" for s in range(len(self._first))]
+        self._advice = verify_advice("", self.root)
         if problem := pages.engine_problem():  # at open, not at the first batch
             raise fmt.StoreError(problem)
         # Every shard file's size and LMDB pages now: a damaged store is refused at open,
@@ -182,7 +184,7 @@ class Store:
         discarded and this process reads that shard from the store from now on."""
         shard = self.shard_of(i)
         opened = self._env(shard)
-        here, advice = f"{self.root}/{fmt.shard_name(shard)}", self._advice
+        here, advice = self._shard_texts[shard], self._advice
         if opened.copy is None:
             return read(opened.env, here, advice)
         try:
@@ -270,7 +272,7 @@ class Store:
         )
 
     def _where(self, i: int) -> str:
-        return f"{self.root}/{fmt.shard_name(self.shard_of(i))}: key {i}"
+        return f"{self._shard_texts[self.shard_of(i)]}: key {i}"
 
     def image(self, i: int) -> tuple[bytes, str]:
         """The encoded image of sample ``i`` (decompressed) and its format ("jpeg", "png"),

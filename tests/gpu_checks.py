@@ -28,8 +28,6 @@ from gpu_path_data import (
 )
 from PIL import Image
 
-if not CUDA:  # before Triton is first imported: run the kernels in its CPU interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import loader

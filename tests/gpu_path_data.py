@@ -8,6 +8,7 @@ images are small, because the interpreter is slow.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -22,6 +23,8 @@ from loader.bench.synth import make_image_folder, random_view, sample_photos
 from loader.gpu.nvjpeg import import_torchvision_io
 
 CUDA = torch.cuda.is_available()
+if not CUDA:  # before Triton is first imported: its CPU interpreter runs the GPU kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 DEVICE = "cuda" if CUDA else "cpu"
 BACKEND = "nvjpeg" if CUDA else "tvcpu"
 SIZE = 64 if CUDA else 16  # output side; the interpreter needs tiny batches

@@ -12,14 +12,12 @@ other worker count (decoders differ within the tolerances the GPU path tests sta
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 
 import pytest
 import torch
 from gpu_path_data import (
     BACKEND,
-    CUDA,
     DEVICE,
     NUM_SAMPLES,
     SIZE,
@@ -28,9 +26,6 @@ from gpu_path_data import (
     use_stand_ins,
 )
 from loader_data import corrupt
-
-if not CUDA:  # before Triton is first imported: run the kernels in its CPU interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import loader
 from loader.augment import Transform

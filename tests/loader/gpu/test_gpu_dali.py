@@ -13,7 +13,6 @@ hardware engines against torchvision's nvjpeg, and the resampling).
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import time
 import weakref
@@ -24,21 +23,6 @@ import numpy as np
 import pytest
 import torch
 from fixtures import collector_off
-from gpu_path_data import (
-    BACKEND,
-    CUDA,
-    DEVICE,
-    NUM_SAMPLES,
-    SIZE,
-    dali_backend,
-    make_small_store,
-    use_stand_ins,
-)
-from loader_data import corrupt
-
-if not CUDA:  # before Triton is first imported: run the kernels in its CPU interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from gpu_checks import (
     B,
     all_freed,
@@ -58,6 +42,17 @@ from gpu_checks import (
     record_ways_and_shares,
 )
 from gpu_checks import make as make_loader
+from gpu_path_data import (
+    BACKEND,
+    CUDA,
+    DEVICE,
+    NUM_SAMPLES,
+    SIZE,
+    dali_backend,
+    make_small_store,
+    use_stand_ins,
+)
+from loader_data import corrupt
 
 import loader
 import loader.decode as decode_registry

@@ -73,8 +73,6 @@ from gpu_path_data import (
     use_stand_ins,
 )
 
-if not CUDA:  # before Triton is first imported: run the kernels in its CPU interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import loader
