@@ -249,7 +249,7 @@ def main() -> None:
     if a.dali_way and getattr(dl._gpu_stage, "picker", None) is not None:
         dl._gpu_stage.fix_way(a.dali_way)  # every batch that way: no trials
     elif a.cuda_first and getattr(dl._gpu_stage, "picker", None) is not None:
-        dl._gpu_stage.picker = WayPicker(tuple(reversed(dl._gpu_stage.picker.ways)))
+        dl._gpu_stage.routing.picker = WayPicker(tuple(reversed(dl._gpu_stage.picker.ways)))
     # Untimed epochs: the first starts the workers and fills the cache; more until the DALI
     # stage's first trial of its two ways is over, as in imfeed-bench: its batches the
     # slower way would weigh twice as much per image with two ranks, whose epochs are half

@@ -270,7 +270,7 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
             torch.cuda.synchronize(device)
         took = time.perf_counter() - start
         stats = dl.stats()
-        planned = getattr(dl._gpu_stage, "_planned", None)
+        routing = getattr(dl._gpu_stage, "routing", None)
         picker = getattr(dl._gpu_stage, "picker", None)
         report["epochs"].append(
             {
@@ -293,7 +293,7 @@ def soak(a: argparse.Namespace, device: torch.device, err: Stderr) -> tuple[dict
                 "cpu_share": stats.get("cpu_share"),
                 "way_trials": stats.get("way_trials"),
                 # Ways remembered for batches planned, not started; not handed off.
-                "planned": None if planned is None else len(planned),
+                "planned": None if routing is None else routing.pending,
                 "picker_in_flight": None if picker is None else len(picker._in_flight),
             }
         )

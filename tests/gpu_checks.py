@@ -85,7 +85,7 @@ def record_ways_and_shares(stage) -> list[list]:
     """Hold ``stage``'s share at 0.5, never steered (never told whether the loop waits),
     and record [the workers' rows, the way] of each batch as it is finished."""
     stage.loop = WindowShare(10**6)
-    stage.producer.cpu_share = 0.5
+    stage.routing.share = 0.5
     finished: list[list] = []
 
     def account(report, on_gpu, on_cpu, decode_s, mapped=False, real=stage._account):

@@ -13,7 +13,6 @@ tensor per sample.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 import simplejpeg
@@ -24,6 +23,7 @@ from loader.augment import CROP_COLUMNS, Transform
 from loader.cpu.batches import BatchReport, PixelBatches
 from loader.cpu.decode import reduction
 from loader.decode import DecodeError
+from loader.gpu.tuning.routing import Routing
 from loader.store import Store
 
 # Extra columns of a planned row, after CROP_COLUMNS: where the worker puts the sample's
@@ -41,7 +41,7 @@ class EncodedBatches(PixelBatches):
         spec: the built-in transform (its crop windows are planned here).
         batch_size: the most samples a slot holds.
         cpu_share: fraction of the GPU-decodable samples of each batch decoded on the CPU
-            instead (the prefetcher adjusts it when it is "auto").
+            instead (the start of ``routing``, which the GPU stage's tuning replaces).
     """
 
     def __init__(
@@ -54,17 +54,12 @@ class EncodedBatches(PixelBatches):
         )
         sizes = np.asarray(index["nbytes"], dtype=np.int64)
         self.capacity = int(batch_size * float(sizes.mean()) * _SLACK) + int(sizes.max())
-        self.cpu_share = float(cpu_share)
-        # Where set, the share of each batch as it is planned, given the batch's seed: the
-        # GPU stage's, which tries the share or none. Held weakly (``weakref.WeakMethod``):
-        # the stage holds this producer, and a cycle would keep the stage, its pipelines
-        # and their device memory alive after its loader is gone, until a full collection.
-        self.share_of_next: Callable[[], Callable[[int], float] | None] | None = None
+        self.routing = Routing(share=float(cpu_share))  # each batch's way and share
 
     def __getstate__(self) -> dict:
-        # Batches are planned in the training process: a worker needs no hold on the stage
-        # (nor could a spawned one be sent it: a weak method does not pickle).
-        return {**super().__getstate__(), "share_of_next": None}
+        # Batches are planned in the training process: a worker needs no routing (nor
+        # could a spawned one be sent its lock).
+        return {**super().__getstate__(), "routing": None}
 
     def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
         h, w = self.spec.size
@@ -85,9 +80,7 @@ class EncodedBatches(PixelBatches):
         rows = np.zeros((len(indices), ROOM + 1), dtype=np.int64)
         rows[:, : len(CROP_COLUMNS)] = crops
         gpu = self._gpu_ok[indices].copy()
-        share_of = self.share_of_next() if self.share_of_next is not None else None
-        share = self.cpu_share if share_of is None else share_of(seed)
-        gpu[self._cpu_share(crops, gpu, share)] = False
+        gpu[self._cpu_share(crops, gpu, self.routing.plan(seed))] = False
         room = np.where(gpu, self.store.index["nbytes"][indices], 0).astype(np.int64)
         ends = np.cumsum(room)
         room[ends > self.capacity] = 0  # the rest of a heavy batch decodes on the CPU

@@ -3,21 +3,16 @@
 The ways to make batches are the stage's decode ways, each also with the workers' share
 where ``cpu_share="auto"``; the ``WayPicker`` keeps the one with which the training loop
 takes batches soonest, and the batches of a way with the share steer it
-(``loader.gpu.tuning.share``). A batch's way is chosen as it is planned (the share is the
-workers', who decode it as they gather the batch) and remembered by the batch's seed until
-it is started: however many batches planned are dropped, none takes another's way.
+(``loader.gpu.tuning.share``). Both feed the plan's ``Routing``, which the producer reads
+as it plans each batch (the share is the workers', who decode it as they gather it).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
 
-from loader.gpu.tuning.picker import WayPicker
+from loader.gpu.tuning.routing import Routing
 from loader.gpu.tuning.share import LOOP_WINDOW, START_SHARE, WITH_SHARE, WindowShare, steered
-
-_MAX_PLANNED = 4096  # ways remembered for batches planned and not started, at most
 
 
 class TunedStage:
@@ -28,7 +23,6 @@ class TunedStage:
     def _tune(self, cpu_share: float | str, num_workers: int) -> None:
         """Wire the tuning: ``cpu_share`` ("auto" or a fixed fraction) for ``num_workers``
         workers (without any, "auto" keeps everything on the GPU)."""
-        producer = self.producer
         self.auto = cpu_share == "auto" and num_workers > 0  # no workers: nothing to share
         self._starting = False  # the next batch finished is an epoch's first
         self.loop = WindowShare(LOOP_WINDOW)  # the training loop's waiting for batches
@@ -38,15 +32,11 @@ class TunedStage:
         self._held_s = 0.0
         if cpu_share == "auto":  # the share of the ways with one (none without workers)
             cpu_share = START_SHARE if self.auto else 0.0
-        producer.cpu_share = cpu_share
         ways = self.decode_ways()
         if self.auto:
             ways += tuple(way + WITH_SHARE for way in ways)
-        self.picker = WayPicker(ways) if len(ways) > 1 else None
-        self._fixed_way = ways[0]  # the way of every batch, where there is no picker
-        self._planned: dict[int, str] = {}  # by seed: the ways planned, not yet started
-        self._planned_lock = threading.Lock()  # the batches are planned on two threads
-        producer.share_of_next = weakref.WeakMethod(self._plan_way)
+        self.routing = Routing(ways, float(cpu_share), self.auto)
+        self.producer.routing = self.routing  # what the plan reads for each batch
 
     def decode_ways(self) -> tuple[str, ...]:
         raise NotImplementedError
@@ -54,34 +44,16 @@ class TunedStage:
     def fix_way(self, way: str) -> None:
         """Make every batch planned from now on ``way`` (one of the picker's), without
         trials: to measure each way alone."""
-        self.picker, self._fixed_way = None, way
+        self.routing.fix(way)
 
-    def _plan_way(self, seed: int) -> float:
-        """The picker's way for the batch of ``seed`` being planned (remembered for its
-        start), and the workers' share of it."""
-        way = self.picker.next() if self.picker is not None else self._fixed_way
-        with self._planned_lock:
-            self._planned[seed] = way
-            if len(self._planned) > _MAX_PLANNED:  # dropped without ``settle``: let go
-                del self._planned[next(iter(self._planned))]
-        return self._share_of(way)
-
-    def _share_of(self, way: str) -> float:
-        """The workers' share of a batch of ``way`` (with "auto": none on a way without it)."""
-        if self.auto and not way.endswith(WITH_SHARE):
-            return 0.0
-        return self.producer.cpu_share
-
-    def _kept_way(self) -> str:
-        """The picker's way between trials, or the one fixed where there is no picker."""
-        return self.picker.way if self.picker is not None else self._fixed_way
+    @property
+    def picker(self):
+        """The ``WayPicker`` trying the ways (None with one way, or one fixed)."""
+        return self.routing.picker
 
     def _next_way(self, views: dict) -> str:
-        """The way planned for the batch being started (without one, as for the batches
-        planned before a picker was given: the way kept)."""
-        with self._planned_lock:
-            way = self._planned.pop(int(views["seed"][0]), None)
-        return way if way is not None else self._kept_way()
+        """The way planned for the batch being started."""
+        return self.routing.started(int(views["seed"][0]))
 
     def _steer(self, waited: float, busy: float, way: str) -> None:
         """Move the workers' share towards the point where the thread barely waits (by a
@@ -95,10 +67,10 @@ class TunedStage:
         loop_waits = self.loop.share()
         if loop_waits is None:  # too few hand-offs yet to tell whether the loop waits
             return
-        share, left = steered(self.producer.cpu_share, waited, busy, loop_waits, self.held.share())
+        share, left = steered(self.routing.share, waited, busy, loop_waits, self.held.share())
         if left:  # not the loader's pace: the workers' wait steered
             self.stats.add(loop_waits_held=1)
-        self.producer.cpu_share = share
+        self.routing.share = share
 
     def epoch_started(self) -> None:
         """An epoch begins: its first batch's wait for the workers is their start (the
@@ -113,10 +85,7 @@ class TunedStage:
     def settle(self) -> None:
         """An iteration closed: the batches planned and not handed off never will be
         (their ways are forgotten)."""
-        if self.picker is not None:
-            self.picker.forget()
-        with self._planned_lock:
-            self._planned.clear()
+        self.routing.forget()
 
     def note_finished(self) -> None:
         """A batch was finished, ready to be handed off: the picker's measure of the
@@ -141,5 +110,5 @@ class TunedStage:
     @property
     def cpu_share(self) -> float:
         """The workers' share of the batches of the way kept (with "auto": none on a way
-        without it; the share its ways with one get is ``producer.cpu_share``)."""
-        return self._share_of(self._kept_way())
+        without it; the share its ways with one get is ``routing.share``)."""
+        return self.routing.share_of(self.routing.kept())

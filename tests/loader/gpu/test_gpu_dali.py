@@ -248,14 +248,14 @@ def test_a_batch_the_pipeline_fails_on_is_decoded_again_image_by_image(store, ca
 def test_batches_split_between_the_two_pipelines_keep_samples_and_pixels(store):
     reference = make(store, batch_size=2)  # 12 batches
     if CUDA:  # all on the engines
-        reference._gpu_stage.picker = None
+        reference._gpu_stage.routing.picker = None
     expected = epoch(reference)
     dl = make(store, batch_size=2)
     stage = dl._gpu_stage
     # A trial of 3 batches each way and 3 each again in reverse: engines, CUDA (6 in a
     # row), engines (without CUDA, both ways are DALI's CPU pipeline); run to its end
     # however far apart the ways are, and not again however close they are.
-    stage.picker = picker = WayPicker(
+    stage.routing.picker = picker = WayPicker(
         (ENGINES, CUDA_WAY), window=3, skip=0, warmup=0, decisive=None, close=None
     )
     finished = []  # the picker is told of each batch finished, to time the loader's pace
@@ -287,7 +287,7 @@ def test_auto_share_ways_take_the_pipeline_of_their_way_and_keep_the_samples(sto
     stage = dl._gpu_stage
     assert stage.picker.ways == ways + tuple(f"{w}+cpu" for w in ways)
     # Windows of 3 (A B B A; on CUDA A B C D D C B A), the share held at 0.5 of 2: one.
-    stage.picker = WayPicker(stage.picker.ways, window=3, skip=0, warmup=0, decisive=None)
+    stage.routing.picker = WayPicker(stage.picker.ways, window=3, skip=0, warmup=0, decisive=None)
     finished = record_ways_and_shares(stage)
     got = epoch(dl)  # 12 batches
     reference = make(store, batch_size=2)

@@ -256,9 +256,9 @@ def test_auto_share_is_tried_as_a_way_and_keeps_the_samples(store):
     stage = dl._gpu_stage
     assert stage.picker.ways == ("gpu", "gpu+cpu")
     # A trial at once, windows of 5: A B B A from the first of the 18 batches of 3 epochs.
-    stage.picker = WayPicker(stage.picker.ways, window=5, skip=1, warmup=0)
+    stage.routing.picker = WayPicker(stage.picker.ways, window=5, skip=1, warmup=0)
     finished = record_ways_and_shares(stage)
-    stage._plan_way(seed=12345)  # a batch planned, then dropped unstarted: it takes the
+    stage.routing.plan(seed=12345)  # a batch planned, then dropped unstarted: it takes the
     # trial's first batch, and no other batch's way
     got = [epoch(dl) for _ in range(3)]
     gpu_only, cpu_only = (make(store, cpu_share=share, batch_size=4) for share in (0.0, 1.0))
@@ -283,7 +283,7 @@ def test_an_epochs_first_batch_does_not_steer_the_auto_share(store):
         steered.append((waited, busy, stage.cpu_share))
 
     stage._steer = steer
-    stage.producer.cpu_share = 0.5  # as if steered there
+    stage.routing.share = 0.5  # as if steered there
     for k in range(9):  # as if the loop had taken 8 batches a second apart, never waiting
         stage.loop.handed(0.0, k - 10.0)
     epoch(dl)
@@ -300,25 +300,25 @@ def test_the_auto_share_shrinks_while_the_loop_waits_for_batches(store):
     # grow, whatever the workers' wait, and shrinks by half the share of its time waiting.
     # Only the batches of a way with the share steer it.
     stage = make(store, cpu_share="auto")._gpu_stage
-    stage.producer.cpu_share = 0.5  # what its ways with the share get
+    stage.routing.share = 0.5  # what its ways with the share get
     for k in range(8):  # gaps of 10 ms, 4 of them waiting for the batch
         stage.loop.handed(0.004, 0.01 * (k + 1))
     assert stage.loop.share() is None  # 7 gaps: too few
     stage.loop.handed(0.004, 0.09)
     assert stage.loop.share() == pytest.approx(0.4)
     stage._steer(waited=0.0, busy=0.01, way="gpu")  # a batch without the share: unmoved
-    assert stage.producer.cpu_share == 0.5
+    assert stage.routing.share == 0.5
     stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")  # the workers kept up
-    assert stage.producer.cpu_share == pytest.approx(0.5 - 0.5 * 0.4)
+    assert stage.routing.share == pytest.approx(0.5 - 0.5 * 0.4)
     for _ in range(2):
         stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")
-    assert stage.producer.cpu_share == 0.0
+    assert stage.routing.share == 0.0
     # Once it stops waiting (under 5% of its time), the share grows again by the workers'.
     for k in range(8):
         stage.loop.handed(0.0004, 0.09 + 0.01 * (k + 1))
     assert stage.loop.share() == pytest.approx(0.04)
     stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")
-    assert stage.producer.cpu_share == pytest.approx(0.5 * 0.05)
+    assert stage.routing.share == pytest.approx(0.5 * 0.05)
     # An epoch's start: the gap to its first hand-off is the loop's own, left out.
     stage.epoch_started()
     stage.loop.handed(5.0, 10.0)
@@ -333,7 +333,7 @@ def test_a_loop_that_waits_while_the_loader_holds_batches_does_not_shrink_the_sh
     # limit, and the workers' wait alone steers the share. Holding under 20%, it shrinks.
     # Intervals of a second: the few ms to the steer's own mark (now) hardly count.
     stage = make(store, cpu_share="auto")._gpu_stage
-    stage.producer.cpu_share = 0.5
+    stage.routing.share = 0.5
     start = time.perf_counter() - 9.0
     for k in range(9):  # gaps of 1 s, 0.4 s of each waiting for the batch
         stage.loop.handed(0.4, start + k)
@@ -342,7 +342,7 @@ def test_a_loop_that_waits_while_the_loader_holds_batches_does_not_shrink_the_sh
     stage.note_held(0.3)  # the batch steering: its interval up to now, 0.3 s held
     stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")  # the workers kept up
     assert stage.held.share() == pytest.approx(0.3, abs=0.01)  # 0.26 without note_held
-    assert stage.producer.cpu_share == pytest.approx(0.5 + 0.5 * 0.05)
+    assert stage.routing.share == pytest.approx(0.5 + 0.5 * 0.05)
     assert stage.stats.snapshot()["loop_waits_held"] == 1
     stage.held = WindowShare(8)
     start = time.perf_counter() - 9.0
@@ -350,7 +350,7 @@ def test_a_loop_that_waits_while_the_loader_holds_batches_does_not_shrink_the_sh
         stage.held.handed(0.1, start + k)
     stage._steer(waited=0.0, busy=0.01, way="gpu+cpu")
     assert stage.held.share() == pytest.approx(0.7 / 8, abs=0.01)
-    assert stage.producer.cpu_share == pytest.approx(0.525 - 0.5 * 0.4)
+    assert stage.routing.share == pytest.approx(0.525 - 0.5 * 0.4)
     assert stage.stats.snapshot()["loop_waits_held"] == 1
 
 
@@ -376,7 +376,7 @@ def test_the_prefetch_thread_counts_its_time_holding_batches_the_loop_has_not_ta
 def test_stats_report_the_share_of_the_way_kept(store):
     dl = make(store, cpu_share="auto")
     stage = dl._gpu_stage
-    stage.producer.cpu_share = 0.3  # what the ways with the share get
+    stage.routing.share = 0.3  # what the ways with the share get
     assert (stage.picker.way, dl.stats()["cpu_share"]) == ("gpu", 0.0)
     stage.fix_way("gpu+cpu")
     assert dl.stats()["cpu_share"] == 0.3
@@ -432,7 +432,7 @@ def test_the_picker_is_told_each_epochs_start_before_its_batches(store):
             calls.append("forget")
 
     handed, planned = [], []
-    dl._gpu_stage.picker = Told()
+    dl._gpu_stage.routing.picker = Told()
     epoch(dl)
     epoch(dl)
     assert calls == (["epoch"] + ["finished"] * 3 + ["forget"]) * 2  # batches of 8, 8, 7
@@ -441,7 +441,7 @@ def test_the_picker_is_told_each_epochs_start_before_its_batches(store):
 
 def test_stats_report_the_picker_of_ways(store):
     dl = make(store)
-    dl._gpu_stage.picker = WayPicker(("engines", "cuda"))  # a trial after 16 hand-offs
+    dl._gpu_stage.routing.picker = WayPicker(("engines", "cuda"))  # a trial after 16 hand-offs
     epoch(dl)  # 3 batches: none yet
     picked = {k: v for k, v in dl.stats().items() if k.startswith("way")}
     assert picked == {
@@ -1274,7 +1274,7 @@ def test_close_lets_go_of_the_gpu_stage_and_a_later_epoch_has_every_sample(store
     stage, picker = dl._gpu_stage, dl._gpu_stage.picker
     assert stage._in_flight  # the images of the last batches, kept for their kernels
     dl.close()
-    assert not stage._in_flight and not stage._planned and not stage.abandoned
+    assert not stage._in_flight and not stage.routing.pending and not stage.abandoned
     assert dl._gpu_stage is stage and stage.picker is picker  # what it measured stays
     got = epoch(dl)  # the rest of the epoch cut short: it started again, whole
     assert sorted(flat(got, 2).tolist()) == list(range(NUM_SAMPLES))
