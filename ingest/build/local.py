@@ -5,7 +5,9 @@ The tasks are the Ray build's (tasks.py): workers verify ranges of samples, then
 whole shards themselves, so that the records never pass through this process and the
 shards are written on as many cores as there are shards ready. A shard is written as soon
 as the plans before and after it cut it; write tasks go first to an idle worker, so that
-the shards keep pace with the checks.
+the shards keep pace with the checks. The shard still open (in a small store, the only
+one) is written by one more worker as its ranges are checked (``tasks.stream_shard``), so
+that no shard is left to write on one core after the last check.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def build(
     """
     options = options or BuildOptions()
     claim = Claim(Path(src), Path(out), overwrite)
-    with make_pool(workers or usable_cores()) as pool:
+    with make_pool(workers or usable_cores(), stream=True) as pool:
         try:
             facts = functools.partial(facts_on_workers, pool)
             tree, state = start(src, claim, options, "local", facts)
@@ -87,14 +89,17 @@ def convert(run: Run, src: Path, pool: InlinePool, progress: bool | None) -> dic
     return twopass.finish(run, [plans[span] for span in spans])
 
 
-def make_pool(workers: int) -> InlinePool:
-    """``workers`` forked workers; none (tasks run in this process) for one."""
+def make_pool(workers: int, stream: bool = False) -> InlinePool:
+    """``workers`` forked workers (and, with ``stream``, one more for the open shard's
+    writer, mostly waiting for checks); none (tasks run in this process) for one."""
     if workers <= 1:
         return InlinePool()
     if not can_fork():
         log.warning("ingest: no fork() on this platform; converting in one process")
         return InlinePool()
-    return ForkPool(workers)
+    pool = ForkPool(workers + stream)
+    pool.streams = stream
+    return pool
 
 
 def facts_on_workers(pool: InlinePool, tree: Scan, chunk: int = 500) -> Iterator[bytes]:
@@ -110,6 +115,7 @@ def _run(run: Run, src: Path, pool, spans: list, plans: dict, checks: deque, bar
     cuts = twopass.ShardCuts(run.options.shard_size, len(run.tree.items))
     sealed = {s["name"] for s in run.state["shards"]}
     writes: deque = deque()
+    stream = _Stream(run, src, spans, getattr(pool, "streams", False))
     fed = 0  # plans given to ``cuts``, in sample order
     state = _State(run)
     try:
@@ -118,8 +124,10 @@ def _run(run: Run, src: Path, pool, spans: list, plans: dict, checks: deque, bar
                 fed += 1
                 ready = cuts.add(plans[spans[fed - 1]])
                 ready += cuts.finish() if fed == len(spans) else []
-                writes.extend(s for s in ready if fmt.shard_name(s[0]) not in sealed)
-            _submit(run, src, pool, cuts, writes, checks)
+                writes.extend(s for s in ready if fmt.shard_name(s[0]) not in sealed
+                              and not stream.takes(s))  # fmt: skip
+            stream.start(pool, cuts, fed, sealed)
+            _submit(run, src, pool, cuts, writes, checks, stream.running)
             if not pool.busy:
                 return
             for key, result in pool.wait():
@@ -127,14 +135,16 @@ def _run(run: Run, src: Path, pool, spans: list, plans: dict, checks: deque, bar
                     plans[key] = result
                     bar.update(key[1] - key[0])
                 else:
+                    stream.ended(key)
                     state.sealed(result)
     finally:
         state.save()
 
 
-def _submit(run: Run, src: Path, pool, cuts, writes: deque, checks: deque) -> None:
-    """Give every idle worker a task: a shard to write first, else a range to check."""
-    while pool.idle and (writes or checks):
+def _submit(run: Run, src: Path, pool, cuts, writes: deque, checks: deque, spare: int) -> None:
+    """Give every idle worker but ``spare`` a task: a shard to write first, else a range
+    to check."""
+    while pool.idle > spare and (writes or checks):
         if writes:
             k, a, b = writes.popleft()
             pool.submit(k, tasks.write_shard, *_write_args(run, src, cuts, k, a, b))
@@ -143,6 +153,52 @@ def _submit(run: Run, src: Path, pool, cuts, writes: deque, checks: deque) -> No
             plan = twopass.plan_path(run, a, b)
             items = run.tree.items[a:b]
             pool.submit((a, b), tasks.check_range, src, items, a, run.options, plan, None)
+
+
+class _Stream:
+    """The open shard's writer (``tasks.stream_shard``) on the pool's worker kept for it:
+    one at a time, for the shards open within the last ``STREAM_ITEMS`` samples (its task
+    carries their items)."""
+
+    STREAM_ITEMS = 50_000
+
+    def __init__(self, run: Run, src: Path, spans: list, on: bool) -> None:
+        self.run, self.src, self.spans, self.on = run, src, spans, on
+        self.k: int | None = None  # the shard being streamed
+        self.done: set[int] = set()  # shards streamed (whether or not cut yet)
+
+    @property
+    def running(self) -> int:
+        """Workers to leave for the stream: its own, while none runs."""
+        return int(self.on and self.k is None)
+
+    def takes(self, shard: tuple[int, int, int]) -> bool:
+        """Whether the shard cut is (or was) the stream's to write."""
+        return shard[0] == self.k or shard[0] in self.done
+
+    def start(self, pool, cuts: twopass.ShardCuts, fed: int, sealed: set) -> None:
+        """Stream the open shard, where there is one to and the stream's worker is free."""
+        k, items = cuts.shards, self.run.tree.items
+        if not self.on or self.k is not None or not pool.idle or fed == len(self.spans):
+            return
+        if k in self.done or fmt.shard_name(k) in sealed:
+            return
+        if len(items) - self.spans[fed][0] > self.STREAM_ITEMS:
+            return
+        jobs, expect = cuts.work(self.run, self.src, cuts.open, cuts.count)
+        sizes = cuts.columns["nbytes"][cuts.open : cuts.count].tolist()
+        rest = [(twopass.plan_path(self.run, a, b), a, items[a:b]) for a, b in self.spans[fed:]]
+        o = self.run.options
+        pool.submit(-1 - k, tasks.stream_shard, self.src, self.run.out, k, cuts.open,
+                    jobs, expect, sizes, rest, o, o.shard_size, self.run.map_size,
+                    self.run.build, None)  # fmt: skip
+        self.k = k
+
+    def ended(self, key: int) -> None:
+        """A write task ended: key ``-1 - k`` is the stream's, of shard ``k``."""
+        if key < 0:
+            self.done.add(-1 - key)
+            self.k = None
 
 
 class _State:

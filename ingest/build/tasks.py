@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,8 @@ from ingest.build.process import format_mix, process_file
 from ingest.build.resume import OutputError
 from ingest.build.run import seal_shard
 from ingest.build.scan import SourceError
+from ingest.build.shardplan import shard_starts
+from ingest.build.twopass import load_plan
 from ingest.build.writer import ShardWriter
 
 Fault = Callable[[str, int, int], None]  # tests: (pass, range or shard, item) in a task
@@ -66,22 +69,79 @@ def write_shard(src: Path, out: Path, k: int, first: int, jobs: list, expect: li
                 fault: Fault | None) -> dict:  # fmt: skip
     """A Ray task: make the records of shard ``k`` (samples ``first, first+1, ...``) again,
     check them against the plan, write and seal the shard; return its manifest entry."""
-    name = fmt.shard_name(k)
-    partial = out / fmt.PARTIAL_DIR
-    _check_visible(src, partial)
-    tmp = partial / f"{name}.{os.uname().nodename}-{os.getpid()}"  # one per attempt
-    writer = ShardWriter(tmp, out / name, first, map_size, build)
-    rows, paths = [], []
-    light = dataclasses.replace(options, verify=False)
-    for i, (job, want) in enumerate(zip(jobs, expect, strict=True)):
-        if fault:
-            fault("write", k, i)
-        row, value = _again(job, want, options, light)
-        writer.put(first + i, value)
-        rows.append((row[0], k, *row[1:]))
-        paths.append(fmt.path_value(job[1]))
-    entry, _ = seal_shard(writer, rows, paths, partial)
-    return entry
+    shard = _Shard(src, out, k, first, options, map_size, build, fault)
+    shard.put(jobs, expect)
+    return shard.seal()
+
+
+def stream_shard(src: Path, out: Path, k: int, first: int, jobs: list, expect: list,
+                 sizes: list, spans: list, options: BuildOptions, shard_size: int,
+                 map_size: int, build: str, fault: Fault | None) -> dict:  # fmt: skip
+    """A local build's task: write shard ``k`` while the ranges after it are still being
+    checked, so that the last shards are not written on one core after every check.
+
+    ``jobs``/``expect``/``sizes``: the shard's records known so far; ``spans``: the ranges
+    after them in order, each (plan file, its first sample, the items from there). Each
+    range's records are written as its plan appears, up to where docs/FORMAT.md's rule
+    cuts the shard (the cut ``ShardCuts`` makes) or to the last range: the same records in
+    the same order as ``write_shard``, so the same bytes."""
+    shard = _Shard(src, out, k, first, options, map_size, build, fault)
+    shard.put(jobs, expect)
+    for path, a, items in spans:
+        plan = _wait_for_plan(path, a, a + len(items))
+        n = len(plan["kept"]) // 8
+        more = np.frombuffer(plan["nbytes"], "<u4").tolist()
+        starts = shard_starts(sizes + more, shard_size)
+        take = n if len(starts) == 1 else starts[1] - len(sizes)
+        kept = np.frombuffer(plan["kept"], "<u8")[:take].tolist()
+        crcs = np.frombuffer(plan["crc32"], "<u4")[:take].tolist()
+        again = np.frombuffer(plan["reencoded"], "u1")[:take].tolist()
+        sizes = sizes + more[:take]
+        shard.put(
+            [(os.path.join(src, items[pos - a][0]), *items[pos - a]) for pos in kept],
+            [(z, c, bool(r)) for z, c, r in zip(more[:take], crcs, again, strict=True)],
+        )
+        if take < n:  # cut inside this range: the rest is the next shard's
+            break
+    return shard.seal()
+
+
+def _wait_for_plan(path: Path, a: int, b: int) -> dict:
+    """The plan of samples a..b-1, once a check task has written it (the driver stops
+    this task with the build, should that never happen)."""
+    while (plan := load_plan(path, a, b)) is None:
+        time.sleep(0.002)
+    return plan
+
+
+class _Shard:
+    """A shard being written by a task: its records made again and checked, then sealed."""
+
+    def __init__(self, src: Path, out: Path, k: int, first: int, options: BuildOptions,
+                 map_size: int, build: str, fault: Fault | None) -> None:  # fmt: skip
+        name = fmt.shard_name(k)
+        self.partial = out / fmt.PARTIAL_DIR
+        _check_visible(src, self.partial)
+        tmp = self.partial / f"{name}.{os.uname().nodename}-{os.getpid()}"  # one per attempt
+        self.writer = ShardWriter(tmp, out / name, first, map_size, build)
+        self.k, self.first, self.fault, self.options = k, first, fault, options
+        self.light = dataclasses.replace(options, verify=False)
+        self.rows: list = []
+        self.paths: list = []
+
+    def put(self, jobs: list, expect: list) -> None:
+        for job, want in zip(jobs, expect, strict=True):
+            i = len(self.rows)
+            if self.fault:
+                self.fault("write", self.k, i)
+            row, value = _again(job, want, self.options, self.light)
+            self.writer.put(self.first + i, value)
+            self.rows.append((row[0], self.k, *row[1:]))
+            self.paths.append(fmt.path_value(job[1]))
+
+    def seal(self) -> dict:
+        entry, _ = seal_shard(self.writer, self.rows, self.paths, self.partial)
+        return entry
 
 
 def _check_visible(src: Path, partial: Path) -> None:

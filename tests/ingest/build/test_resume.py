@@ -51,11 +51,19 @@ def test_resume_after_kill_9_gives_the_clean_build(tmp_path: Path) -> None:
 _write_shard = ray_tasks.write_shard
 
 
-def _killed_in_shard_2(src, out, k, *args):
+def _killed_in_shard_2(src, out, k, *args, write=_write_shard):
     """write_shard, but the worker is killed (as by the OOM killer) when it gets shard 2."""
     if k == 2:
         os.kill(os.getpid(), signal.SIGKILL)
-    return _write_shard(src, out, k, *args)
+    return write(src, out, k, *args)
+
+
+def _stream_killed_in_shard_2(src, out, k, *args):
+    """stream_shard, killed likewise: shard 2 may be the one open when a stream starts."""
+    return _killed_in_shard_2(src, out, k, *args, write=_stream_shard)
+
+
+_stream_shard = ray_tasks.stream_shard
 
 
 def test_a_killed_worker_is_one_line_and_the_rerun_gives_the_clean_build(
@@ -65,6 +73,7 @@ def test_a_killed_worker_is_one_line_and_the_rerun_gives_the_clean_build(
     out, clean = tmp_path / "out", tmp_path / "clean"
     args = ["build", str(src), str(out), "--shard-size", "200KiB", "--workers", "2"]
     monkeypatch.setattr(ray_tasks, "write_shard", _killed_in_shard_2)  # found so by the pool
+    monkeypatch.setattr(ray_tasks, "stream_shard", _stream_killed_in_shard_2)
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(

@@ -1,0 +1,70 @@
+"""The open shard written as its ranges are checked (``tasks.stream_shard``): the same store."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+from fixtures import assert_same_store, make_big_tree, sealed_shards
+
+from ingest import cli
+from ingest import format as fmt
+from ingest.build import BuildOptions, build, tasks
+
+_stream_shard = tasks.stream_shard
+
+
+_LOG: list[Path] = []  # where _streamed notes each shard streamed (read by forked workers)
+
+
+def _streamed(src, out, k, *args):
+    with open(_LOG[-1], "a") as f:
+        f.write(f"{k}\n")
+    return _stream_shard(src, out, k, *args)
+
+
+def test_streamed_shards_give_the_store_of_one_process(tmp_path: Path, monkeypatch) -> None:
+    # One shard (the default size) and 23 of 200 KiB, cut inside the check ranges of 64
+    # samples: each streamed at least once, byte for byte the store of workers=1.
+    src = make_big_tree(tmp_path / "src")
+    for size in (512 * 2**20, 200 * 2**10):
+        log = tmp_path / f"streamed-{size}"
+        _LOG.append(log)
+        monkeypatch.setattr(tasks, "stream_shard", _streamed)
+        opts = BuildOptions(shard_size=size)
+        got = build(src, tmp_path / f"two-{size}", opts, workers=2, progress=False)
+        monkeypatch.undo()
+        want = build(src, tmp_path / f"one-{size}", opts, workers=1, progress=False)
+        streamed = [int(k) for k in log.read_text().split()]
+        assert streamed and streamed == sorted(set(streamed))
+        assert len(got["shards"]) == (1 if size > 2**20 else 23)
+        assert streamed[0] == 0 and streamed[-1] < len(got["shards"])
+        assert_same_store(tmp_path / f"two-{size}", tmp_path / f"one-{size}")
+        assert want["shards"] == got["shards"]
+
+
+def _killed(src, out, k, *args):
+    os.kill(os.getpid(), signal.SIGKILL)  # as by the OOM killer, as it starts
+
+
+def test_a_killed_stream_is_one_line_and_the_rerun_gives_the_clean_build(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    src = make_big_tree(tmp_path / "src")
+    out, clean = tmp_path / "out", tmp_path / "clean"
+    args = ["build", str(src), str(out), "--workers", "2"]  # one shard, streamed from the start
+    monkeypatch.setattr(tasks, "stream_shard", _killed)
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"ingest build: error: ingest worker \d \(pid \d+\) died: killed by signal SIGKILL; "
+        r"run the same command again: it resumes from the shards already written\n",
+        err,
+    ), err
+    assert not (out / fmt.MANIFEST).exists() and sealed_shards(out) == []
+    monkeypatch.undo()
+    assert cli.main(args) == 0
+    assert cli.main([*args[:2], str(clean), *args[3:]]) == 0
+    assert_same_store(out, clean)
