@@ -92,7 +92,7 @@ def stream_shard(src: Path, out: Path, k: int, first: int, jobs: list, expect: l
         n = len(plan["kept"]) // 8
         more = np.frombuffer(plan["nbytes"], "<u4").tolist()
         starts = shard_starts(sizes + more, shard_size)
-        take = n if len(starts) == 1 else starts[1] - len(sizes)
+        take = n if len(starts) <= 1 else starts[1] - len(sizes)  # none: nothing kept yet
         kept = np.frombuffer(plan["kept"], "<u8")[:take].tolist()
         crcs = np.frombuffer(plan["crc32"], "<u4")[:take].tolist()
         again = np.frombuffer(plan["reencoded"], "u1")[:take].tolist()

@@ -7,7 +7,7 @@ import re
 import signal
 from pathlib import Path
 
-from fixtures import assert_same_store, make_big_tree, sealed_shards
+from fixtures import assert_same_store, make_big_tree, make_image_folder, sealed_shards
 
 from ingest import cli
 from ingest import format as fmt
@@ -68,3 +68,18 @@ def test_a_killed_stream_is_one_line_and_the_rerun_gives_the_clean_build(
     assert cli.main(args) == 0
     assert cli.main([*args[:2], str(clean), *args[3:]]) == 0
     assert_same_store(out, clean)
+
+
+def test_a_stream_past_ranges_that_keep_nothing_gives_the_store_of_one_process(
+    tmp_path: Path,
+) -> None:
+    # The first 70 files sort first and are all rejects: the first check range of 64
+    # keeps nothing while the stream's shard is still empty (it failed on an IndexError).
+    src = tmp_path / "src"
+    make_image_folder(src, 1, 10, seed=3)
+    for i in range(70):
+        (src / "class_00" / f"a_empty_{i:03d}.JPEG").write_bytes(b"")
+    got = build(src, tmp_path / "two", workers=2, progress=False)
+    build(src, tmp_path / "one", workers=1, progress=False)
+    assert (got["num_samples"], len(got["shards"])) == (10, 1)
+    assert_same_store(tmp_path / "two", tmp_path / "one")
