@@ -183,7 +183,8 @@ class _Stream:
             return
         if k in self.done or fmt.shard_name(k) in sealed:
             return
-        if len(items) - self.spans[fed][0] > self.STREAM_ITEMS:
+        left = len(items) - self.spans[fed][0]  # samples not yet known, at most
+        if left > self.STREAM_ITEMS or self._many_shards_left(cuts, left):
             return
         jobs, expect = cuts.work(self.run, self.src, cuts.open, cuts.count)
         sizes = cuts.columns["nbytes"][cuts.open : cuts.count].tolist()
@@ -193,6 +194,15 @@ class _Stream:
                     jobs, expect, sizes, rest, o, o.shard_size, self.run.map_size,
                     self.run.build, None)  # fmt: skip
         self.k = k
+
+    def _many_shards_left(self, cuts: twopass.ShardCuts, left: int) -> bool:
+        """Whether ``left`` samples of the sizes seen last would fill more than a few
+        shards: those are cut and written in parallel anyway, and a stream for each would
+        carry the items left again and again (small shards: a task per record or two)."""
+        if cuts.count == 0:
+            return False
+        recent = cuts.columns["nbytes"][max(0, cuts.count - 4096) : cuts.count]
+        return left * float(recent.mean()) > 4 * self.run.options.shard_size
 
     def ended(self, key: int) -> None:
         """A write task ended: key ``-1 - k`` is the stream's, of shard ``k``."""
