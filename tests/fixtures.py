@@ -14,6 +14,7 @@ import gzip
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import cv2
 import numpy as np
 from PIL import Image, ImageOps
 
+from ingest import cli
 from ingest import format as fmt
 from ingest.build import BuildOptions
 from ingest.format.pages import open_lmdb
@@ -285,6 +287,28 @@ def read_shards(store: Path) -> list[tuple[str, bytes, bytes]]:
             out.extend((entry["name"], bytes(k), bytes(v)) for k, v in txn.cursor() if len(k) == 8)
         env.close()
     return out
+
+
+def build_killed_in_a_worker(args: list[str], capsys) -> Path:
+    """Run ``ingest ARGS`` (a build whose worker a test kills): one line says so and how to
+    resume, and no manifest makes OUT look complete; return OUT."""
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"ingest build: error: ingest worker \d \(pid \d+\) died: killed by signal SIGKILL; "
+        r"run the same command again: it resumes from the shards already written\n",
+        err,
+    ), err
+    out = Path(args[2])
+    assert not (out / fmt.MANIFEST).exists()
+    return out
+
+
+def rerun_gives_the_clean_build(args: list[str], clean: Path) -> None:
+    """``ingest ARGS`` again completes OUT, the same store as a build into ``clean``."""
+    assert cli.main(args) == 0
+    assert cli.main([*args[:2], str(clean), *args[3:]]) == 0
+    assert_same_store(Path(args[2]), clean)
 
 
 def assert_same_store(a: Path, b: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 from pathlib import Path
 
@@ -11,14 +10,15 @@ from fixtures import (
     AWKWARD_OPTIONS,
     Tree,
     assert_same_store,
+    build_killed_in_a_worker,
     kill_9_after_a_shard,
     make_big_tree,
     read_shards,
+    rerun_gives_the_clean_build,
     run_ingest,
     sealed_shards,
 )
 
-from ingest import cli
 from ingest import format as fmt
 from ingest.build import BuildOptions, build
 from ingest.build import tasks as ray_tasks
@@ -74,19 +74,9 @@ def test_a_killed_worker_is_one_line_and_the_rerun_gives_the_clean_build(
     args = ["build", str(src), str(out), "--shard-size", "200KiB", "--workers", "2"]
     monkeypatch.setattr(ray_tasks, "write_shard", _killed_in_shard_2)  # found so by the pool
     monkeypatch.setattr(ray_tasks, "stream_shard", _stream_killed_in_shard_2)
-    assert cli.main(args) == 2
-    err = capsys.readouterr().err
-    assert re.fullmatch(
-        r"ingest build: error: ingest worker \d \(pid \d+\) died: killed by signal SIGKILL; "
-        r"run the same command again: it resumes from the shards already written\n",
-        err,
-    ), err
-    assert not (out / fmt.MANIFEST).exists()
-    assert "shard-00002" not in sealed_shards(out)
+    assert "shard-00002" not in sealed_shards(build_killed_in_a_worker(args, capsys))
     monkeypatch.undo()
-    assert cli.main(args) == 0
-    assert cli.main([*args[:2], str(clean), *args[3:]]) == 0
-    assert_same_store(out, clean)
+    rerun_gives_the_clean_build(args, clean)
 
 
 def test_same_store_whatever_the_number_of_workers(

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 from pathlib import Path
 
-from fixtures import assert_same_store, make_big_tree, make_image_folder, sealed_shards
+from fixtures import (
+    assert_same_store,
+    build_killed_in_a_worker,
+    make_big_tree,
+    make_image_folder,
+    rerun_gives_the_clean_build,
+    sealed_shards,
+)
 
-from ingest import cli
-from ingest import format as fmt
 from ingest.build import BuildOptions, build, tasks
 
 _stream_shard = tasks.stream_shard
@@ -56,18 +60,9 @@ def test_a_killed_stream_is_one_line_and_the_rerun_gives_the_clean_build(
     out, clean = tmp_path / "out", tmp_path / "clean"
     args = ["build", str(src), str(out), "--workers", "2"]  # one shard, streamed from the start
     monkeypatch.setattr(tasks, "stream_shard", _killed)
-    assert cli.main(args) == 2
-    err = capsys.readouterr().err
-    assert re.fullmatch(
-        r"ingest build: error: ingest worker \d \(pid \d+\) died: killed by signal SIGKILL; "
-        r"run the same command again: it resumes from the shards already written\n",
-        err,
-    ), err
-    assert not (out / fmt.MANIFEST).exists() and sealed_shards(out) == []
+    assert sealed_shards(build_killed_in_a_worker(args, capsys)) == []
     monkeypatch.undo()
-    assert cli.main(args) == 0
-    assert cli.main([*args[:2], str(clean), *args[3:]]) == 0
-    assert_same_store(out, clean)
+    rerun_gives_the_clean_build(args, clean)
 
 
 def test_a_stream_past_ranges_that_keep_nothing_gives_the_store_of_one_process(
