@@ -127,7 +127,7 @@ def _run(run: Run, src: Path, pool, spans: list, plans: dict, checks: deque, bar
                 writes.extend(s for s in ready if fmt.shard_name(s[0]) not in sealed
                               and not stream.takes(s))  # fmt: skip
             stream.start(pool, cuts, fed, sealed)
-            _submit(run, src, pool, cuts, writes, checks, stream.running)
+            _submit(run, src, pool, cuts, writes, checks, stream.spare)
             if not pool.busy:
                 return
             for key, result in pool.wait():
@@ -168,8 +168,8 @@ class _Stream:
         self.done: set[int] = set()  # shards streamed (whether or not cut yet)
 
     @property
-    def running(self) -> int:
-        """Workers to leave for the stream: its own, while none runs."""
+    def spare(self) -> int:
+        """Idle workers to leave for the stream: its own, while no stream runs."""
         return int(self.on and self.k is None)
 
     def takes(self, shard: tuple[int, int, int]) -> bool:
@@ -178,20 +178,18 @@ class _Stream:
 
     def start(self, pool, cuts: twopass.ShardCuts, fed: int, sealed: set) -> None:
         """Stream the open shard, where there is one to and the stream's worker is free."""
-        k, items = cuts.shards, self.run.tree.items
         if not self.on or self.k is not None or not pool.idle or fed == len(self.spans):
             return
+        k, items = cuts.shards, self.run.tree.items
         if k in self.done or fmt.shard_name(k) in sealed:
             return
         left = len(items) - self.spans[fed][0]  # samples not yet known, at most
         if left > self.STREAM_ITEMS or self._many_shards_left(cuts, left):
             return
         jobs, expect = cuts.work(self.run, self.src, cuts.open, cuts.count)
-        sizes = cuts.columns["nbytes"][cuts.open : cuts.count].tolist()
         rest = [(twopass.plan_path(self.run, a, b), a, items[a:b]) for a, b in self.spans[fed:]]
-        o = self.run.options
         pool.submit(-1 - k, tasks.stream_shard, self.src, self.run.out, k, cuts.open,
-                    jobs, expect, sizes, rest, o, o.shard_size, self.run.map_size,
+                    jobs, expect, rest, self.run.options, self.run.map_size,
                     self.run.build, None)  # fmt: skip
         self.k = k
 

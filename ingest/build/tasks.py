@@ -23,7 +23,7 @@ from ingest.build.process import format_mix, process_file
 from ingest.build.resume import OutputError
 from ingest.build.run import seal_shard
 from ingest.build.scan import SourceError
-from ingest.build.shardplan import shard_starts
+from ingest.build.shardplan import rolls_over
 from ingest.build.twopass import load_plan
 from ingest.build.writer import ShardWriter
 
@@ -75,33 +75,35 @@ def write_shard(src: Path, out: Path, k: int, first: int, jobs: list, expect: li
 
 
 def stream_shard(src: Path, out: Path, k: int, first: int, jobs: list, expect: list,
-                 sizes: list, spans: list, options: BuildOptions, shard_size: int,
-                 map_size: int, build: str, fault: Fault | None) -> dict:  # fmt: skip
+                 spans: list, options: BuildOptions, map_size: int, build: str,
+                 fault: Fault | None) -> dict:  # fmt: skip
     """A local build's task: write shard ``k`` while the ranges after it are still being
     checked, so that the last shards are not written on one core after every check.
 
-    ``jobs``/``expect``/``sizes``: the shard's records known so far; ``spans``: the ranges
-    after them in order, each (plan file, its first sample, the items from there). Each
-    range's records are written as its plan appears, up to where docs/FORMAT.md's rule
-    cuts the shard (the cut ``ShardCuts`` makes) or to the last range: the same records in
-    the same order as ``write_shard``, so the same bytes."""
+    ``jobs``/``expect``: the shard's records known so far; ``spans``: the ranges after
+    them in order, each (plan file, its first sample, the items from there). Each range's
+    records are written as its plan appears, up to the first that docs/FORMAT.md's rule
+    (``rolls_over``) puts in the next shard, or to the last range: the same records in the
+    same order as ``write_shard``, so the same bytes."""
     shard = _Shard(src, out, k, first, options, map_size, build, fault)
     shard.put(jobs, expect)
+    held = sum(want[0] for want in expect)  # bytes in the shard so far
     for path, a, items in spans:
         plan = _wait_for_plan(path, a, a + len(items))
-        n = len(plan["kept"]) // 8
-        more = np.frombuffer(plan["nbytes"], "<u4").tolist()
-        starts = shard_starts(sizes + more, shard_size)
-        take = n if len(starts) <= 1 else starts[1] - len(sizes)  # none: nothing kept yet
+        sizes = np.frombuffer(plan["nbytes"], "<u4").tolist()
+        take = 0
+        for size in sizes:
+            if rolls_over(held, len(shard.rows) + take, size, options.shard_size):
+                break
+            held, take = held + size, take + 1
         kept = np.frombuffer(plan["kept"], "<u8")[:take].tolist()
         crcs = np.frombuffer(plan["crc32"], "<u4")[:take].tolist()
         again = np.frombuffer(plan["reencoded"], "u1")[:take].tolist()
-        sizes = sizes + more[:take]
         shard.put(
             [(os.path.join(src, items[pos - a][0]), *items[pos - a]) for pos in kept],
-            [(z, c, bool(r)) for z, c, r in zip(more[:take], crcs, again, strict=True)],
+            [(z, c, bool(r)) for z, c, r in zip(sizes[:take], crcs, again, strict=True)],
         )
-        if take < n:  # cut inside this range: the rest is the next shard's
+        if take < len(sizes):  # cut inside this range: the rest is the next shard's
             break
     return shard.seal()
 

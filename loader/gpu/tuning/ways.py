@@ -23,7 +23,7 @@ class TunedStage:
     def _tune(self, cpu_share: float | str, num_workers: int) -> None:
         """Wire the tuning: ``cpu_share`` ("auto" or a fixed fraction) for ``num_workers``
         workers (without any, "auto" keeps everything on the GPU)."""
-        self.auto = cpu_share == "auto" and num_workers > 0  # no workers: nothing to share
+        auto = cpu_share == "auto" and num_workers > 0  # no workers: nothing to share
         self._starting = False  # the next batch finished is an epoch's first
         self.loop = WindowShare(LOOP_WINDOW)  # the training loop's waiting for batches
         # The prefetch thread's holding finished batches the loop has not taken (a full
@@ -31,11 +31,11 @@ class TunedStage:
         self.held = WindowShare(LOOP_WINDOW)
         self._held_s = 0.0
         if cpu_share == "auto":  # the share of the ways with one (none without workers)
-            cpu_share = START_SHARE if self.auto else 0.0
+            cpu_share = START_SHARE if auto else 0.0
         ways = self.decode_ways()
-        if self.auto:
+        if auto:
             ways += tuple(way + WITH_SHARE for way in ways)
-        self.routing = Routing(ways, float(cpu_share), self.auto)
+        self.routing = Routing(ways, float(cpu_share), auto)
         self.producer.routing = self.routing  # what the plan reads for each batch
 
     def decode_ways(self) -> tuple[str, ...]:
@@ -62,7 +62,7 @@ class TunedStage:
         self.held.handed(self._held_s, time.perf_counter())
         self._held_s = 0.0
         starting, self._starting = self._starting, False
-        if not self.auto or starting or not way.endswith(WITH_SHARE):
+        if not self.routing.auto or starting or not way.endswith(WITH_SHARE):
             return
         loop_waits = self.loop.share()
         if loop_waits is None:  # too few hand-offs yet to tell whether the loop waits
