@@ -7,7 +7,6 @@ import multiprocessing
 import os
 import signal
 import tempfile
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from tqdm import tqdm
 
 from ingest import format as fmt
 from ingest.cstderr import captured
+from ingest.format.checksum import crc32
 from ingest.format.codec import encoded_limit, image_bytes, size_problem, unpack_record
 from ingest.format.pages import open_lmdb, pages_problem
 from ingest.format.safeio import FileRefused, sha256_file
@@ -236,7 +236,7 @@ def _check_records(
                 if i != expected:
                     yield f"{name}: key {i} found where key {expected} was expected"
                     expected = i
-                crcs.append(zlib.crc32(value))
+                crcs.append(crc32(value))
                 sizes.append(len(value))
                 # Readers look each record up by its key, where the walk reads the leaves
                 # in order: a damaged branch page misroutes the lookup alone.

@@ -5,7 +5,6 @@ message names the shard and key, or the file, and says what to do."""
 from __future__ import annotations
 
 import hashlib
-import zlib
 from pathlib import Path
 
 import lmdb
@@ -13,6 +12,7 @@ import msgpack
 import numpy as np
 
 from ingest import format as fmt
+from ingest.format.checksum import crc32
 from ingest.format.codec import unpack_record
 from ingest.format.safeio import FileRefused, read_regular
 
@@ -35,7 +35,7 @@ def read_record(env: lmdb.Environment, where: str, i: int, row: np.void, advice:
     """``Store.record``'s read and checks of key ``i`` (index row ``row``) in ``env``."""
     value = read_value(env, where, i, int(row["nbytes"]), advice)
     at = f"{where}: key {i}"
-    if zlib.crc32(value) != row["crc32"]:
+    if crc32(value) != row["crc32"]:
         raise fmt.RecordError(
             f"{at}: the record's bytes differ from the index (CRC-32 mismatch){advice}"
         )

@@ -199,7 +199,7 @@ class _Stream:
         carry the items left again and again (small shards: a task per record or two)."""
         if cuts.count == 0:
             return False
-        recent = cuts.columns["nbytes"][max(0, cuts.count - 4096) : cuts.count]
+        recent = cuts.rows["nbytes"][max(0, cuts.count - 4096) : cuts.count]
         return left * float(recent.mean()) > 4 * self.run.options.shard_size
 
     def ended(self, key: int) -> None:

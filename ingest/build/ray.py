@@ -3,7 +3,7 @@
 Where a shard starts depends on the sizes of all the records before it, known only once
 each image is verified and normalised; so the build makes two passes of many tasks
 (twopass.py, tasks.py). Check: a task per range of samples keeps a plan of it in
-OUT/.partial (record sizes and CRC-32s, rejects; no record). Write: the driver cuts the
+OUT/.partial (the records' index rows, rejects; no record). Write: the driver cuts the
 shards from the plans, and a task per shard makes its records again, checks them against
 the plan and seals the shard. Ranges that waited for the shard start before them would run
 one at a time; records kept between the passes would cross the shared filesystem twice.

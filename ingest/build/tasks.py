@@ -19,7 +19,7 @@ import numpy as np
 
 from ingest import format as fmt
 from ingest.build.options import BuildOptions
-from ingest.build.process import format_mix, process_file
+from ingest.build.process import Known, format_mix, known_records, process_file, stored_again
 from ingest.build.resume import OutputError
 from ingest.build.run import seal_shard
 from ingest.build.scan import SourceError
@@ -33,29 +33,27 @@ Fault = Callable[[str, int, int], None]  # tests: (pass, range or shard, item) i
 def check_range(src: Path, items: list, first: int, options: BuildOptions, plan: Path,
                 fault: Fault | None) -> dict:  # fmt: skip
     """A Ray task: verify and normalise the samples ``first, first+1, ...`` (``items``)
-    and keep what the second pass needs in the file ``plan``; return it."""
+    and keep what the second pass needs in the file ``plan`` (the kept samples' index
+    rows and stored image sizes, the rejects); return it."""
     _check_visible(src, plan.parent)
-    kept, nbytes, crcs, reencoded, rejects = [], [], [], [], []
-    rows, stats = [], Counter()
+    kept, rows, stored, rejects, stats = [], [], [], [], Counter()
     for i, (rel, label) in enumerate(items):
         if fault:
             fault("check", first, i)
-        header, value = process_file((os.path.join(src, rel), rel, label), options)
+        header, _ = process_file((os.path.join(src, rel), rel, label), options)
         if header[0] == "reject":
             rejects.append(header[1:])  # the path as stored: bytes when it is not UTF-8
             continue
-        _, row, fixes = header
+        _, row, fixes, size = header
         kept.append(first + i)
-        nbytes.append(len(value))
-        crcs.append(row[4])
-        reencoded.append(bool(row[6] & fmt.FLAG_REENCODED))
         rows.append((row[0], 0, *row[1:]))
+        stored.append(size)
         stats.update("fix " + fix.split(":")[0] for fix in fixes)
-    stats.update(format_mix(np.array(rows, dtype=fmt.INDEX_DTYPE)))
+    table = np.array(rows, dtype=fmt.INDEX_DTYPE)
+    stats.update(format_mix(table))
     result = {
-        "first": first, "end": first + len(items),
-        "kept": np.array(kept, "<u8").tobytes(), "nbytes": np.array(nbytes, "<u4").tobytes(),
-        "crc32": np.array(crcs, "<u4").tobytes(), "reencoded": np.array(reencoded, "u1").tobytes(),
+        "first": first, "end": first + len(items), "kept": np.array(kept, "<u8").tobytes(),
+        "rows": table.tobytes(), "stored": np.array(stored, "<u4").tobytes(),
         "rejects": rejects, "stats": dict(stats),
     }  # fmt: skip
     tmp = plan.with_name(f"{plan.name}.{os.getpid()}.tmp")  # a retry may write it too
@@ -87,23 +85,22 @@ def stream_shard(src: Path, out: Path, k: int, first: int, jobs: list, expect: l
     same order as ``write_shard``, so the same bytes."""
     shard = _Shard(src, out, k, first, options, map_size, build, fault)
     shard.put(jobs, expect)
-    held = sum(want[0] for want in expect)  # bytes in the shard so far
+    held = sum(want.nbytes for want in expect)  # bytes in the shard so far
     for path, a, items in spans:
         plan = _wait_for_plan(path, a, a + len(items))
-        sizes = np.frombuffer(plan["nbytes"], "<u4").tolist()
+        rows = np.frombuffer(plan["rows"], fmt.INDEX_DTYPE)
         take = 0
-        for size in sizes:
+        for size in rows["nbytes"].tolist():
             if rolls_over(held, len(shard.rows) + take, size, options.shard_size):
                 break
             held, take = held + size, take + 1
         kept = np.frombuffer(plan["kept"], "<u8")[:take].tolist()
-        crcs = np.frombuffer(plan["crc32"], "<u4")[:take].tolist()
-        again = np.frombuffer(plan["reencoded"], "u1")[:take].tolist()
+        stored = np.frombuffer(plan["stored"], "<u4")[:take]
         shard.put(
             [(os.path.join(src, items[pos - a][0]), *items[pos - a]) for pos in kept],
-            [(z, c, bool(r)) for z, c, r in zip(sizes[:take], crcs, again, strict=True)],
+            known_records(rows[:take], stored),
         )
-        if take < len(sizes):  # cut inside this range: the rest is the next shard's
+        if take < len(rows):  # cut inside this range: the rest is the next shard's
             break
     return shard.seal()
 
@@ -158,15 +155,19 @@ def _check_visible(src: Path, partial: Path) -> None:
 
 
 def _again(
-    job: tuple, want: tuple, options: BuildOptions, light: BuildOptions
+    job: tuple, want: Known, options: BuildOptions, light: BuildOptions
 ) -> tuple[list, bytes]:
     """The record of ``job`` made again, as the first pass made it: (index row, record).
     ``light`` is ``options`` without verification."""
-    nbytes, crc, reencoded = want
+    if want.stored:  # stored as it is: from the file's first bytes, parsed and checked once
+        made = stored_again(job, want, options)
+        if made is not None and (made[0][1][1], made[0][1][4]) == (want.nbytes, want.crc32):
+            return made[0][1], made[1]
     # A file stored as it is was decoded once already; one to convert is made again whole.
+    reencoded = want.flags & fmt.FLAG_REENCODED
     for opts in (options,) if reencoded or not options.verify else (light, options):
         header, value = process_file(job, opts)
-        if header[0] == "ok" and (header[1][1], header[1][4]) == (nbytes, crc):
+        if header[0] == "ok" and (header[1][1], header[1][4]) == (want.nbytes, want.crc32):
             return header[1], value
     raise SourceError(
         f"{job[0]} changed while the build ran (its record is not the one the first pass "

@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 
 from ingest import format as fmt
+from ingest.build.process import known_records
 from ingest.build.run import Run
 from ingest.build.shardplan import shard_starts
 
@@ -41,7 +42,10 @@ def load_plan(path: Path, a: int, b: int) -> dict | None:
     except (OSError, ValueError):
         return None
     ok = isinstance(plan, dict) and plan.get("first") == a and plan.get("end") == b
-    return plan if ok else None
+    return plan if ok and plan.keys() >= _PLAN_KEYS else None  # an older build's: made again
+
+
+_PLAN_KEYS = {"first", "end", "kept", "rows", "stored", "rejects", "stats"}
 
 
 class ShardCuts:
@@ -53,21 +57,23 @@ class ShardCuts:
     the records of the open shard only, so cutting costs the same whatever the build's size.
     """
 
-    _COLUMNS = (("kept", "<u8"), ("nbytes", "<u4"), ("crc32", "<u4"), ("reencoded", "u1"))
-
     def __init__(self, shard_size: int, num_items: int) -> None:
         self.shard_size = shard_size
-        self.columns = {key: np.zeros(num_items, dtype) for key, dtype in self._COLUMNS}
+        self.kept = np.zeros(num_items, "<u8")  # the stored records' samples
+        self.rows = np.zeros(num_items, fmt.INDEX_DTYPE)  # and their index rows
+        self.stored = np.zeros(num_items, "<u4")  # and stored image sizes (process.Known)
         self.count = 0  # records known
         self.shards = 0  # shards cut
         self.open = 0  # first record of the shard not cut yet
 
     def add(self, plan: dict) -> list[tuple[int, int, int]]:
         n = len(plan["kept"]) // 8
-        for key, dtype in self._COLUMNS:
-            self.columns[key][self.count : self.count + n] = np.frombuffer(plan[key], dtype)
-        self.count += n
-        starts = shard_starts(self.columns["nbytes"][self.open : self.count], self.shard_size)
+        end = self.count + n
+        self.kept[self.count : end] = np.frombuffer(plan["kept"], "<u8")
+        self.rows[self.count : end] = np.frombuffer(plan["rows"], fmt.INDEX_DTYPE)
+        self.stored[self.count : end] = np.frombuffer(plan["stored"], "<u4")
+        self.count = end
+        starts = shard_starts(self.rows["nbytes"][self.open : self.count], self.shard_size)
         return self._cut([self.open + s for s in starts[1:]])
 
     def finish(self) -> list[tuple[int, int, int]]:
@@ -85,10 +91,8 @@ class ShardCuts:
         """The (jobs, expect) of ``write_shard`` for the records a..b-1."""
         items = run.tree.items
         jobs = [(os.path.join(src, rel), rel, label) for rel, label in
-                (items[pos] for pos in self.columns["kept"][a:b].tolist())]  # fmt: skip
-        nbytes, crc, reencoded = (self.columns[key][a:b].tolist() for key in
-                                  ("nbytes", "crc32", "reencoded"))  # fmt: skip
-        return jobs, [(n, c, bool(r)) for n, c, r in zip(nbytes, crc, reencoded, strict=True)]
+                (items[pos] for pos in self.kept[a:b].tolist())]  # fmt: skip
+        return jobs, known_records(self.rows[a:b], self.stored[a:b])
 
 
 def record_sealed(run: Run, entry: dict) -> None:

@@ -4,8 +4,8 @@ One module per part: ``layout`` (names, constants, keys, index row), ``manifest`
 and checked first; ``store_file`` resolves every file), ``index`` (the index, the rejects,
 the pixel limit), ``codec`` (records), ``pages`` (a shard's LMDB pages), ``errors``,
 ``text`` (paths in messages), ``atomic`` (crash-safe writes), ``safeio`` (hostile reads),
-``lock`` (a build's hold on OUT), ``cachedir`` (the node's shard cache). The names other
-code uses as ``fmt.X`` are re-exported here.
+``lock`` (a build's hold on OUT), ``cachedir`` (the node's shard cache), ``checksum``
+(the records' CRC-32). The names other code uses as ``fmt.X`` are re-exported here.
 """
 
 from __future__ import annotations

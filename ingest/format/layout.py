@@ -40,7 +40,7 @@ INDEX_DTYPE = np.dtype(
         ("nbytes", "<u4"),  # size of the stored LMDB value (the packed record)
         ("height", "<u4"),
         ("width", "<u4"),
-        ("crc32", "<u4"),  # zlib.crc32 of the stored LMDB value
+        ("crc32", "<u4"),  # CRC-32 (zlib's) of the stored LMDB value
         ("format", "u1"),  # FORMAT_CODES
         ("flags", "u1"),  # FLAG_* bits
         ("channels", "u1"),

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 from ingest import format as fmt
+from ingest.format.checksum import crc32
 from ingest.format.pages import open_lmdb
 
 CHUNK = 8 << 20
@@ -42,7 +42,7 @@ def records_digest(shard_dir: Path, entry: dict) -> str | None:
         with env.begin(buffers=True) as txn:
             for i, value in fmt.shard_records(txn):
                 keys.append(i)
-                crcs.append(zlib.crc32(value))
+                crcs.append(crc32(value))
                 sizes.append(len(value))
     finally:
         env.close()
