@@ -44,12 +44,10 @@ def read_regular(path: str | os.PathLike, max_bytes: int, *, size: int | None = 
         FileRefused: not a regular file, too large, of another size, or unreadable (the
             reason names the cause: a broken link, a link loop, a vanished file...).
     """
-    fd = open_regular(path)
+    fd, st = _open_regular(path)
     try:
-        st = os.fstat(fd)
         _check_size(st.st_size, max_bytes, size)
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(st.st_size + 1)  # one more byte tells a file that grows
+        data = _read(fd, st.st_size + 1)  # one more byte tells a file that grows
     except OSError as e:
         raise FileRefused(f"unreadable: {e.strerror or e}") from None
     finally:
@@ -57,6 +55,16 @@ def read_regular(path: str | os.PathLike, max_bytes: int, *, size: int | None = 
     if len(data) != st.st_size:
         raise FileRefused(f"changed while being read ({st.st_size} bytes, then {len(data)})")
     return data
+
+
+def _read(fd: int, most: int) -> bytes:
+    """Up to ``most`` bytes of ``fd``, to its end (no buffered file object: every source
+    image is read this way, twice per build)."""
+    parts = []
+    while most > 0 and (part := os.read(fd, most)):
+        parts.append(part)
+        most -= len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def open_regular(path: str | os.PathLike) -> int:
@@ -68,6 +76,11 @@ def open_regular(path: str | os.PathLike) -> int:
     Raises:
         FileRefused: not a regular file, or it cannot be opened (with the cause).
     """
+    return _open_regular(path)[0]
+
+
+def _open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result]:
+    """``open_regular``'s descriptor and what fstat() said of it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
@@ -77,7 +90,7 @@ def open_regular(path: str | os.PathLike) -> int:
         os.close(fd)
         raise FileRefused(f"not a regular file: {kind_of(st.st_mode)}")
     os.set_blocking(fd, True)
-    return fd
+    return fd, st
 
 
 def open_failure(path: str | os.PathLike, e: OSError) -> str:
