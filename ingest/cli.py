@@ -44,6 +44,15 @@ def _quality(text: str) -> int:
     return value
 
 
+def _encoding(text: str) -> str:
+    from ingest.build.encoding import parse_encoding
+
+    try:
+        return parse_encoding(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--encoding ")) from None
+
+
 def _compression(text: str):
     from ingest.format.codec import parse_compression
 
@@ -82,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="shards roll over at this many bytes (default: %(default)s)")  # fmt: skip
     b.add_argument("--compression", type=_compression, default="none",
                    help="none | zstd[:LEVEL] (default: none)")  # fmt: skip
+    b.add_argument("--encoding", type=_encoding, default="jpeg", metavar="E",
+                   help="jpeg (images as they are) | raw (decoded pixels: no decode when "
+                   "training, ~5x the bytes) | mixed:SHARE (that part as pixels) (default: "
+                   "%(default)s)")  # fmt: skip
     b.add_argument("--max-size", type=_positive, default=None, metavar="PX",
                    help="cap the longer side; larger images are resized, re-encoded "
                    "(default: no cap)")  # fmt: skip
@@ -187,7 +200,8 @@ def _build(args: argparse.Namespace) -> int:
 
     options = BuildOptions(args.shard_size, args.compression, args.max_size, args.quality,
                            not args.no_verify, max_pixels=args.max_pixels,
-                           max_file_bytes=args.max_file_size)  # fmt: skip
+                           max_file_bytes=args.max_file_size,
+                           encoding=args.encoding)  # fmt: skip
     if args.ray is not None:
         manifest = _build_ray(args, options)
         if manifest is None:

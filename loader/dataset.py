@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
@@ -84,15 +85,24 @@ class LMDBDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[Any, Any]:
         data, kind = self.store.image(i)
-        if kind == "png":  # a store of an older converter kept the ancillary chunks,
-            data = png_critical(data)  # some of which PIL refuses (a text chunk too large)
-        with warnings.catch_warnings():  # PIL's about EXIF data it cannot parse, which the
-            warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.TiffImage")
-            with Image.open(io.BytesIO(data)) as img:  # build kept (the pixels are whole)
-                image = img.convert("RGB")
+        row = self.store.index[i]
+        image = _rgb(data, kind, int(row["height"]), int(row["width"]))
         target = int(self.store.index["label"][i])
         if self.transform is not None:
             image = self.transform(image)
         if self.target_transform is not None:
             target = self.target_transform(target)
         return image, target
+
+
+def _rgb(data: bytes, kind: str, height: int, width: int) -> Image.Image:
+    """A stored image as a PIL RGB image (pixels' length was checked as they were read)."""
+    if kind == "raw":
+        pixels = np.frombuffer(data, np.uint8).reshape(height, width, -1)
+        return Image.fromarray(pixels[..., 0] if pixels.shape[2] == 1 else pixels).convert("RGB")
+    if kind == "png":  # a store of an older converter kept the ancillary chunks,
+        data = png_critical(data)  # some of which PIL refuses (a text chunk too large)
+    with warnings.catch_warnings():  # PIL's about EXIF data it cannot parse, which the
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.TiffImage")
+        with Image.open(io.BytesIO(data)) as img:  # build kept (the pixels are whole)
+            return img.convert("RGB")

@@ -1,6 +1,6 @@
 """Decoder backends behind one small interface and a registry: ``get_decoder("cpu")``.
 
-A CPU decoder turns one stored image (JPEG or PNG bytes) into the output pixels of one
+A CPU decoder turns one stored image (JPEG, PNG or pixel bytes) into the output pixels of one
 sample: it decodes, applies a row of crop parameters (``loader.augment.CROP_COLUMNS``) and
 writes uint8 RGB into a slot the caller owns (``decode_into``). A GPU decoder decodes a
 whole batch of JPEGs at once into device tensors (``decode_batch``); cropping then happens
@@ -66,7 +66,7 @@ class Decoder(Protocol):
 
         Args:
             data: the encoded image.
-            kind: its format, "jpeg" or "png".
+            kind: its format, "jpeg", "png" or "raw" (pixels, HxWx1 or HxWx3).
             shape: (height, width) the store's index records for it.
             crop: one int row of ``loader.augment.CROP_COLUMNS``.
             out: uint8 array (height, width, 3) of the output size, written in place.

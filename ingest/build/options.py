@@ -21,10 +21,13 @@ class BuildOptions:
     verify: bool = True
     max_pixels: int = DEFAULT_MAX_PIXELS  # larger images are rejected (decompression bombs)
     max_file_bytes: int = 1 << 30  # larger source files are rejected, unread
+    encoding: str = "jpeg"  # which samples are stored as pixels (``encoding.parse_encoding``)
 
     def output_affecting(self) -> dict:
         d = asdict(self)
         d["compression"] = str(self.compression)
+        if self.encoding == "jpeg":  # as before there were encodings: the same fingerprint
+            del d["encoding"]
         return d
 
 

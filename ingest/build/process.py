@@ -9,12 +9,14 @@ from typing import NamedTuple
 import numpy as np
 
 from ingest import format as fmt
+from ingest.build.encoding import raw_share, stored_as_pixels
 from ingest.build.options import BuildOptions
 from ingest.cstderr import captured
 from ingest.format.checksum import crc32
 from ingest.format.codec import compress, pack_record, record_limit
 from ingest.format.safeio import FileRefused, read_regular
 from ingest.images.normalize import OBJECT_AT, Converted, Options, Reject, convert
+from ingest.images.raw import to_pixels
 
 Result = tuple[list, bytes]  # process_file's: (header, record)
 
@@ -30,6 +32,8 @@ def process_file(job: tuple, options: BuildOptions) -> Result:
         opts = Options(options.verify, options.max_size, options.quality, options.max_pixels)
         with captured() as warnings:  # what libjpeg, libtiff... print: never on the terminal
             conv = convert(data, opts)
+            if stored_as_pixels(stored, raw_share(options.encoding)):
+                conv = to_pixels(conv)
         if warnings and conv.source_format == "jpeg":
             warning = warnings[0].removeprefix("Corrupt JPEG data: ")
             raise Reject(f"corrupt JPEG data: the decoder warns: {warning}")
@@ -133,6 +137,7 @@ def format_mix(rows: np.ndarray) -> Counter:
         "jpeg baseline": jpeg & ~progressive,
         "jpeg progressive": jpeg & progressive,
         "png": rows["format"] == fmt.FORMAT_CODES["png"],
+        "raw pixels": rows["format"] == fmt.FORMAT_CODES["raw"],
         "re-encoded": (rows["flags"] & fmt.FLAG_REENCODED) != 0,
     }
     return Counter({name: int(mask.sum()) for name, mask in counts.items() if mask.any()})

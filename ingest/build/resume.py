@@ -41,7 +41,8 @@ def fingerprint(tree: Scan, options: dict, facts: Iterable[bytes] | None = None)
     for chunk in facts:
         h.update(chunk)
     digest = {
-        "version": fmt.FORMAT_VERSION, "converter": fmt.CONVERTER_VERSION, "options": options,
+        "version": fmt.written_version(options.get("encoding", "jpeg")),
+        "converter": fmt.CONVERTER_VERSION, "options": options,
         "classes": tree.classes, "files": len(tree.items), "inputs": h.hexdigest(),
     }  # fmt: skip
     return json.loads(json.dumps(digest))  # as the state file gives it back (lists, not tuples)

@@ -106,7 +106,7 @@ class Run:
         rejected, ignored = len(self.state["rejects"]), self.tree.num_ignored
         return {
             "format": fmt.FORMAT_NAME,
-            "version": fmt.FORMAT_VERSION,
+            "version": fmt.written_version(self.options.encoding),
             "num_samples": num_samples,
             "num_classes": len(self.tree.classes),
             "classes": self.tree.classes,

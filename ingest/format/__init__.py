@@ -51,6 +51,7 @@ from ingest.format.layout import (
     remove_entry,
     shard_name,
     shard_records,
+    written_version,
 )
 from ingest.format.manifest import read_manifest, store_file
 from ingest.format.text import json_line, path_text, path_value, shown
@@ -104,4 +105,5 @@ __all__ = [
     "shown",
     "store_file",
     "write_json_atomic",
+    "written_version",
 ]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 FORMAT_NAME = "imfeed-lmdb"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # the newest this code writes (``written_version``)
 # Raised whenever ``ingest.images.normalize.convert`` would store other bytes for the same file
 # (2: images cut at their end, PNGs kept only as the readers' check passes them; 3: PNGs
 # stored with their critical chunks only, EXIF orientation taken as PIL takes it, JPEGs
@@ -21,7 +21,15 @@ FORMAT_VERSION = 2
 # interrupted under one version starts over under another rather than meet records its
 # plans do not describe.
 CONVERTER_VERSION = 3
-READABLE_VERSIONS = (1, 2)  # v1: no build identity, no file sizes (those checks are skipped)
+READABLE_VERSIONS = (1, 2, 3)  # v1: no build identity, no file sizes (those checks are skipped)
+
+
+def written_version(encoding: str) -> int:
+    """The format version of a build with ``--encoding encoding``: 3 where it may store
+    pixel records, else 2 (a store of JPEGs and PNGs that readers of version 2 still read,
+    byte for byte what they wrote)."""
+    return 2 if encoding == "jpeg" else 3
+
 
 MANIFEST = "manifest.json"
 INDEX = "index.npy"
@@ -49,7 +57,7 @@ INDEX_DTYPE = np.dtype(
 )
 
 # Payload image formats (the "format" field of a record).
-FORMAT_CODES = {"jpeg": 1, "png": 2}
+FORMAT_CODES = {"jpeg": 1, "png": 2, "raw": 3}  # raw: uint8 pixels, HxWxC
 FORMAT_NAMES = {v: k for k, v in FORMAT_CODES.items()}
 
 # JPEG chroma subsampling (the "subsampling" field of a record).

@@ -51,7 +51,7 @@ class Reject(Exception):
 @dataclass
 class Converted:
     payload: bytes
-    format: str  # "jpeg" or "png"
+    format: str  # "jpeg" or "png"; "raw" (pixels) once ``raw.to_pixels`` made it
     source_format: str
     height: int
     width: int

@@ -83,7 +83,13 @@ def image_size(data: bytes, kind: str) -> tuple[int, int] | None:
 def header_problem(data: bytes, kind: str, height: int, width: int) -> str | None:
     """What differs between the size ``data``'s header gives (``image_size``) and the
     index's ``height`` x ``width``, or None: the check every reader and ``ingest verify``
-    make before anything decodes."""
+    make before anything decodes. Pixels (``raw``) have no header: their length must be
+    the index's pixels, gray or RGB."""
+    if kind == "raw":
+        if height * width and len(data) in (height * width, 3 * height * width):
+            return None
+        return (f"the pixels are {len(data)} bytes, where {width}x{height} pixels take "
+                f"{3 * height * width} (RGB) or {height * width} (gray)")  # fmt: skip
     size = image_size(data, kind)
     if size == (height, width):
         return None

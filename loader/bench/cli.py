@@ -86,11 +86,23 @@ def parser() -> argparse.ArgumentParser:
         help="short side of the generated images, in px (default 300-450, ImageNet's; "
         "e.g. 800-1000 for camera-sized photos, to see what --max-size buys)",
     )
+    a("--encoding", type=_encoding, default="jpeg", help="build the store read by ours with "
+      "`ingest build --encoding E` (raw, mixed:SHARE); the folder peers read the JPEGs "
+      "(default: jpeg)")  # fmt: skip
     a("--prepare-only", action="store_true", help="only make the images and the store, then exit")
     a("--logs", type=Path, help="where pipelines' own output goes (default: OUT/logs)")
     a("--replot", type=Path, metavar="JSON", help="only redo the table and chart of a run")
     a("--note", default="", help="free text stored in the JSON (e.g. 'machine not quiet')")
     return p
+
+
+def _encoding(text: str) -> str:
+    from ingest.build.encoding import parse_encoding
+
+    try:
+        return parse_encoding(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--encoding ")) from None
 
 
 def _side_range(text: str) -> tuple[int, int]:
@@ -151,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("imfeed-bench: --train-check needs a CUDA device (it trains ResNets)")
     try:
         data = bench_data.prepare(
-            args.data, args.images, args.workdir, args.photos, say, args.max_size, args.short_side
-        )
+            args.data, args.images, args.workdir, args.photos, say, args.max_size,
+            args.short_side, args.encoding,
+        )  # fmt: skip
     except ValueError as e:
         raise SystemExit(f"imfeed-bench: {e}") from None
     if args.prepare_only:

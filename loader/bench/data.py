@@ -29,6 +29,7 @@ class Data:
     mean_kib: float
     origin: str
     kept: int | None = None  # the store's samples: the folder's images less those rejected
+    jpeg_store: Path | None = None  # with another encoding: the store of JPEGs beside it
 
 
 def is_store(path: Path) -> bool:
@@ -43,13 +44,15 @@ def prepare(
     say=print,
     max_size: int | None = None,
     short_side: tuple[int, int] = SHORT_SIDE,
+    encoding: str = "jpeg",
 ) -> Data:
     """Resolve ``--data`` (or make ``images`` JPEGs, their short side in ``short_side``),
     build the store if needed, warm both.
 
     With ``max_size`` the store is built with ``ingest build --max-size``, and its records
     are also written out as an image folder, so that the pipelines reading a folder (PIL,
-    DALI) read the same capped images as ours.
+    DALI) read the same capped images as ours. With an ``encoding`` other than jpeg, ours
+    read a store of that encoding, built from the same folder (the peers read its JPEGs).
 
     Raises:
         ValueError: ``data`` is neither an image folder nor a store, or a store is given
@@ -70,6 +73,8 @@ def prepare(
             f"--data {data}: neither an image folder (class sub-folders of images) nor a "
             "store (no manifest.json); give one, or leave --data out to generate images"
         )
+    original = folder  # with max_size, peers then read the capped images of an export
+    jpeg_store = None
     if max_size is not None:
         if folder is None:
             raise ValueError(
@@ -82,6 +87,12 @@ def prepare(
         origin += f", capped at {max_size} px"
     elif folder is not None:
         build_store(folder, store, say)
+    if encoding != "jpeg":
+        if original is None:
+            raise ValueError(f"--encoding {encoding} builds a store: give --data a folder")
+        jpeg_store, store = store, store.with_name(f"{store.name}-{encoding.replace(':', '')}")
+        build_store(original, store, say, max_size, encoding)
+        origin += f", stored as {encoding}"
     files = _files(folder) if folder is not None else []
     sizes = sum(len(p.read_bytes()) for p in files)  # reading them warms the page cache
     _warm(store)
@@ -90,7 +101,8 @@ def prepare(
     else:
         count = len(files)
     kept = read_manifest(store)["num_samples"] if store is not None and is_store(store) else None
-    return Data(folder, store, count, round(sizes / max(count, 1) / 1024, 1), origin, kept)
+    mean_kib = round(sizes / max(count, 1) / 1024, 1)
+    return Data(folder, store, count, mean_kib, origin, kept, jpeg_store)
 
 
 def make_folder(
@@ -134,7 +146,9 @@ def _make_class(job: tuple) -> None:
     )
 
 
-def build_store(folder: Path, store: Path, say, max_size: int | None = None) -> None:
+def build_store(
+    folder: Path, store: Path, say, max_size: int | None = None, encoding: str = "jpeg"
+) -> None:
     """Build ``store`` from ``folder`` unless a complete one is there already."""
     from ingest.build import BuildOptions, build
 
@@ -142,7 +156,7 @@ def build_store(folder: Path, store: Path, say, max_size: int | None = None) -> 
         say(f"reusing the store {store} (delete it to rebuild)")
         return
     say(f"building the store {store} (once; later runs reuse it) ...")
-    options = BuildOptions(max_size=max_size)
+    options = BuildOptions(max_size=max_size, encoding=encoding)
     build(folder, store, options=options, workers=usable_cores(), progress=False)
 
 

@@ -7,6 +7,7 @@ that cannot run here says why (``unavailable``) instead of failing.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from loader.bench.settings import MEAN, SIZE, STD, Settings
 
 BASELINE = "torch-pil"
+JPEG_TWIN = "@jpeg"  # a name's ending: ours on the JPEG store (``share_variant``)
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,14 @@ def share_variant(name: str) -> Spec | None:
     """``loader-<GPU decoder>-<share>`` (e.g. ``loader-nvjpeg-0.2``): the workers decode that
     fixed share of every batch; any of our pipelines, or such a share, followed by
     ``-nice<N>`` (e.g. ``loader-dali-auto-nice10``): its workers run at that
-    ``worker_nice``; None for any other name."""
+    ``worker_nice``; any of those followed by ``@jpeg``: on the JPEG store beside the one
+    ``--encoding`` built; None for any other name."""
+    if name.endswith(JPEG_TWIN):
+        base = name.removesuffix(JPEG_TWIN)
+        spec = share_variant(base) or next((x for x in specs() if x.name == base), None)
+        if spec is None or spec.side != "ours":
+            return None
+        return Spec(name, f"{spec.label}, on the store of JPEGs", "ours")
     base, nice = nice_suffix(name)
     spec = _fixed_share(base)
     if nice is None:
@@ -90,6 +99,10 @@ def nice_suffix(name: str) -> tuple[str, int | None]:
 
 def unavailable(spec: Spec, s: Settings) -> str | None:
     """Why ``spec`` cannot run with these settings (checked before starting it), or None."""
+    if spec.name.endswith(JPEG_TWIN):
+        if s.jpeg_store is None:
+            return "needs --encoding: it reads the store of JPEGs beside the one that builds"
+        return unavailable(dataclasses.replace(spec, name=spec.name.removesuffix(JPEG_TWIN)), s)
     dali = spec.name.startswith("dali-")
     if spec.name.startswith("torch-") and importlib.util.find_spec("torchvision") is None:
         return "torchvision is not installed (pip install torchvision)"
@@ -119,6 +132,8 @@ def _has_dali() -> bool:
 
 def build(name: str, s: Settings):
     """Pipeline ``name`` with settings ``s``: an object with ``epoch()`` and ``close()``."""
+    if name.endswith(JPEG_TWIN):
+        return build(name.removesuffix(JPEG_TWIN), dataclasses.replace(s, store=s.jpeg_store))
     if name == BASELINE:
         return TorchPipeline(_image_folder(s), s)
     if name == "torch-lmdb":

@@ -25,3 +25,4 @@ class Settings:
     train_steps: int = 0
     train_warmup: int = 0
     min_pass_seconds: float = 0.0  # a pass reads whole epochs until this long has passed
+    jpeg_store: str | None = None  # with --encoding: the JPEG store, which ``@jpeg`` read

@@ -9,7 +9,7 @@ import numpy as np
 
 from ingest.cstderr import captured
 from ingest.images.normalize import Reject, check_jpeg
-from ingest.images.probe import PngError, plain_png
+from ingest.images.probe import PngError, header_problem, plain_png
 from loader.decode import DecodeError, in_worker_process
 
 _BASE = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # stored images are upright
@@ -57,6 +57,15 @@ class CpuDecoder:
         self, data: bytes, kind: str, shape: tuple[int, int], crop: np.ndarray, out: np.ndarray
     ) -> None:
         """See ``loader.decode.Decoder.decode_into``."""
+        if kind == "raw":  # pixels: nothing to decode
+            problem = header_problem(data, kind, *shape)
+            if problem:
+                raise DecodeError(problem)
+            img = np.frombuffer(data, np.uint8).reshape(shape[0], shape[1], -1)
+            if img.shape[2] == 1:
+                img = cv2.cvtColor(img, cv2.COLOR_GRAY2RGB)
+            _crop_resize(img, crop, 1, out, self.antialias)
+            return
         f = reduction(kind, crop)
         if kind == "png":  # what libpng reads without a word, or refused before it does
             try:

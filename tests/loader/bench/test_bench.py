@@ -232,6 +232,30 @@ def test_a_worker_nice_is_a_pipeline_named_by_its_niceness():
     assert known[-1].name == "loader-cpu-nice5" and "loader-cpu-nice5" not in skipped
 
 
+def test_ours_on_the_jpeg_store_is_a_pipeline_named_at_jpeg():
+    # With --encoding, ``<ours>@jpeg`` reads the store of JPEGs built beside the encoded one.
+    for name, label in [
+        ("loader-cpu@jpeg", "decoder='cpu'"),
+        ("loader-nvjpeg-0.2@jpeg", "decoder='nvjpeg', cpu_share=0.2"),
+        ("loader-dali-auto@jpeg", "decoder='dali', cpu_share='auto'"),
+    ]:
+        want = Spec(name, f"loader.DataLoader, {label}, on the store of JPEGs", "ours")
+        assert share_variant(name) == want
+    for name in ("torch-pil@jpeg", "dali-ram@jpeg", "loader-nope@jpeg", "loader-cpu@png"):
+        assert share_variant(name) is None, name
+    s = Settings(folder=None, store="x", batch_size=8, workers=1, dtype="float32",
+                 channels_last=False, eval=False, device="cpu")  # fmt: skip
+    _, skipped = choose(argparse.Namespace(only="loader-cpu,loader-cpu@jpeg"), s)
+    assert skipped["loader-cpu@jpeg"].startswith("needs --encoding")
+    paired = dataclasses.replace(s, jpeg_store="y")
+    _, skipped = choose(argparse.Namespace(only="loader-cpu@jpeg,loader-nvjpeg@jpeg"), paired)
+    assert "loader-cpu@jpeg" not in skipped
+    assert (
+        skipped["loader-nvjpeg@jpeg"]
+        == "decodes on a CUDA device, and this run delivers to the CPU"
+    )
+
+
 def test_a_pipeline_that_fails_to_start_is_skipped_with_the_reason(tmp_path):
     s = Settings(folder=None, store=str(tmp_path / "missing"), batch_size=8, workers=0,
                  dtype="float32", channels_last=False, eval=False, device="cpu")  # fmt: skip

@@ -234,6 +234,35 @@ def test_routing_png_and_progressive_to_the_workers(store, share, on_gpu):
     assert stats["prefetch_cpu_s"] > 0 and stats["decode_threads_cpu_s"] > 0
 
 
+def test_pixel_records_go_to_the_workers_and_keep_the_samples(store, tmp_path):
+    # A store of which about half the samples are pixels (``--encoding mixed:0.5``): those
+    # are cropped by the workers, never sent to the GPU decoder; the rest as before.
+    from ingest.build import BuildOptions, build
+    from ingest.format import FLAG_PROGRESSIVE, FORMAT_CODES
+
+    mixed = tmp_path / "mixed"
+    build(store.parent / "src", mixed, BuildOptions(encoding="mixed:0.5"), workers=2,
+          progress=False)  # fmt: skip
+    raw = loader.store.Store(mixed).index["format"] == FORMAT_CODES["raw"]
+    index = loader.store.Store(store).index
+    eligible = (index["format"] == FORMAT_CODES["jpeg"]) & (index["flags"] & FLAG_PROGRESSIVE == 0)
+    dl = make(mixed, cpu_share=0.0)
+    batches = epoch(dl)
+    stats = dl.stats()
+    gpu_side = epoch(make(store, cpu_share=0.0))  # the JPEG store, as before
+    workers_side = epoch(make(mixed, cpu_share=1.0))  # the mixed store, all on the workers
+    assert 0 < raw.sum() < NUM_SAMPLES and eligible.sum() == GPU_ELIGIBLE
+    assert stats["gpu_decoded"] == int((eligible & ~raw).sum())
+    assert stats["gpu_decoded"] + stats["cpu_decoded"] == NUM_SAMPLES
+    assert torch.equal(flat(batches, 2), flat(gpu_side, 2))  # the same samples, in order
+    order = flat(batches, 2).tolist()
+    pixels = [k for k, i in enumerate(order) if raw[i]]
+    jpegs = [k for k, i in enumerate(order) if not raw[i]]
+    got = flat(batches, 0)
+    assert torch.equal(got[pixels], flat(workers_side, 0)[pixels])  # the workers' crops
+    assert torch.equal(got[jpegs], flat(gpu_side, 0)[jpegs])  # the rest as from JPEGs
+
+
 def test_a_cpu_share_decodes_each_sample_on_one_side(store):
     gpu_side = epoch(make(store, cpu_share=0.0))
     cpu_side = epoch(make(store, cpu_share=1.0))
