@@ -23,8 +23,8 @@ Result = tuple[list, bytes]  # process_file's: (header, record)
 
 def process_file(job: tuple, options: BuildOptions) -> Result:
     """One source file: (["ok", index row without shard, fixes, stored], record) or
-    (["reject", path, reason], b""). ``stored``: the bytes of its image where they are the
-    file's first ones (the file stored as it is), else 0 (``Known``)."""
+    (["reject", path, reason], b""). ``stored``: the number of bytes of its image where
+    they are the file's first ones (the file stored as it is), else 0 (``Known``)."""
     path, rel, _ = job
     stored = fmt.path_value(rel)
     try:
@@ -79,7 +79,9 @@ def stored_again(job: tuple, known: Known, options: BuildOptions) -> Result | No
     """The record of a file stored as it is (``known.stored``), made again from the file's
     first bytes and what the first pass found, without parsing or decoding it: a write
     pass's quick way. The caller checks it against ``known`` (and makes it the long way
-    when it differs); None when the file is no longer there to read whole."""
+    when it differs); None where it cannot be made so: the file is no longer there to
+    read whole, is shorter than its image, or the plan's format or size is not one a
+    record takes."""
     try:
         data = read_regular(job[0], options.max_file_bytes)
     except FileRefused:

@@ -32,7 +32,9 @@ def ranges(n: int, range_items: int | None = None) -> list[tuple[int, int]]:
 
 
 def plan_path(run: Run, a: int, b: int) -> Path:
-    return run.partial / f"plan-{a:012d}-{b:012d}.msgpack"
+    # "plan2": plans with index rows; an older ingest looks for "plan-" files, and never
+    # meets these (it would fail on them), nor this one its.
+    return run.partial / f"plan2-{a:012d}-{b:012d}.msgpack"
 
 
 def load_plan(path: Path, a: int, b: int) -> dict | None:
@@ -42,10 +44,16 @@ def load_plan(path: Path, a: int, b: int) -> dict | None:
     except (OSError, ValueError):
         return None
     ok = isinstance(plan, dict) and plan.get("first") == a and plan.get("end") == b
-    return plan if ok and plan.keys() >= _PLAN_KEYS else None  # an older build's: made again
+    if not ok or not plan.keys() >= _PLAN_KEYS:
+        return None
+    # Its columns, of the same records (a plan that decodes may still be cut short).
+    n = len(plan["kept"]) // 8 if isinstance(plan["kept"], bytes) else -1
+    sizes = [len(plan[key]) if isinstance(plan[key], bytes) else -1 for key in _COLUMNS]
+    return plan if n >= 0 and sizes == [n * size for size in _COLUMNS.values()] else None
 
 
 _PLAN_KEYS = {"first", "end", "kept", "rows", "stored", "rejects", "stats"}
+_COLUMNS = {"kept": 8, "rows": fmt.INDEX_DTYPE.itemsize, "stored": 4}  # bytes per record
 
 
 class ShardCuts:

@@ -13,6 +13,8 @@ import hashlib
 import os
 import stat
 
+_ONE_READ = 0x7FFFF000  # the most Linux's read() returns at once
+
 
 class FileRefused(ValueError):
     """The file cannot be read safely; ``str(self)`` says why, without the path."""
@@ -58,8 +60,12 @@ def read_regular(path: str | os.PathLike, max_bytes: int, *, size: int | None = 
 
 
 def _read(fd: int, most: int) -> bytes:
-    """Up to ``most`` bytes of ``fd``, to its end (no buffered file object: every source
-    image is read this way, twice per build)."""
+    """Up to ``most`` bytes of ``fd``, to its end: in one ``os.read`` (no buffered file
+    object: every source image is read this way, twice per build), or, past what Linux
+    reads at once, into one buffer (parts joined would take twice the memory)."""
+    if most > _ONE_READ:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(most)
     parts = []
     while most > 0 and (part := os.read(fd, most)):
         parts.append(part)

@@ -233,10 +233,10 @@ def test_a_killed_driver_resumes_to_the_same_store(tmp_path: Path, ray_address: 
     args = ["build", src, out, "--shard-size", "200KiB", "--ray", ray_address]
     sealed = kill_9_after_a_shard(args, out, within=120)  # once the driver recorded one
     assert 0 < len(sealed) < 23
-    plans = sorted(p.name for p in (out / fmt.PARTIAL_DIR).glob("plan-*.msgpack"))
+    plans = sorted(p.name for p in (out / fmt.PARTIAL_DIR).glob("plan2-*.msgpack"))
     assert plans == [  # the first pass was done: 2 ranges of at most 64 samples
-        "plan-000000000000-000000000064.msgpack",
-        "plan-000000000064-000000000122.msgpack",
+        "plan2-000000000000-000000000064.msgpack",
+        "plan2-000000000064-000000000122.msgpack",
     ]
     inodes = {name: (out / name / "data.mdb").stat().st_ino for name in sealed}
 
@@ -285,7 +285,7 @@ def test_a_rerun_takes_the_first_pass_from_its_plans(
     with pytest.raises(ray.exceptions.RayTaskError, match="injected failure"):
         build_ray(awkward_tree.root, out, AWKWARD_OPTIONS, progress=False, range_items=4,
                   fault=fail_writing)  # fmt: skip
-    assert len(list((out / fmt.PARTIAL_DIR).glob("plan-*.msgpack"))) == 8
+    assert len(list((out / fmt.PARTIAL_DIR).glob("plan2-*.msgpack"))) == 8
     build_ray(awkward_tree.root, out, AWKWARD_OPTIONS, progress=False, range_items=4,
               fault=no_checking)  # fmt: skip
     assert_same_store(out, awkward_store)

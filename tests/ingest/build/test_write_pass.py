@@ -133,7 +133,7 @@ def test_plans_of_an_older_ingest_are_made_again(tmp_path: Path, monkeypatch) ->
     with pytest.raises(KeyboardInterrupt):
         build(src, out, opts, workers=1, progress=False)
     monkeypatch.setattr(tasks, "write_shard", real)
-    plans = sorted((out / fmt.PARTIAL_DIR).glob("plan-*.msgpack"))
+    plans = sorted((out / fmt.PARTIAL_DIR).glob("plan2-*.msgpack"))
     assert plans
     for path in plans:
         plan = msgpack.unpackb(path.read_bytes(), raw=False)
@@ -145,3 +145,16 @@ def test_plans_of_an_older_ingest_are_made_again(tmp_path: Path, monkeypatch) ->
     build(src, out, opts, workers=1, progress=False)
     build(src, tmp_path / "clean", opts, workers=1, progress=False)
     assert_same_store(out, tmp_path / "clean")
+
+
+def test_a_plan_cut_short_is_checked_again(tmp_path: Path) -> None:
+    # It decodes, but its columns are not of the same records: as no plan at all.
+    path = tmp_path / "plan2-000000000000-000000000002.msgpack"
+    row = bytes(fmt.INDEX_DTYPE.itemsize)
+    good = {"first": 0, "end": 2, "kept": bytes(16), "rows": row * 2, "stored": bytes(8),
+            "rejects": [], "stats": {}}  # fmt: skip
+    short = [{**good, "rows": row}, {**good, "stored": bytes(4)}, {**good, "kept": bytes(12)},
+             {**good, "kept": "no"}]  # fmt: skip
+    for plan, usable in [(good, True)] + [(p, False) for p in short]:
+        path.write_bytes(msgpack.packb(plan, use_bin_type=True))
+        assert (twopass.load_plan(path, 0, 2) is not None) == usable, plan
