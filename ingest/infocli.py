@@ -41,6 +41,9 @@ def store_info(args: argparse.Namespace) -> int:
     print(f"samples    {info['num_samples']} in {info['num_classes']} classes")
     print(f"shards     {len(info['shards'])}, {info['file_bytes'] / mib:.1f} MiB on disk, "
           f"{info['record_bytes'] / mib:.1f} MiB of records")  # fmt: skip
+    per = info["record_bytes"] / max(info["num_samples"], 1) / 1000
+    encoding = info["options"].get("encoding", "jpeg") if isinstance(info["options"], dict) else "?"
+    print(f"encoding   {fmt.shown(str(encoding))}, {per:.1f} KB of record a sample")
     print(f"seen       {info['num_seen']} = kept {info['num_samples']} + rejected "
           f"{info['num_rejected']} + ignored {info['num_ignored']}")  # fmt: skip
     # A rejects file not as the manifest says is told already, and has no reasons to read.

@@ -138,5 +138,5 @@ def test_a_build_state_of_an_older_ingest_is_named_so(clean_tree):
         "made by another version of ingest (its converter stores other bytes)"
     )
     assert difference({**now, "version": 0}, now) == (
-        f"of store format v0 (this ingest writes v{fmt.FORMAT_VERSION})"
+        f"of store format v0 (this ingest writes v{fmt.written_version('jpeg')})"
     )

@@ -136,6 +136,8 @@ def test_ingest_verify_and_info_take_pixel_records(stores, capsys) -> None:
     assert cli.main(["info", str(stores["mixed:0.4"])]) == 0
     shown = capsys.readouterr().out
     assert "(format v3)" in shown and "raw pixels" in shown
+    per = fmt.read_manifest(stores["mixed:0.4"])["record_bytes"] / NUM_SAMPLES / 1000
+    assert f"encoding   mixed:0.4, {per:.1f} KB of record a sample\n" in shown
     for i in range(NUM_SAMPLES):
         record = Store(stores["raw"]).record(i)
         h, w, c = record["height"], record["width"], record["channels"]
