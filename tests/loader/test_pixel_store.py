@@ -170,3 +170,46 @@ def test_the_torch_dataset_reads_pixel_records_as_pil_images(stores) -> None:
         assert (a.mode, a.size, label_a) == (b.mode, b.size, label_b)
         diff = np.abs(np.asarray(a, np.int16) - np.asarray(b, np.int16)).mean()
         assert diff <= 0.5, (i, diff)
+
+
+def test_a_checkpoint_resumes_on_the_pixel_store_as_on_the_jpeg_store(stores) -> None:
+    # Two batches in, saved, resumed by another loader: the rest of the epoch, the same
+    # samples as on the JPEG store (exactly once over the two).
+    def make(store):
+        return loader.DataLoader(store, batch_size=8, transform="train", device="cpu",
+                                 seed=3, num_workers=2, with_indices=True)  # fmt: skip
+
+    dl = make(stores["raw"])
+    it = iter(dl)
+    head = [next(it)[2] for _ in range(2)]
+    state = dl.state_dict()
+    del it
+    resumed = make(stores["raw"])
+    resumed.load_state_dict(state)
+    rest = [b[2] for b in resumed]
+    got = torch.cat(head + rest).tolist()
+    want = torch.cat([b[2] for b in make(stores["jpeg"])]).tolist()
+    assert got == want and sorted(got) == list(range(NUM_SAMPLES))
+
+
+def test_an_interrupted_pixel_build_resumes_to_the_clean_store(stores, tmp_path, monkeypatch):
+    from ingest.build import tasks
+
+    src, out = stores["jpeg"].parent / "src", tmp_path / "out"
+    options = BuildOptions(shard_size=2 << 20, encoding="mixed:0.4")
+    real = tasks.write_shard
+
+    def stop_at_the_second(src, out, k, *args):
+        if k >= 1:
+            raise KeyboardInterrupt
+        return real(src, out, k, *args)
+
+    monkeypatch.setattr(tasks, "write_shard", stop_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        build(src, out, options, workers=1, progress=False)
+    monkeypatch.setattr(tasks, "write_shard", real)
+    assert not (out / fmt.MANIFEST).exists()
+    manifest = build(src, out, options, workers=1, progress=False)
+    build(src, tmp_path / "clean", options, workers=1, progress=False)
+    assert len(manifest["shards"]) > 1
+    assert_same_store(out, tmp_path / "clean")
