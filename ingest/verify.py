@@ -18,7 +18,7 @@ from tqdm import tqdm
 from ingest import format as fmt
 from ingest.cstderr import captured
 from ingest.format.checksum import crc32
-from ingest.format.codec import encoded_limit, image_bytes, size_problem, unpack_record
+from ingest.format.codec import image_bytes, payload_limit, row_problem, size_problem, unpack_record
 from ingest.format.pages import open_lmdb, pages_problem
 from ingest.format.safeio import FileRefused, sha256_file
 from ingest.images.normalize import Reject, check_jpeg
@@ -280,12 +280,14 @@ def _check_record(
         problem = fmt.check_record(rec)
         if problem:
             return f"malformed record: {problem}"
-        img = image_bytes(rec, encoded_limit(int(row["height"]), int(row["width"])))
+        img = image_bytes(rec, payload_limit(rec["format"], int(row["height"]), int(row["width"])))
     except Exception as e:  # msgpack and zstd raise several types
         return f"record does not unpack: {type(e).__name__}: {e}"
     if rec["label"] != row["label"]:
         return f"label {rec['label']} differs from the index ({row['label']})"
-    problem = header_problem(img, rec["format"], int(row["height"]), int(row["width"]))
+    problem = row_problem(rec, row) or header_problem(
+        img, rec["format"], int(row["height"]), int(row["width"]), int(row["channels"])
+    )
     if problem:  # as a reader refuses it: undecoded
         return problem
     return _decode_problem(img, rec) if decode else None

@@ -13,7 +13,7 @@ import numpy as np
 
 from ingest import format as fmt
 from ingest.format.checksum import crc32
-from ingest.format.codec import unpack_record
+from ingest.format.codec import row_problem, unpack_record
 from ingest.format.safeio import FileRefused, read_regular
 
 
@@ -50,6 +50,9 @@ def read_record(env: lmdb.Environment, where: str, i: int, row: np.void, advice:
         raise fmt.RecordError(
             f"{at}: label {rec['label']} differs from the index's ({row['label']}){advice}"
         )
+    problem = row_problem(rec, row)
+    if problem:
+        raise fmt.RecordError(f"{at}: {problem}{advice}")
     return rec
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ingest import format as fmt
 from ingest.format import pages
-from ingest.format.codec import encoded_limit, image_bytes, size_problem
+from ingest.format.codec import image_bytes, payload_limit, size_problem
 from ingest.images.probe import header_problem
 from loader.records import read_paths, read_record, read_value, verify_advice
 from loader.shard_envs import Opened, check_build, env_key, identity, open_env, rebuilt, track
@@ -275,7 +275,8 @@ class Store:
         return f"{self._shard_texts[self.shard_of(i)]}: key {i}"
 
     def image(self, i: int) -> tuple[bytes, str]:
-        """The encoded image of sample ``i`` (decompressed) and its format ("jpeg", "png"),
+        """The encoded image of sample ``i`` (decompressed) and its format ("jpeg", "png",
+        or "raw": pixels, HxWxC by the index),
         its header checked against the index: every decoder sizes its work from the
         index (the pixel limit, crop windows, buffers), so an image of another size, a
         decompression bomb behind a small index entry among them, never reaches one.
@@ -286,10 +287,12 @@ class Store:
         """
         i, row, rec = self._checked(i)
         try:
-            data = image_bytes(rec, encoded_limit(int(row["height"]), int(row["width"])))
+            limit = payload_limit(rec["format"], int(row["height"]), int(row["width"]))
+            data = image_bytes(rec, limit)
         except Exception as e:  # zstandard raises its own error type
             raise fmt.RecordError(f"{self._where(i)}: payload does not decompress: {e}") from None
-        problem = header_problem(data, rec["format"], int(row["height"]), int(row["width"]))
+        h, w, c = int(row["height"]), int(row["width"]), int(row["channels"])
+        problem = header_problem(data, rec["format"], h, w, c)
         if problem:
             raise fmt.RecordError(
                 f"{self._where(i)}: {problem}; check the store with `ingest verify "

@@ -22,8 +22,8 @@ def parse_encoding(text: str) -> str:
     Raises:
         ValueError: not one of ``ENCODINGS``.
     """
-    name, _, share = text.strip().lower().partition(":")
-    if name in ("jpeg", "raw") and not share:
+    name, colon, share = str(text).strip().lower().partition(":")
+    if name in ("jpeg", "raw") and not colon:
         return name
     if name == "mixed":
         try:
@@ -31,7 +31,7 @@ def parse_encoding(text: str) -> str:
         except ValueError:
             value = -1.0
         if 0.0 < value < 1.0:
-            return f"mixed:{value:g}"
+            return f"mixed:{value!r}"  # exactly the share drawn by, never rounded to 0 or 1
     raise ValueError(f"--encoding {text!r} is invalid: pass {ENCODINGS}")
 
 

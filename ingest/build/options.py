@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ingest.build.encoding import parse_encoding
 from ingest.build.writer import MiB, initial_map_size
 from ingest.format.codec import Compression
 from ingest.format.layout import DEFAULT_MAX_PIXELS
@@ -22,6 +23,9 @@ class BuildOptions:
     max_pixels: int = DEFAULT_MAX_PIXELS  # larger images are rejected (decompression bombs)
     max_file_bytes: int = 1 << 30  # larger source files are rejected, unread
     encoding: str = "jpeg"  # which samples are stored as pixels (``encoding.parse_encoding``)
+
+    def __post_init__(self) -> None:  # one spelling of each encoding (or a clear error)
+        object.__setattr__(self, "encoding", parse_encoding(self.encoding))
 
     def output_affecting(self) -> dict:
         d = asdict(self)

@@ -45,7 +45,7 @@ def process_file(job: tuple, options: BuildOptions) -> Result:
     except Exception as e:  # a decoder's surprise on one file rejects that file, not the build
         said = OBJECT_AT.sub("", str(e))  # the same reason in every build
         return ["reject", stored, f"could not convert: {type(e).__name__}: {said}"], b""
-    as_is = data.startswith(conv.payload)
+    as_is = conv.format != "raw" and data.startswith(conv.payload)
     flags = fmt.FLAG_PROGRESSIVE * conv.progressive | fmt.FLAG_REENCODED * (not as_is)
     made = _made(job, conv, flags, options)
     if isinstance(made, str):  # as every reader would refuse it, unread

@@ -77,21 +77,25 @@ def difference(old, new: dict) -> str:
         return "made by another version of ingest"
     if old["converter"] != new["converter"]:
         return "made by another version of ingest (its converter stores other bytes)"
+    was, now = _options(old), _options(new)
+    options = [f"{_flag(k, was.get(k))} then, {_flag(k, now.get(k))} now"
+               for k in sorted(was.keys() | now.keys()) if was.get(k) != now.get(k)]  # fmt: skip
+    if options:  # before the version: --encoding decides it
+        return "with other options (" + "; ".join(options) + ")"
     if old["version"] != new["version"]:
         return f"of store format v{old['version']} (this ingest writes v{new['version']})"
-    options = [
-        f"{_flag(k, old['options'].get(k))} then, {_flag(k, v)} now"
-        for k, v in new["options"].items()
-        if old["options"].get(k) != v
-    ]
-    if options:
-        return "with other options (" + "; ".join(options) + ")"
     if old["classes"] != new["classes"]:
         return f"of other class folders ({len(old['classes'])} then, {len(new['classes'])} now)"
     return (
         f"of other source files ({old['files']} then, {new['files']} now, or files were "
         "changed, renamed or touched since)"
     )
+
+
+def _options(digest: dict) -> dict:
+    """A fingerprint's options, with the encoding a JPEG build leaves out."""
+    options = digest["options"] if isinstance(digest.get("options"), dict) else {}
+    return {"encoding": "jpeg", **options}
 
 
 def _flag(option: str, value) -> str:

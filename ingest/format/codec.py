@@ -149,6 +149,31 @@ def encoded_limit(height: int, width: int) -> int:
     return 8 * height * width + (64 << 20)
 
 
+def payload_limit(kind: str, height: int, width: int) -> int:
+    """The most bytes the decompressed image of a record of ``kind`` may take: its pixels
+    exactly for pixels (``raw``), else ``encoded_limit``."""
+    return 3 * height * width if kind == "raw" else encoded_limit(height, width)
+
+
+def row_problem(record: dict, row) -> str | None:
+    """What differs between a checked pixel record's own fields and its index row, or
+    None: pixels have no header to check against the row (a JPEG's or PNG's is checked,
+    ``header_problem``), so their format, size and channels must be the row's, and a row
+    of pixels must hold pixels."""
+    code, raw = int(row["format"]), FORMAT_CODES["raw"]
+    if record["format"] != "raw" and code != raw:
+        return None
+    if FORMAT_CODES[record["format"]] != code:
+        return f"its format {record['format']!r} differs from the index's (code {code})"
+    height, width, channels = int(row["height"]), int(row["width"]), int(row["channels"])
+    if (record["height"], record["width"]) != (height, width):
+        return (f"its size {record['width']}x{record['height']} differs from the index's "
+                f"{width}x{height}")  # fmt: skip
+    if record.get("channels") != channels:
+        return f"its channels {record.get('channels')!r} differ from the index's ({channels})"
+    return None
+
+
 def record_limit(height: int, width: int) -> int:
     """The most bytes a record of an image of ``height`` x ``width`` pixels may take: the
     image's ``encoded_limit`` and 64 KiB for the other fields (its path among them). The

@@ -13,6 +13,7 @@ import numpy as np
 from ingest.format.errors import PixelLimitError, StoreError, edited
 from ingest.format.layout import (
     DEFAULT_MAX_PIXELS,
+    FORMAT_CODES,
     FORMAT_NAMES,
     INDEX,
     INDEX_DTYPE,
@@ -64,7 +65,7 @@ def index_problem(index: np.ndarray, manifest: dict) -> str | None:
         ("shard", np.flatnonzero(index["shard"] != expected)),
         ("label", np.flatnonzero((labels < 0) | (labels >= manifest["num_classes"]))),
         ("nbytes", np.flatnonzero(index["nbytes"] == 0)),
-        ("format", np.flatnonzero(~np.isin(index["format"], list(FORMAT_NAMES)))),
+        ("format", np.flatnonzero(~np.isin(index["format"], _codes(manifest)))),
         ("channels", np.flatnonzero(~np.isin(index["channels"], [1, 3]))),
         ("size", np.flatnonzero((index["height"] == 0) | (index["width"] == 0))),
     )  # fmt: skip
@@ -74,6 +75,12 @@ def index_problem(index: np.ndarray, manifest: dict) -> str | None:
             value = _row_text(index[i], field)
             return f"row {i} has an invalid {field} ({value}; {len(bad)} such rows)"
     return None
+
+
+def _codes(manifest: dict) -> list[int]:
+    """The format codes a store of this manifest's version may hold (pixels: from 3 on)."""
+    raw = FORMAT_CODES["raw"]
+    return [c for c in FORMAT_NAMES if c != raw or manifest.get("version", 0) >= 3]
 
 
 def pixel_limit(root, manifest: dict, index: np.ndarray, max_pixels: int | None = None) -> int:

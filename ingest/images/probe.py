@@ -80,16 +80,20 @@ def image_size(data: bytes, kind: str) -> tuple[int, int] | None:
     return None
 
 
-def header_problem(data: bytes, kind: str, height: int, width: int) -> str | None:
+def header_problem(
+    data: bytes, kind: str, height: int, width: int, channels: int | None = None
+) -> str | None:
     """What differs between the size ``data``'s header gives (``image_size``) and the
     index's ``height`` x ``width``, or None: the check every reader and ``ingest verify``
     make before anything decodes. Pixels (``raw``) have no header: their length must be
-    the index's pixels, gray or RGB."""
+    the index's pixels, of its ``channels`` (gray or RGB where it is not given)."""
     if kind == "raw":
-        if height * width and len(data) in (height * width, 3 * height * width):
+        sizes = (height * width, 3 * height * width) if channels is None else (
+            channels * height * width,)  # fmt: skip
+        if height * width and len(data) in sizes:
             return None
-        return (f"the pixels are {len(data)} bytes, where {width}x{height} pixels take "
-                f"{3 * height * width} (RGB) or {height * width} (gray)")  # fmt: skip
+        take = " or ".join(str(n) for n in sizes)
+        return f"the pixels are {len(data)} bytes, where {width}x{height} pixels take {take}"
     size = image_size(data, kind)
     if size == (height, width):
         return None

@@ -86,9 +86,10 @@ def parser() -> argparse.ArgumentParser:
         help="short side of the generated images, in px (default 300-450, ImageNet's; "
         "e.g. 800-1000 for camera-sized photos, to see what --max-size buys)",
     )
-    a("--encoding", type=_encoding, default="jpeg", help="build the store read by ours with "
-      "`ingest build --encoding E` (raw, mixed:SHARE); the folder peers read the JPEGs "
-      "(default: jpeg)")  # fmt: skip
+    a("--encoding", type=_encoding, default="jpeg", help="build the store that ours and "
+      "torch-lmdb read with `ingest build --encoding E` (raw, mixed:SHARE); the folder "
+      "pipelines read the JPEGs, and a name of ours ending @jpeg (e.g. loader-cpu@jpeg) "
+      "reads the JPEG store beside it (default: jpeg)")  # fmt: skip
     a("--prepare-only", action="store_true", help="only make the images and the store, then exit")
     a("--logs", type=Path, help="where pipelines' own output goes (default: OUT/logs)")
     a("--replot", type=Path, metavar="JSON", help="only redo the table and chart of a run")

@@ -95,7 +95,8 @@ def prepare(
         origin += f", stored as {encoding}"
     files = _files(folder) if folder is not None else []
     sizes = sum(len(p.read_bytes()) for p in files)  # reading them warms the page cache
-    _warm(store)
+    for kept in {store, jpeg_store} - {None}:
+        _warm(kept)
     if not files:  # a store alone: its records' sizes stand in for the files'
         count, sizes = _store_sizes(store)
     else:

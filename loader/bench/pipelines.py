@@ -24,7 +24,7 @@ class Spec:
 
     name: str
     label: str
-    side: str  # "baseline", "ours" or "peer"
+    side: str  # "baseline", "ours", "peer", or "reference" (ours on the JPEG store: @jpeg)
 
 
 def specs() -> list[Spec]:
@@ -62,7 +62,7 @@ def share_variant(name: str) -> Spec | None:
         spec = share_variant(base) or next((x for x in specs() if x.name == base), None)
         if spec is None or spec.side != "ours":
             return None
-        return Spec(name, f"{spec.label}, on the store of JPEGs", "ours")
+        return Spec(name, f"{spec.label}, on the store of JPEGs", "reference")
     base, nice = nice_suffix(name)
     spec = _fixed_share(base)
     if nice is None:

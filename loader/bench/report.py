@@ -67,7 +67,7 @@ def summarise(results: dict, trained: bool) -> dict:
     if shares:  # which decoder took which share of the samples, per pipeline of ours
         out["decode_share"] = shares
     if trained:
-        mine = [n for n in ok if side.get(n) == "ours"]
+        mine = [n for n in ok if side.get(n) in ("ours", "reference")]
         for model in ("resnet18", "resnet50"):
             out |= _best_share(results, mine, model)
     return out

@@ -52,8 +52,10 @@ class EncodedBatches(PixelBatches):
         self._gpu_ok = (index["format"] == fmt.FORMAT_CODES["jpeg"]) & (
             (index["flags"] & fmt.FLAG_PROGRESSIVE) == 0
         )
-        sizes = np.asarray(index["nbytes"], dtype=np.int64)
-        self.capacity = int(batch_size * float(sizes.mean()) * _SLACK) + int(sizes.max())
+        # Sized for the records that may go to the GPU decoder (pixels never do).
+        sizes = np.asarray(index["nbytes"], dtype=np.int64)[self._gpu_ok]
+        mean, most = (float(sizes.mean()), int(sizes.max())) if len(sizes) else (0.0, 8)
+        self.capacity = int(batch_size * mean * _SLACK) + most
         self.routing = Routing(share=float(cpu_share))  # each batch's way and share
 
     def __getstate__(self) -> dict:

@@ -10,14 +10,17 @@ mean of 0.05 in normalised units (about 3 uint8 levels).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
 import torch
 from fixtures import assert_same_store
+from hostile_data import rewrite_index, rewrite_record
 from loader_data import NUM_SAMPLES, corrupt, make_store
 
 import loader
@@ -213,3 +216,84 @@ def test_an_interrupted_pixel_build_resumes_to_the_clean_store(stores, tmp_path,
     build(src, tmp_path / "clean", options, workers=1, progress=False)
     assert len(manifest["shards"]) > 1
     assert_same_store(out, tmp_path / "clean")
+
+
+def _forged(stores, tmp_path, base: str, name: str, forge) -> Path:
+    """A copy of store ``base`` forged by ``forge(copy)``, its checksums made to agree (a
+    deliberate forger's: index CRC-32s and sizes, the index's SHA-256, shard digests)."""
+    copy = tmp_path / name
+    shutil.copytree(stores[base], copy)
+    forge(copy)
+    manifest = json.loads((copy / fmt.MANIFEST).read_text())
+    index = np.load(copy / fmt.INDEX, allow_pickle=False)  # as forged: unchecked
+    for shard in manifest["shards"]:
+        a, n = shard["first"], shard["count"]
+        crcs, sizes = (index[k][a : a + n].astype(np.int64) for k in ("crc32", "nbytes"))
+        shard["digest"] = fmt.records_digest(a, crcs, sizes)
+    (copy / fmt.MANIFEST).write_text(json.dumps(manifest))
+    return copy
+
+
+def test_pixels_that_disagree_with_their_index_row_are_refused(stores, tmp_path) -> None:
+    # Each as a reader refuses it (the record, unread or undecoded) and `ingest verify`
+    # names it: pixels in a JPEG row of a version-2 store, an index row whose channels
+    # the pixels' length contradicts, a record whose own size is another than its row's.
+    row = Store(stores["jpeg"]).index[1]
+    h, w = int(row["height"]), int(row["width"])
+
+    def pixels_in_a_jpeg_row(record):
+        record.update(image=bytes(h * w * 3), format="raw", channels=3)
+
+    def one_channel(index):
+        index["channels"][1] = 1
+
+    def tiny(record):
+        record.update(height=1, width=1, channels=1)
+
+    def gray_said_everywhere(store):  # the record and its row say gray; RGB is stored
+        rewrite_index(store, one_channel)
+        rewrite_record(store, 1, lambda record: record.update(channels=1))
+
+    cases = [
+        ("jpeg", lambda s: rewrite_record(s, 1, pixels_in_a_jpeg_row), "format 'raw' differs"),
+        ("raw", lambda s: rewrite_index(s, one_channel), "its channels 3 differ"),
+        ("raw", lambda s: rewrite_record(s, 1, tiny), "its size 1x1 differs"),
+        ("raw", gray_said_everywhere, f"where {w}x{h} pixels take {h * w}"),
+    ]
+    for k, (base, forge, says) in enumerate(cases):
+        forged = _forged(stores, tmp_path, base, f"forged{k}", forge)
+        with pytest.raises(fmt.RecordError, match=says):
+            Store(forged).image(1)
+        problems = verify_store(forged, decode=True)
+        assert len(problems) == 1 and "key 1" in problems[0] and says in problems[0], problems
+
+
+def test_an_index_of_version_2_holds_no_pixels(stores, tmp_path) -> None:
+    def pixel_code(index):
+        index["format"][1] = fmt.FORMAT_CODES["raw"]
+
+    forged = _forged(stores, tmp_path, "jpeg", "v2-raw", lambda s: rewrite_index(s, pixel_code))
+    with pytest.raises(fmt.StoreError, match=r"row 1 has an invalid format \(3"):
+        Store(forged)
+
+
+def test_encodings_are_checked_where_the_build_is_asked_from_python() -> None:
+    assert BuildOptions(encoding="MIXED:0.50").encoding == "mixed:0.5"
+    assert BuildOptions(encoding="mixed:0.1234567").encoding == "mixed:0.1234567"
+    for bad in ("RAW:", "png", "mixed:0.9999999999999999999", "mixed:1.5"):
+        with pytest.raises(ValueError, match="pass jpeg, raw or mixed:SHARE"):
+            BuildOptions(encoding=bad)
+
+
+def test_a_build_resumed_under_another_encoding_says_which(stores) -> None:
+    from ingest.build.resume import difference, fingerprint
+    from ingest.build.scan import scan
+
+    tree = scan(stores["jpeg"].parent / "src")
+    mixed = fingerprint(tree, BuildOptions(encoding="mixed:0.5").output_affecting())
+    jpeg = fingerprint(tree, BuildOptions().output_affecting())
+    assert (mixed["version"], jpeg["version"]) == (3, 2)
+    said = "with other options (--encoding mixed:0.5 then, --encoding jpeg now)"
+    assert difference(mixed, jpeg) == said
+    back = "with other options (--encoding jpeg then, --encoding mixed:0.5 now)"
+    assert difference(jpeg, mixed) == back

@@ -239,7 +239,7 @@ def test_ours_on_the_jpeg_store_is_a_pipeline_named_at_jpeg():
         ("loader-nvjpeg-0.2@jpeg", "decoder='nvjpeg', cpu_share=0.2"),
         ("loader-dali-auto@jpeg", "decoder='dali', cpu_share='auto'"),
     ]:
-        want = Spec(name, f"loader.DataLoader, {label}, on the store of JPEGs", "ours")
+        want = Spec(name, f"loader.DataLoader, {label}, on the store of JPEGs", "reference")
         assert share_variant(name) == want
     for name in ("torch-pil@jpeg", "dali-ram@jpeg", "loader-nope@jpeg", "loader-cpu@png"):
         assert share_variant(name) is None, name
