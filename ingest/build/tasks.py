@@ -163,9 +163,11 @@ def _again(
         made = stored_again(job, want, options)
         if made is not None and (made[0][1][1], made[0][1][4]) == (want.nbytes, want.crc32):
             return made[0][1], made[1]
-    # A file stored as it is was decoded once already; one to convert is made again whole.
-    reencoded = want.flags & fmt.FLAG_REENCODED
-    for opts in (options,) if reencoded or not options.verify else (light, options):
+    # A file stored as it is was decoded once already, and so was one stored as pixels
+    # (decoded again here to make them, but checked once): the light way first, the CRC-32
+    # tells whether it made the same record. One to convert is made again whole.
+    converted = want.flags & fmt.FLAG_REENCODED and want.format != fmt.FORMAT_CODES["raw"]
+    for opts in (options,) if converted or not options.verify else (light, options):
         header, value = process_file(job, opts)
         if header[0] == "ok" and (header[1][1], header[1][4]) == (want.nbytes, want.crc32):
             return header[1], value

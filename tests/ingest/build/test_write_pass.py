@@ -41,15 +41,17 @@ def _tree(root: Path) -> Path:
 
 
 class _WritePassParses:
-    """Counts process_file's calls while a write task runs (workers=1: all in this process)."""
+    """Counts process_file's calls while a write task runs (workers=1: all in this process),
+    and those of them without verification."""
 
     def __init__(self, monkeypatch) -> None:
-        self.calls, self.writing = 0, False
+        self.calls, self.light, self.writing = 0, 0, False
         real_process, real_write = tasks.process_file, tasks.write_shard
 
-        def process(*args):
+        def process(job, options):
             self.calls += self.writing
-            return real_process(*args)
+            self.light += self.writing and not options.verify
+            return real_process(job, options)
 
         def write(*args):
             self.writing = True
@@ -158,3 +160,15 @@ def test_a_plan_cut_short_is_checked_again(tmp_path: Path) -> None:
     for plan, usable in [(good, True)] + [(p, False) for p in short]:
         path.write_bytes(msgpack.packb(plan, use_bin_type=True))
         assert (twopass.load_plan(path, 0, 2) is not None) == usable, plan
+
+
+def test_pixel_records_are_made_again_the_light_way_once_each(tmp_path: Path, monkeypatch):
+    # Checked once by the first pass, decoded again to be made: without that check, and
+    # the CRC-32 tells it made the first pass's record (a fall back would parse twice).
+    src = _tree(tmp_path / "src")
+    options = BuildOptions(shard_size=16 << 10, encoding="raw")
+    with monkeypatch.context() as m:
+        parses = _WritePassParses(m)
+        manifest = build(src, tmp_path / "raw", options, workers=1, progress=False)
+    assert manifest["num_samples"] == parses.calls == parses.light == 17
+    assert manifest["stats"]["raw pixels"] == 17
