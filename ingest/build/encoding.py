@@ -11,6 +11,7 @@ the loader's pace is steady rather than fast and slow by turns.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 ENCODINGS = "jpeg, raw or mixed:SHARE (SHARE between 0 and 1: the part stored as pixels)"
@@ -35,6 +36,7 @@ def parse_encoding(text: str) -> str:
     raise ValueError(f"--encoding {text!r} is invalid: pass {ENCODINGS}")
 
 
+@functools.cache  # asked for every file of a build
 def raw_share(encoding: str) -> float:
     """The part of the samples an encoding stores as pixels: 0, 1 or the mixed share."""
     if encoding == "jpeg":

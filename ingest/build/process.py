@@ -75,10 +75,10 @@ def known_records(rows: np.ndarray, stored: np.ndarray) -> list[Known]:
     return [Known(*fields) for fields in zip(*columns, stored.tolist(), strict=True)]
 
 
-def stored_again(job: tuple, known: Known, options: BuildOptions) -> Result | None:
-    """The record of a file stored as it is (``known.stored``), made again from the file's
-    first bytes and what the first pass found, without parsing or decoding it: a write
-    pass's quick way. The caller checks it against ``known`` (and makes it the long way
+def stored_again(job: tuple, known: Known, options: BuildOptions) -> tuple[list, bytes] | None:
+    """(index row, record) of a file stored as it is (``known.stored``), made again from
+    the file's first bytes and what the first pass found, without parsing or decoding it:
+    a write pass's quick way. The caller checks it against ``known`` (and makes it the long way
     when it differs); None where it cannot be made so: the file is no longer there to
     read whole, is shorter than its image, or the plan's format or size is not one a
     record takes."""
@@ -96,7 +96,7 @@ def stored_again(job: tuple, known: Known, options: BuildOptions) -> Result | No
         [f"trailing-bytes-dropped:{dropped}"] if dropped else [],
     )  # fmt: skip
     made = _made(job, conv, known.flags & ~fmt.FLAG_COMPRESSED, options)
-    return None if isinstance(made, str) else (["ok", made[0], conv.fixes, known.stored], made[1])
+    return None if isinstance(made, str) else made
 
 
 def _made(

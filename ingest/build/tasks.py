@@ -161,17 +161,22 @@ def _again(
     ``light`` is ``options`` without verification."""
     if want.stored:  # stored as it is: from the file's first bytes, parsed and checked once
         made = stored_again(job, want, options)
-        if made is not None and (made[0][1][1], made[0][1][4]) == (want.nbytes, want.crc32):
-            return made[0][1], made[1]
+        if made is not None and _same(made[0], want):
+            return made
     # A file stored as it is was decoded once already, and so was one stored as pixels
     # (decoded again here to make them, but checked once): the light way first, the CRC-32
     # tells whether it made the same record. One to convert is made again whole.
     converted = want.flags & fmt.FLAG_REENCODED and want.format != fmt.FORMAT_CODES["raw"]
     for opts in (options,) if converted or not options.verify else (light, options):
         header, value = process_file(job, opts)
-        if header[0] == "ok" and (header[1][1], header[1][4]) == (want.nbytes, want.crc32):
+        if header[0] == "ok" and _same(header[1], want):
             return header[1], value
     raise SourceError(
         f"{job[0]} changed while the build ran (its record is not the one the first pass "
         "made); run the same command again: it starts over with the file as it is now"
     )
+
+
+def _same(row: list, want: Known) -> bool:
+    """Whether an index row (without shard) is of the record the first pass made."""
+    return (row[1], row[4]) == (want.nbytes, want.crc32)
