@@ -47,5 +47,5 @@ def build_executor(
         slots = ring_slots(batch_size, num_workers, settings.prefetch_factor, on_gpu)
     ring = Ring(producer.buffers(), slots, shared=num_workers > 0)
     if gpu_stage is not None:
-        gpu_stage.map_rows(ring.tensors["pixels"])
+        gpu_stage.map_ring(ring.tensors)
     return Executor(producer, ring, gpu_stage)

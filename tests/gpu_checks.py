@@ -75,8 +75,13 @@ def pil_reference(store, spec, batches, seed: int) -> torch.Tensor:
         rng = np.random.default_rng(batch_seed(seed, 0, step, rank=0))
         crops = plan_crops(spec, st.index["height"][idx], st.index["width"][idx], rng)
         for i, crop in zip(idx.tolist(), crops, strict=True):
-            data, _ = st.image(i)
-            rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+            data, kind = st.image(i)
+            if kind == "raw":  # a pixel record: its pixels, gray ones as RGB
+                h, w = int(st.index["height"][i]), int(st.index["width"][i])
+                rgb = np.frombuffer(data, np.uint8).reshape(h, w, -1)
+                rgb = rgb if rgb.shape[2] == 3 else rgb.repeat(3, axis=2)
+            else:
+                rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
             out.append(torch.from_numpy(pil_resized_crop(rgb, crop, spec.size)).permute(2, 0, 1))
     return torch.stack(out)
 
@@ -88,8 +93,8 @@ def record_ways_and_shares(stage) -> list[list]:
     stage.routing.share = 0.5
     finished: list[list] = []
 
-    def account(report, on_gpu, on_cpu, decode_s, mapped=False, real=stage._account):
-        real(report, on_gpu, on_cpu, decode_s, mapped)
+    def account(report, on_gpu, on_cpu, decode_s, mapped, windows, real=stage._account):
+        real(report, on_gpu, on_cpu, decode_s, mapped, windows)
         finished.append([on_cpu])
 
     def steer(waited, busy, way, real=stage._steer):
@@ -131,13 +136,13 @@ def assert_rows_read_where_they_lie(make, store, monkeypatch, persistent: bool) 
     buffer; closing the loader undoes the registration."""
     got = make(store, cpu_share=0.5, persistent_workers=persistent)
     batches = [epoch(got) for _ in range(3)]
-    stats, mapped = got.stats(), got._gpu_stage._mapped
+    stats, mapped = got.stats(), got._gpu_stage.uploads.rows_mapped
     assert stats["mapped_rows"] == stats["cpu_decoded"] > 0
     got.close()
     rt = torch.cuda.cudart()  # not registered any more: it registers anew
     assert int(rt.cudaHostRegister(mapped.array.data_ptr(), mapped.array.nbytes, 0)) == 0
     assert int(rt.cudaHostUnregister(mapped.array.data_ptr())) == 0
-    monkeypatch.setattr(GpuStage, "map_rows", lambda self, pixels: None)
+    monkeypatch.setattr(GpuStage, "map_ring", lambda self, tensors: None)
     want = make(store, cpu_share=0.5, persistent_workers=persistent)
     for one in batches:
         same_batches(one, epoch(want))

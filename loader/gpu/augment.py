@@ -23,6 +23,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from loader.gpu.ragged import Ragged
+
 # Columns of the per-image parameter table handed to the kernels (int32).
 _P_Y, _P_X, _P_H, _P_W, _P_RH, _P_RW, _P_OY, _P_OX, _P_FLIP = range(9)
 _P_IMG_H, _P_IMG_W, _P_OUT_ROW, _P_ROW0 = range(9, 13)
@@ -235,28 +237,27 @@ class GpuAugment:
 
     def __call__(
         self,
-        images: list[torch.Tensor],
+        images: Ragged | list[torch.Tensor],
         crops: np.ndarray,
         out_rows: np.ndarray,
         out: torch.Tensor,
     ) -> None:
-        """Write ``images[k]`` (uint8 [3, H, W], on ``out``'s device), cropped by
-        ``crops[k]``, into ``out[out_rows[k]]`` ([N, 3, H, W], any strides); on the
-        current stream."""
-        if not images:
+        """Write image ``k`` (uint8 [3, H, W], on ``out``'s device; a ``Ragged`` or a list
+        of tensors), cropped by ``crops[k]``, into ``out[out_rows[k]]`` ([N, 3, H, W], any
+        strides); on the current stream."""
+        if not isinstance(images, Ragged):
+            images = Ragged.of(images)
+        if not len(images):
             return
         use_triton = self.backend == "triton" or (self.backend == "auto" and out.is_cuda)
         if not use_triton:
             raw = out.dtype == torch.uint8
-            for image, crop, row in zip(images, crops, out_rows, strict=True):
+            for image, crop, row in zip(images.tensors(), crops, out_rows, strict=True):
                 out[int(row)] = self._one(image, crop, raw).to(out.dtype)
             return
-        shapes = np.array([im.shape[1:] for im in images], dtype=np.int64)
-        strides = np.array([im.stride() for im in images], dtype=np.int64)
-        params, row_image = image_params(crops, shapes, strides, out_rows)
+        params, row_image = image_params(crops, images.shapes, images.strides, out_rows)
         dev = out.device
-        addresses = np.array([im.data_ptr() for im in images], dtype=np.int64)
-        table, p, rows = upload(out.device, addresses, params, row_image, stats=self.stats)
+        table, p, rows = upload(out.device, images.addresses, params, row_image, stats=self.stats)
         h_out, w_out = self.size
         scratch = torch.empty((len(row_image), 3, w_out), dtype=torch.float32, device=dev)
         taps_x = _max_taps(crops[:, _P_W], crops[:, _P_RW], self.antialias)

@@ -141,18 +141,24 @@ class DaliStage(GpuStage):
                 (n, 3, *self.size), dtype=self.dtype, device=self.device,
                 memory_format=self.format,
             )  # fmt: skip
+            windows, window_crops, window_rows = self.uploads.windows(views, n)
+            mapped = False
             if len(cpu_rows):
-                (pixels, rows, where, labels), mapped = self.rows_up(
+                (pixels, rows, where, labels), mapped = self.uploads.rows(
                     views, cpu_rows, gpu_rows, labels
                 )
-                out.index_copy_(0, where, self._copy_out(result, len(gpu_rows)).to(self.dtype))
                 self.augment.pixels(pixels, rows, out)
+            elif len(windows):
+                where, labels = upload(self.device, gpu_rows, labels, stats=self.stats)
             else:
-                mapped = False
                 (labels,) = upload(self.device, labels, stats=self.stats)
+            if len(cpu_rows) or len(windows):  # DALI's images go to their rows
+                out.index_copy_(0, where, self._copy_out(result, len(gpu_rows)).to(self.dtype))
+                self.augment(windows, window_crops, window_rows, out)
+            else:
                 self._copy_out(result, n, into=out)
             done = recorded_event(self.device)
-        self._account(report, len(gpu_rows), len(cpu_rows), decode_s, mapped)
+        self._account(report, len(gpu_rows), len(cpu_rows), decode_s, mapped, len(windows))
         self._steer(waited, time.perf_counter() - t0 + started.busy, started.way)
         return out, labels, indices, done
 

@@ -3,11 +3,13 @@
 The GPU path's producer. The main process plans each batch (crop windows, as on the CPU
 path) and routes every sample: to the GPU decoder (baseline JPEGs, whose bytes the
 workers copy into one contiguous byte buffer of the slot, each at an offset planned from
-the index) or to the CPU (PNGs, progressive JPEGs, which the hardware JPEG engines do not
-take, bytes that would overflow the slot, and a share of the rest chosen to keep both
-sides busy), which the workers decode, crop and resize into the slot's pixel rows exactly
-as the CPU path does. A batch therefore crosses processes as one buffer, never as a
-tensor per sample.
+the index), to the GPU's kernels alone (a pixel record: the workers copy its crop window's
+pixels into the same buffer, before the JPEGs, so that one copy takes them all to the
+device) or to the CPU (PNGs, progressive JPEGs, which the hardware JPEG engines do not
+take, what would overflow the slot, and a share of the JPEGs chosen to keep both sides
+busy), which the workers decode, crop and resize into the slot's pixel rows exactly as
+the CPU path does. A batch therefore crosses processes as one buffer, never as a tensor
+per sample.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from loader.store import Store
 # CPU instead).
 START, ROOM = len(CROP_COLUMNS), len(CROP_COLUMNS) + 1
 _SLACK = 1.5  # byte buffer per slot: batch_size records of this many times the mean size
+# A pixel record's crop window counted as this share of its pixels when sizing the buffer
+# (RandomResizedCrop's windows average about half the image; eval's centre crop 0.77).
+_WINDOW_SHARE = 0.6
 
 
 class EncodedBatches(PixelBatches):
@@ -52,10 +57,15 @@ class EncodedBatches(PixelBatches):
         self._gpu_ok = (index["format"] == fmt.FORMAT_CODES["jpeg"]) & (
             (index["flags"] & fmt.FLAG_PROGRESSIVE) == 0
         )
-        # Sized for the records that may go to the GPU decoder (pixels never do).
-        sizes = np.asarray(index["nbytes"], dtype=np.int64)[self._gpu_ok]
-        mean, most = (float(sizes.mean()), int(sizes.max())) if len(sizes) else (0.0, 8)
-        self.capacity = int(batch_size * mean * _SLACK) + most
+        self._pixels = index["format"] == fmt.FORMAT_CODES["raw"]
+        self._channels = np.asarray(index["channels"], dtype=np.int64)
+        # Sized for what may go to the GPU: JPEG bytes and pixel windows (a window that
+        # does not fit is cropped by the workers instead).
+        jpegs = np.asarray(index["nbytes"], dtype=np.int64)[self._gpu_ok]
+        pixels = index["height"].astype(np.float64) * index["width"] * self._channels
+        sizes = np.concatenate([jpegs, pixels[self._pixels] * _WINDOW_SHARE])
+        mean = float(sizes.mean()) if len(sizes) else 0.0
+        self.capacity = int(batch_size * mean * _SLACK) + (int(jpegs.max()) if len(jpegs) else 8)
         self.routing = Routing(share=float(cpu_share))  # each batch's way and share
 
     def __getstate__(self) -> dict:
@@ -70,6 +80,7 @@ class EncodedBatches(PixelBatches):
             "data": ((self.capacity,), "uint8"),
             "lengths": ((b,), "int64"),  # bytes at the planned start; -1: pixels row
             "starts": ((b,), "int64"),
+            "channels": ((b,), "int64"),  # of the bytes' pixel window; 0: JPEG bytes
             "crops": ((b, len(CROP_COLUMNS)), "int32"),
             "pixels": ((b, h, w, 3), "uint8"),
             "indices": ((b,), "int64"),
@@ -77,16 +88,24 @@ class EncodedBatches(PixelBatches):
         }
 
     def plan(self, indices: np.ndarray, seed: int) -> np.ndarray:
-        """Crop rows of a batch, each followed by its byte offset and room (0: CPU)."""
+        """Crop rows of a batch, each followed by its byte offset and room (0: CPU): the
+        pixel windows first, then the JPEGs."""
         crops = super().plan(indices, seed)
         rows = np.zeros((len(indices), ROOM + 1), dtype=np.int64)
         rows[:, : len(CROP_COLUMNS)] = crops
         gpu = self._gpu_ok[indices].copy()
         gpu[self._cpu_share(crops, gpu, self.routing.plan(seed))] = False
-        room = np.where(gpu, self.store.index["nbytes"][indices], 0).astype(np.int64)
-        ends = np.cumsum(room)
-        room[ends > self.capacity] = 0  # the rest of a heavy batch decodes on the CPU
-        rows[:, START] = np.cumsum(room) - room
+        jpegs = np.where(gpu, self.store.index["nbytes"][indices], 0).astype(np.int64)
+        jpegs[np.cumsum(jpegs) > self.capacity] = 0  # the rest of a heavy batch: on the CPU
+        pixels = self._pixels[indices]
+        windows = np.where(pixels, crops[:, 2].astype(np.int64) * crops[:, 3], 0)
+        windows *= self._channels[indices]
+        # Windows take the room the JPEGs leave: cropping one costs the workers far less
+        # than decoding a JPEG.
+        windows[np.cumsum(windows) > self.capacity - int(jpegs.sum())] = 0
+        room = jpegs + windows
+        order = np.argsort(~pixels, kind="stable")  # the windows, then the JPEGs
+        rows[order, START] = np.cumsum(room[order]) - room[order]
         rows[:, ROOM] = room
         return rows
 
@@ -115,10 +134,13 @@ class EncodedBatches(PixelBatches):
         report = BatchReport(len(indices))
         started = time.perf_counter()
         slot["seed"][0] = seed
+        pixels = self._pixels[indices].tolist()
         for k, (i, row) in enumerate(zip(indices.tolist(), rows, strict=True)):
             at = lo + k
             slot["crops"][at] = row[: len(CROP_COLUMNS)]
-            if row[ROOM] and self._gather(slot, at, i, int(row[START]), int(row[ROOM])):
+            slot["channels"][at] = 0
+            put = self._window if pixels[k] else self._gather
+            if row[ROOM] and put(slot, at, i, int(row[START]), int(row[ROOM])):
                 continue
             t0 = time.perf_counter()
             key = (seed, at)
@@ -146,6 +168,24 @@ class EncodedBatches(PixelBatches):
             return False
         slot["data"][start : start + len(data)] = np.frombuffer(data, np.uint8)
         slot["starts"][at], slot["lengths"][at], slot["indices"][at] = start, len(data), i
+        return True
+
+    def _window(self, slot: dict, at: int, i: int, start: int, room: int) -> bool:
+        """Put the pixels of sample ``i``'s crop window at ``start`` (HWC, its channels);
+        False when it must go to the CPU (unreadable: the CPU path then replaces it)."""
+        try:
+            data, kind = self.read(i)  # its length checked against the index's shape
+        except DecodeError:
+            return False
+        h, w, c = (int(self.store.index[k][i]) for k in ("height", "width", "channels"))
+        y, x, wh, ww = (int(v) for v in slot["crops"][at][:4])
+        if kind != "raw" or wh * ww * c > room or y + wh > h or x + ww > w:
+            return False
+        image = np.frombuffer(data, np.uint8).reshape(h, w, c)
+        slot["data"][start : start + wh * ww * c].reshape(wh, ww, c)[...] = (
+            image[y : y + wh, x : x + ww])  # fmt: skip
+        slot["starts"][at], slot["lengths"][at], slot["indices"][at] = start, wh * ww * c, i
+        slot["channels"][at] = c
         return True
 
 

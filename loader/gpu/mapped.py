@@ -1,14 +1,16 @@
-"""MappedRows: the ring's pixel rows read by a kernel where the workers wrote them.
+"""MappedRows: a ring buffer's rows read by the device where the workers wrote them.
 
 The rows the workers decode on the CPU (the GPU path's CPU share, and the images the GPU
 decoder rejects) lie in the ring's shared memory. Sending them through a pinned buffer
 takes a copy on the CPU first, row by row and holding the GIL (``augment.gather``), while
 the training loop's thread waits for it. Here the ring's pixel buffer is registered with
 CUDA once (``cudaHostRegister``: page-locked, mapped into the device's address space) and
-one gather kernel reads a batch's rows straight from it. The ring is ``MAP_SHARED``, so
-workers forked after the registration write the same pages; a slot goes back to them only
-once the batch's GPU work, the gather included, is done (``loader.gpu.prefetch``). Where
-the memory cannot be registered or read so, ``rows`` returns None and the caller copies.
+one gather kernel reads a batch's rows straight from it; a pixel store's windows, in the
+byte buffer, are copied by DMA from its registered pages (``span``). The ring is
+``MAP_SHARED``, so workers forked after the registration write the same pages; a slot
+goes back to them only once the batch's GPU work, the copies included, is done
+(``loader.gpu.prefetch``). Where the memory cannot be registered or read so, ``rows`` and
+``span`` return None and the caller copies.
 """
 
 from __future__ import annotations
@@ -65,12 +67,29 @@ class MappedRows:
         """``slot[rows]`` on the device, on the current stream (``slot``: a numpy view of
         one slot of the array; ``rows``: row numbers, on the device); None where ``slot``
         is not one of the array's, or the array cannot be read this way (``failed``)."""
-        k, rest = divmod(slot.__array_interface__["data"][0] - self._address, self._per_slot)
-        if k < 0 or rest or k >= len(self.array):
+        k = self._slot_of(slot)
+        if k is None:
             return None
         with self._lock:
             slots = self._mapped(k)
             return None if slots is None else slots[k].index_select(0, rows)
+
+    def span(self, slot: np.ndarray, nbytes: int) -> torch.Tensor | None:
+        """The first ``nbytes`` of ``slot`` (a numpy view of one slot of a byte array) on
+        the device, copied by DMA without blocking, on the current stream; None as for
+        ``rows``."""
+        k = self._slot_of(slot)
+        if k is None:
+            return None
+        with self._lock:
+            if self._mapped(k) is None:
+                return None
+            return self.array[k][:nbytes].to(self.device, non_blocking=True)
+
+    def _slot_of(self, slot: np.ndarray) -> int | None:
+        """Which of the array's slots ``slot`` is (None: not one of them)."""
+        k, rest = divmod(slot.__array_interface__["data"][0] - self._address, self._per_slot)
+        return None if k < 0 or rest or k >= len(self.array) else k
 
     def release(self) -> None:
         """Undo the registration (after the device's work that may read the array)."""

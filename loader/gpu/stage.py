@@ -28,14 +28,15 @@ import torch
 
 from loader.augment import Transform
 from loader.decode import get_decoder
-from loader.gpu.augment import GpuAugment, Rows, cut, upload
+from loader.gpu.augment import GpuAugment, cut, upload
 from loader.gpu.calls import Call
 from loader.gpu.encoded import EncodedBatches
-from loader.gpu.mapped import MappedRows
 from loader.gpu.nvjpeg import check_decoded
+from loader.gpu.ragged import Ragged
 from loader.gpu.streams import STREAMS, on_side_stream, recorded_event
 from loader.gpu.tuning.ways import TunedStage
 from loader.gpu.unverified import warn_unverified
+from loader.gpu.uploads import SlotUploads
 from loader.telemetry.stats import LoaderStats
 
 
@@ -91,7 +92,7 @@ class GpuStage(TunedStage):
         self._streams.atexit = False
         self.stream = self.decode_stream = None
         self._borrow_streams()
-        self._mapped: MappedRows | None = None  # the ring's pixel rows, where kernels read them
+        self.uploads = SlotUploads(device, stats)  # the workers' rows, pixel windows
         self._labels = producer.store.labels
         self._index = producer.store.index
         self._in_flight: collections.deque = collections.deque()  # (tensors, done event)
@@ -158,7 +159,11 @@ class GpuStage(TunedStage):
                 (n, 3, *self.size), dtype=self.dtype, device=self.device,
                 memory_format=self.format,
             )  # fmt: skip
-            self.augment(images, crops[ok], gpu_rows[ok], out)
+            windows, window_crops, window_rows = self.uploads.windows(views, n)
+            self.augment(  # the decoded JPEGs and the pixel windows, in one launch
+                Ragged.of(images).join(windows), np.concatenate([crops[ok], window_crops]),
+                np.concatenate([gpu_rows[ok], window_rows]), out,
+            )  # fmt: skip
             cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
             indices = views["indices"][:n].copy()
             labels = self._labels[indices]
@@ -168,7 +173,7 @@ class GpuStage(TunedStage):
                 self.augment.pixels(early[0], rows, out)
                 mapped = early[2]
             elif len(cpu_rows):
-                (pixels, rows, labels), mapped = self.rows_up(views, cpu_rows, labels)
+                (pixels, rows, labels), mapped = self.uploads.rows(views, cpu_rows, labels)
                 self.augment.pixels(pixels, rows, out)
             else:
                 (labels,) = upload(self.device, labels, stats=self.stats)
@@ -176,7 +181,7 @@ class GpuStage(TunedStage):
         with self._in_flight_lock:  # with the pixels uploaded on the decode stream
             self._in_flight.append(((images, early), done))
         self.stats.add_gpu_time("augment", begin, done)
-        self._account(report, len(images), len(cpu_rows), decode_s, mapped)
+        self._account(report, len(images), len(cpu_rows), decode_s, mapped, len(windows))
         self._steer(waited, time.perf_counter() - t0 + started.busy, started.way)
         return out, labels, indices, done
 
@@ -205,7 +210,7 @@ class GpuStage(TunedStage):
             cpu_rows = np.flatnonzero(views["lengths"][:n] < 0)
             early = None
             if len(cpu_rows):
-                (pixels, *_), mapped = self.rows_up(views, cpu_rows)
+                (pixels, *_), mapped = self.uploads.rows(views, cpu_rows)
                 early = (pixels, cpu_rows, mapped)
             t0 = time.perf_counter()
             if self.windows:
@@ -222,27 +227,10 @@ class GpuStage(TunedStage):
         self.stats.add(decode_threads_cpu_s=time.thread_time() - cpu0)
         return crops, decoded, expected, time.perf_counter() - t0, ready, early
 
-    def map_rows(self, pixels: torch.Tensor) -> None:
-        """Read the workers' rows from ``pixels`` (the ring's pixel buffer, every slot)
-        where they lie (``loader.gpu.mapped``), on a CUDA device."""
-        if self.device.type == "cuda":
-            self._mapped = MappedRows(pixels, self.device)
-
-    def rows_up(self, views: dict, cpu_rows: np.ndarray, *arrays: np.ndarray) -> tuple:
-        """([the slot's pixel rows ``cpu_rows``, ``cpu_rows``, *``arrays``] on the device,
-        on the current stream; whether the rows were gathered by a kernel from the ring's
-        registered memory rather than copied through a pinned buffer)."""
-        mapped = self._mapped  # (decode threads call this too)
-        if mapped is not None:
-            rows, *rest = upload(self.device, cpu_rows, *arrays, stats=self.stats)
-            pixels = mapped.rows(views["pixels"], rows)
-            if pixels is not None:
-                self.stats.add(h2d_bytes=pixels.nbytes)
-                return [pixels, rows, *rest], True
-            if mapped.failed:  # it cannot be read so: as before, from now on
-                self._mapped = None
-        pixels = Rows(views["pixels"], cpu_rows)
-        return upload(self.device, pixels, cpu_rows, *arrays, stats=self.stats), False
+    def map_ring(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Read the workers' rows and the pixel windows from the ring's buffers
+        (``tensors``: name -> every slot's) where they lie, on a CUDA device."""
+        self.uploads.map_ring(tensors)
 
     def _keep_decoded(self, views, gpu_rows, decoded, expected, report) -> tuple[np.ndarray, list]:
         """Which of ``gpu_rows`` decoded usably (a mask) and their images; the others are
@@ -272,12 +260,12 @@ class GpuStage(TunedStage):
         self.stats.add(gpu_rejected=1)
 
     def _account(
-        self, report, on_gpu: int, on_cpu: int, decode_s: float, mapped: bool = False
+        self, report, on_gpu: int, on_cpu: int, decode_s: float, mapped: bool, windows: int
     ) -> None:
         """A batch finished: ``on_cpu`` rows the workers decoded, read where they lie
-        (``mapped``) or copied."""
+        (``mapped``) or copied; ``windows`` pixel windows cropped on the GPU."""
         self.stats.add(
-            gpu_decoded=on_gpu, cpu_decoded=on_cpu,
+            gpu_decoded=on_gpu, cpu_decoded=on_cpu, gpu_cropped=windows,
             gpu_decode_s=decode_s, cpu_decode_s=report.decode_s,
             worker_read_s=max(0.0, report.worker_s - report.decode_s),
             **({"mapped_rows": on_cpu} if mapped else {}),
@@ -302,8 +290,7 @@ class GpuStage(TunedStage):
                 stream.synchronize()
         with self._in_flight_lock:
             self._in_flight.clear()
-        if self._mapped is not None:  # what it pins, until a later iteration reads rows
-            self._mapped.release()
+        self.uploads.release()
         release = getattr(self.decoder, "release", None)
         if release is not None:
             release()
@@ -314,8 +301,9 @@ class GpuStage(TunedStage):
 
 def read_slot(slot: dict[str, torch.Tensor], n: int) -> tuple[dict, np.ndarray, tuple]:
     """A gathered slot's arrays as numpy views, the rows of its ``n`` samples whose JPEGs
-    go to the GPU (the others the workers decoded), and their (starts, lengths) in it."""
+    go to the GPU decoder (the others: pixel windows, or decoded by the workers), and
+    their (starts, lengths) in it."""
     views = {k: v.numpy() for k, v in slot.items()}
     lengths, starts = views["lengths"][:n], views["starts"][:n]
-    gpu_rows = np.flatnonzero(lengths >= 0)
+    gpu_rows = np.flatnonzero((lengths >= 0) & (views["channels"][:n] == 0))
     return views, gpu_rows, (starts[gpu_rows].tolist(), lengths[gpu_rows].tolist())

@@ -166,6 +166,35 @@ def test_same_samples_windows_and_pixels_as_the_full_decode(store, spec):
 
 
 @needs_dali
+@pytest.mark.parametrize("encoding", ["mixed:0.5", "raw"])
+def test_pixel_records_beside_dali_are_the_kernels_crops(store, tmp_path, monkeypatch, encoding):
+    # Pixel records skip DALI: the loader's kernels crop their windows into DALI's batch
+    # (with every sample a pixel record, DALI is never fed), exactly as with the other GPU
+    # decoder; the JPEGs as DALI decodes them from the JPEG store (within TOL: on CUDA a
+    # batch's way, the engines or CUDA kernels, decides its decode).
+    from ingest.build import BuildOptions, build
+
+    monkeypatch.setattr(loader.gpu.encoded, "_WINDOW_SHARE", 1.0)  # (room for each window)
+    pixels = tmp_path / "pixels"
+    build(store.parent / "src", pixels, BuildOptions(encoding=encoding), workers=2,
+          progress=False)  # fmt: skip
+    raw = Store(pixels).index["format"] == fmt.FORMAT_CODES["raw"]
+    dl = make(pixels, transform=TRAIN)
+    got = epoch(dl)
+    stats = dl.stats()
+    kernels = epoch(make(pixels, transform=TRAIN, decoder=BACKEND))
+    jpegs = epoch(make(store, transform=TRAIN))
+    assert torch.equal(flat(got, 2), flat(jpegs, 2)) and torch.equal(flat(got, 1), flat(jpegs, 1))
+    assert stats["gpu_cropped"] == int(raw.sum()) and type(dl._gpu_stage).__name__ == "DaliStage"
+    order = flat(got, 2).tolist()
+    on_pixels = [k for k, i in enumerate(order) if raw[i]]
+    others = [k for k, i in enumerate(order) if not raw[i]]
+    assert torch.equal(flat(got, 0)[on_pixels], flat(kernels, 0)[on_pixels])
+    pairs = zip(flat(got, 0)[others], flat(jpegs, 0)[others], strict=True)
+    assert all(mean_diff(a, b) <= TOL for a, b in pairs)
+
+
+@needs_dali
 def test_float_output_and_a_cpu_share(store):
     half = make(store, dtype=torch.float16, channels_last=True, cpu_share=0.5)
     batches = epoch(half)

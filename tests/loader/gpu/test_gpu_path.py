@@ -234,33 +234,75 @@ def test_routing_png_and_progressive_to_the_workers(store, share, on_gpu):
     assert stats["prefetch_cpu_s"] > 0 and stats["decode_threads_cpu_s"] > 0
 
 
-def test_pixel_records_go_to_the_workers_and_keep_the_samples(store, tmp_path):
-    # A store of which about half the samples are pixels (``--encoding mixed:0.5``): those
-    # are cropped by the workers, never sent to the GPU decoder; the rest as before.
+@pytest.mark.parametrize("spec", [EVAL, TRAIN], ids=["eval", "train"])
+def test_pixel_records_are_cropped_by_the_kernels_and_keep_the_samples(
+    store, tmp_path, monkeypatch, spec
+):
+    # A store of which about half the samples are pixels (``--encoding mixed:0.5``): the
+    # workers copy their crop windows, the GPU kernels crop them in the JPEGs' launch; none
+    # reaches a decoder. The same samples as the JPEG store, each what PIL makes of its
+    # planned window. (Room for whole images: a few small batches' windows may overflow
+    # the usual room, and a window that does not fit is cropped by the workers.)
     from ingest.build import BuildOptions, build
     from ingest.format import FLAG_PROGRESSIVE, FORMAT_CODES
 
+    monkeypatch.setattr(loader.gpu.encoded, "_WINDOW_SHARE", 1.0)
     mixed = tmp_path / "mixed"
     build(store.parent / "src", mixed, BuildOptions(encoding="mixed:0.5"), workers=2,
           progress=False)  # fmt: skip
     raw = loader.store.Store(mixed).index["format"] == FORMAT_CODES["raw"]
     index = loader.store.Store(store).index
     eligible = (index["format"] == FORMAT_CODES["jpeg"]) & (index["flags"] & FLAG_PROGRESSIVE == 0)
-    dl = make(mixed, cpu_share=0.0)
+    dl = make(mixed, transform=spec, cpu_share=0.0)
     batches = epoch(dl)
     stats = dl.stats()
-    gpu_side = epoch(make(store, cpu_share=0.0))  # the JPEG store, as before
-    workers_side = epoch(make(mixed, cpu_share=1.0))  # the mixed store, all on the workers
+    gpu_side = epoch(make(store, transform=spec, cpu_share=0.0))  # the JPEG store
+    shared = epoch(make(mixed, transform=spec, cpu_share=1.0))  # its JPEGs on the workers
     assert 0 < raw.sum() < NUM_SAMPLES and eligible.sum() == GPU_ELIGIBLE
     assert stats["gpu_decoded"] == int((eligible & ~raw).sum())
-    assert stats["gpu_decoded"] + stats["cpu_decoded"] == NUM_SAMPLES
+    assert stats["gpu_cropped"] == int(raw.sum())
+    assert stats["cpu_decoded"] == int((~eligible & ~raw).sum())
     assert torch.equal(flat(batches, 2), flat(gpu_side, 2))  # the same samples, in order
+    assert torch.equal(flat(batches, 1), flat(gpu_side, 1))  # and labels
     order = flat(batches, 2).tolist()
     pixels = [k for k, i in enumerate(order) if raw[i]]
     jpegs = [k for k, i in enumerate(order) if not raw[i]]
     got = flat(batches, 0)
-    assert torch.equal(got[pixels], flat(workers_side, 0)[pixels])  # the workers' crops
     assert torch.equal(got[jpegs], flat(gpu_side, 0)[jpegs])  # the rest as from JPEGs
+    assert torch.equal(got[pixels], flat(shared, 0)[pixels])  # the windows: GPU's still
+    reference = pil_reference(mixed, spec, batches, seed=5)
+    for k in pixels:  # the kernels' tolerance against PIL (module docstring)
+        diff = (got[k].float() - reference[k].float()).abs()
+        assert diff.max() <= 1 and diff.mean() <= 0.25, k
+
+
+def test_a_window_that_does_not_fit_is_cropped_by_the_workers(store, tmp_path, monkeypatch):
+    # Room for the JPEGs first, then for the windows in order; what is left out goes to
+    # the workers, the same samples in the same order. (Room made small for it.)
+    from ingest.build import BuildOptions, build
+    from ingest.format import FORMAT_CODES
+
+    monkeypatch.setattr(loader.gpu.encoded, "_WINDOW_SHARE", 0.15)
+    raw_store = tmp_path / "raw"
+    build(store.parent / "src", raw_store, BuildOptions(encoding="raw"), workers=2,
+          progress=False)  # fmt: skip
+    st = loader.store.Store(raw_store)
+    producer = EncodedBatches(st, TRAIN, B)
+    rows = producer.plan(np.arange(B), seed=3)
+    need = rows[:, 2] * rows[:, 3] * st.index["channels"][:B]
+    assert (st.index["format"][:B] == FORMAT_CODES["raw"]).all()
+    fits = np.cumsum(need) <= producer.capacity
+    assert 0 < fits.sum() < B
+    assert np.array_equal(rows[:, -1], np.where(fits, need, 0))  # the room of each
+    assert np.array_equal(rows[fits, -2], np.cumsum(need[fits]) - need[fits])  # its start
+    dl = make(raw_store, transform=TRAIN)
+    batches = epoch(dl)
+    stats = dl.stats()
+    assert 0 < stats["gpu_cropped"] < NUM_SAMPLES and stats["gpu_decoded"] == 0
+    assert stats["gpu_cropped"] + stats["cpu_decoded"] == NUM_SAMPLES
+    want = epoch(make(store, transform=TRAIN))
+    assert torch.equal(flat(batches, 2), flat(want, 2))
+    assert torch.equal(flat(batches, 1), flat(want, 1))
 
 
 def test_a_cpu_share_decodes_each_sample_on_one_side(store):
@@ -700,13 +742,13 @@ def test_rows_that_cannot_be_read_where_they_lie_are_copied(store, monkeypatch):
     try:
         batches = epoch(got)
         stats = got.stats()
-        assert got._gpu_stage._mapped is None and "mapped_rows" not in stats
+        assert got._gpu_stage.uploads.rows_mapped is None and "mapped_rows" not in stats
         assert stats["cpu_decoded"] > 0
         torch.zeros(1, device=DEVICE)  # no error left behind for a later launch
     finally:
         got.close()
         assert int(rt.cudaHostUnregister(pixels.data_ptr())) == 0
-    monkeypatch.setattr(GpuStage, "map_rows", lambda self, pixels: None)
+    monkeypatch.setattr(GpuStage, "map_ring", lambda self, tensors: None)
     same_batches(batches, epoch(make(store, cpu_share=0.5)))
 
 
@@ -1497,3 +1539,24 @@ def test_one_copy_unpacks_into_arrays_of_their_shapes_and_dtypes():
     for t, want in zip(got, wants, strict=True):
         assert t.dtype == torch.from_numpy(want).dtype and t.shape == want.shape
         assert np.array_equal(t.numpy(), want)
+
+
+def test_ragged_windows_are_the_pixels_they_point_at():
+    # Two windows side by side in one span, RGB then gray (read three times by a channel
+    # stride of 0), joined after a tensor image: each as the kernels and the CPU stand-in
+    # see it.
+    from loader.gpu.ragged import Ragged
+
+    rgb = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    gray = np.arange(100, 106, dtype=np.uint8).reshape(3, 2, 1)
+    span = torch.from_numpy(np.concatenate([rgb.ravel(), gray.ravel()]))
+    windows = Ragged.windows(span, [0, rgb.size], [2, 3], [3, 2], [3, 1])
+    image = torch.arange(3 * 4 * 5, dtype=torch.uint8).view(3, 4, 5)
+    joined = Ragged.of([image]).join(windows)
+    assert joined.addresses.tolist() == [image.data_ptr(), span.data_ptr(), span.data_ptr() + 18]
+    assert joined.strides.tolist() == [[20, 5, 1], [1, 9, 3], [0, 2, 1]]
+    first, second, third = joined.tensors()
+    assert torch.equal(first, image)
+    assert torch.equal(second, torch.from_numpy(rgb).permute(2, 0, 1))
+    assert torch.equal(third, torch.from_numpy(gray).permute(2, 0, 1).expand(3, 3, 2))
+    assert len(Ragged.empty().join(windows)) == 2 and len(windows.join(Ragged.empty())) == 2
