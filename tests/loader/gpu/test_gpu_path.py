@@ -547,6 +547,28 @@ def test_an_image_the_gpu_decoder_rejects_is_decoded_on_the_cpu(store):
     assert sides[first_gpu] == "cpu" and "none" not in sides
 
 
+def test_a_damaged_pixel_record_is_replaced_and_counted(store, tmp_path):
+    # Its CRC-32 fails in the worker copying its window: the worker replaces it, drawn from
+    # the batch's seed, as the CPU path does (the replacement cropped there, on the CPU).
+    from loader_data import corrupt
+
+    from ingest.build import BuildOptions, build
+
+    raw_store = tmp_path / "raw"
+    build(store.parent / "src", raw_store, BuildOptions(encoding="raw"), workers=2,
+          progress=False)  # fmt: skip
+    path, damaged = corrupt(raw_store, tmp_path, 5)
+    dl = make(damaged, transform=TRAIN)
+    batches = epoch(dl)
+    stats = dl.stats()
+    got = flat(batches, 2).tolist()
+    assert len(got) == NUM_SAMPLES and 5 not in got
+    assert list(dl.bad_samples) == [5] and path in dl.bad_samples[5] and dl.num_replaced == 1
+    assert stats["gpu_cropped"] == NUM_SAMPLES - 1 and stats["cpu_decoded"] == 1
+    cpu_side = epoch(make(damaged, transform=TRAIN, decoder="cpu", device="cpu"))
+    assert flat(cpu_side, 2).tolist() == got  # the same replacement
+
+
 def test_an_abandoned_iterator_stops_its_thread(store):
     dl = make(store)
     it = iter(dl)
