@@ -270,8 +270,10 @@ class DataLoader:
         in DALI's ``schedule_run``, which waits while DALI's queue of outputs is full),
         ``dali_batches_redone``: batches the pipeline failed on, decoded again image by
         image; ``augment_s``: GPU time of cropping, resizing and normalising (CUDA events);
-        ``gpu_decoded``/``cpu_decoded`` and ``gpu_share``: samples decoded on each side;
-        ``gpu_cropped``: pixel records (``ingest build --encoding``) cropped on the GPU;
+        ``gpu_decoded``/``cpu_decoded``: samples decoded on each side (the workers'
+        include the pixel records they crop), ``gpu_cropped``: pixel records (``ingest
+        build --encoding``) cropped on the GPU, ``gpu_share``: the share of samples whose
+        pixels the GPU made;
         ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
         ``cpu_share``: the workers' current share of the GPU-decodable samples of the
         batches of the way kept (with ``cpu_share="auto"``, 0 on a way without it),

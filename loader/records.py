@@ -50,6 +50,8 @@ def read_record(env: lmdb.Environment, where: str, i: int, row: np.void, advice:
             rec = unpack_record(value)  # its fields copied out of the mapped pages
         except Exception as e:  # msgpack raises several types
             raise fmt.RecordError(f"{at}: does not unpack: {e}") from None
+        finally:
+            del value  # (a traceback must not keep a view of the pages)
     problem = fmt.check_record(rec)
     if problem:
         raise fmt.RecordError(f"{at}: malformed record: {problem}")

@@ -4,8 +4,8 @@ The GPU path's producer. The main process plans each batch (crop windows, as on 
 path) and routes every sample: to the GPU decoder (baseline JPEGs, whose bytes the
 workers copy into one contiguous byte buffer of the slot, each at an offset planned from
 the index), to the GPU's kernels alone (a pixel record: the workers copy its crop window's
-pixels into the same buffer, before the JPEGs, so that one copy takes them all to the
-device) or to the CPU (PNGs, progressive JPEGs, which the hardware JPEG engines do not
+pixels into the same buffer, before the JPEGs, so that one copy takes the batch's windows
+to the device) or to the CPU (PNGs, progressive JPEGs, which the hardware JPEG engines do not
 take, what would overflow the slot, and a share of the JPEGs chosen to keep both sides
 busy), which the workers decode, crop and resize into the slot's pixel rows exactly as
 the CPU path does. A batch therefore crosses processes as one buffer, never as a tensor
@@ -33,9 +33,13 @@ from loader.store import Store
 # CPU instead).
 START, ROOM = len(CROP_COLUMNS), len(CROP_COLUMNS) + 1
 _SLACK = 1.5  # byte buffer per slot: batch_size records of this many times the mean size
-# A pixel record's crop window counted as this share of its pixels when sizing the buffer
-# (RandomResizedCrop's windows average about half the image; eval's centre crop 0.77).
-_WINDOW_SHARE = 0.6
+# A pixel record's crop window counted as this share of its pixels when sizing the buffer:
+# RandomResizedCrop's windows average about half the image; eval resizes the whole image.
+_WINDOW_SHARE = {"train": 0.6, "eval": 1.0}
+# The most bytes of a slot's buffer kept for pixel windows (a raw store of camera-sized
+# images would otherwise take gigabytes of shared, page-locked memory a slot); what does
+# not fit is cropped by the workers.
+_MAX_WINDOW_ROOM = 256 << 20
 
 
 class EncodedBatches(PixelBatches):
@@ -59,13 +63,15 @@ class EncodedBatches(PixelBatches):
         )
         self._pixels = index["format"] == fmt.FORMAT_CODES["raw"]
         self._channels = np.asarray(index["channels"], dtype=np.int64)
-        # Sized for what may go to the GPU: JPEG bytes and pixel windows (a window that
-        # does not fit is cropped by the workers instead).
+        # Sized for what may go to the GPU: JPEG bytes, and pixel windows up to a cap (a
+        # window that does not fit is cropped by the workers instead).
         jpegs = np.asarray(index["nbytes"], dtype=np.int64)[self._gpu_ok]
         pixels = index["height"].astype(np.float64) * index["width"] * self._channels
-        sizes = np.concatenate([jpegs, pixels[self._pixels] * _WINDOW_SHARE])
-        mean = float(sizes.mean()) if len(sizes) else 0.0
-        self.capacity = int(batch_size * mean * _SLACK) + (int(jpegs.max()) if len(jpegs) else 8)
+        sizes = np.concatenate([jpegs, pixels[self._pixels] * _WINDOW_SHARE[spec.kind]])
+        jpeg_room = float(jpegs.sum()) / max(1, len(sizes)) * batch_size * _SLACK
+        room = float(sizes.sum()) / max(1, len(sizes)) * batch_size * _SLACK
+        room = min(room, jpeg_room + _MAX_WINDOW_ROOM)
+        self.capacity = int(room) + (int(jpegs.max()) if len(jpegs) else 8)
         self.routing = Routing(share=float(cpu_share))  # each batch's way and share
 
     def __getstate__(self) -> dict:
@@ -78,7 +84,7 @@ class EncodedBatches(PixelBatches):
         b = self.batch_size
         return {
             "data": ((self.capacity,), "uint8"),
-            "lengths": ((b,), "int64"),  # bytes at the planned start; -1: pixels row
+            "lengths": ((b,), "int64"),  # bytes at the planned start; -1: a `pixels` row
             "starts": ((b,), "int64"),
             "channels": ((b,), "int64"),  # of the bytes' pixel window; 0: JPEG bytes
             "crops": ((b, len(CROP_COLUMNS)), "int32"),

@@ -46,10 +46,11 @@ def _unregister(address: int, device: torch.device, array: torch.Tensor) -> None
 
 
 class MappedRows:
-    """The rows of ``array`` (a contiguous uint8 CPU tensor of ``slots`` slots of rows, the
-    ring's pixel buffer) gathered on ``device`` by a kernel reading the host memory.
+    """The slots of ``array`` (a contiguous uint8 CPU tensor of ``slots`` slots: the ring's
+    pixel rows, or its byte buffer) read on ``device`` where they lie: rows gathered by a
+    kernel reading the host memory (``rows``), or a span copied by DMA (``span``).
 
-    Registered at the first ``rows`` call (a loader whose workers decode nothing pins
+    Registered at the first such call (a loader that sends nothing this way pins
     nothing), undone by ``release`` (the loader closed; a later call registers again) or
     when this object is let go of."""
 

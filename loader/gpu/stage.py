@@ -3,9 +3,10 @@
 For each slot the workers filled (``loader.gpu.encoded``) it decodes the JPEG bytes with
 the GPU decoder in one batched call, retries any image the decoder rejects on the CPU
 (then, like the CPU path, replaces a record that fails there too), crops, resizes, flips
-and normalises the decoded images straight into the output batch (``loader.gpu.augment``)
-and adds the rows the workers decoded, read where they lie in the ring's shared memory
-(``loader.gpu.mapped``; else through pinned memory).
+and normalises the decoded images straight into the output batch (``loader.gpu.augment``),
+with a pixel store's crop windows in the same launch, and adds the rows the workers
+decoded; both read where they lie in the ring's shared memory (``loader.gpu.uploads``;
+else through pinned memory).
 
 ``start`` hands the decode to the caller's decode threads (several at once where the
 decoder allows) and ``finish`` does the rest, each on a high-priority side stream
@@ -122,7 +123,8 @@ class GpuStage(TunedStage):
         """The batch in ``slot`` (``report.n`` samples) as (images, labels, indices, event).
 
         The slot must stay untouched until ``event`` completes (the workers' rows may be
-        read there by a kernel: ``loader.gpu.mapped``); so are the tensors ready.
+        read there by a kernel, the pixel windows copied from there: ``loader.gpu.mapped``);
+        so are the tensors ready.
         ``waited``: how long the caller waited for the workers to fill this slot.
         """
         return self.finish(self.start(slot, report), waited)
@@ -151,6 +153,8 @@ class GpuStage(TunedStage):
         n = report.n
         crops, decoded, expected, decode_s, decoded_event, early = started.decode.result()
         with on_side_stream(self.device, self.stream):
+            # The pixel windows' copy, queued first: it runs while the decode may not be done.
+            windows, window_crops, window_rows = self.uploads.windows(views, n)
             if self.stream is not None:  # the decoded images are written in stream order
                 self.stream.wait_event(decoded_event)
             ok, images = self._keep_decoded(views, gpu_rows, decoded, expected, report)
@@ -159,7 +163,6 @@ class GpuStage(TunedStage):
                 (n, 3, *self.size), dtype=self.dtype, device=self.device,
                 memory_format=self.format,
             )  # fmt: skip
-            windows, window_crops, window_rows = self.uploads.windows(views, n)
             self.augment(  # the decoded JPEGs and the pixel windows, in one launch
                 Ragged.of(images).join(windows), np.concatenate([crops[ok], window_crops]),
                 np.concatenate([gpu_rows[ok], window_rows]), out,

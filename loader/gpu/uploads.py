@@ -60,8 +60,7 @@ class SlotUploads:
         starts = views["starts"][rows]
         span = self._span(views["data"], int((starts + views["lengths"][rows]).max()))
         images = Ragged.windows(span, starts, crops[:, 2], crops[:, 3], views["channels"][rows])
-        crops = crops.copy()
-        crops[:, 0:2] = 0  # each image is its window
+        crops[:, 0:2] = 0  # each image is its window (``crops``: a copy, fancy-indexed)
         return images, crops, rows
 
     def _span(self, data: np.ndarray, nbytes: int) -> torch.Tensor:

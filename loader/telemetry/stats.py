@@ -57,9 +57,9 @@ class LoaderStats:
         for name in list(out):
             if name.endswith("_s") and samples:
                 out[name[:-2] + "_us_per_sample"] = 1e6 * out[name] / samples
-        decoded = out.get("gpu_decoded", 0.0) + out.get("cpu_decoded", 0.0)
-        if decoded:
-            out["gpu_share"] = out.get("gpu_decoded", 0.0) / decoded
+        on_gpu = out.get("gpu_decoded", 0.0) + out.get("gpu_cropped", 0.0)
+        if on_gpu + out.get("cpu_decoded", 0.0):
+            out["gpu_share"] = on_gpu / (on_gpu + out.get("cpu_decoded", 0.0))
         return out
 
     def reset(self) -> None:

@@ -174,7 +174,9 @@ def test_pixel_records_beside_dali_are_the_kernels_crops(store, tmp_path, monkey
     # batch's way, the engines or CUDA kernels, decides its decode).
     from ingest.build import BuildOptions, build
 
-    monkeypatch.setattr(loader.gpu.encoded, "_WINDOW_SHARE", 1.0)  # (room for each window)
+    monkeypatch.setattr(
+        loader.gpu.encoded, "_WINDOW_SHARE", {"train": 1.0, "eval": 1.0}
+    )  # (room for each window)
     pixels = tmp_path / "pixels"
     build(store.parent / "src", pixels, BuildOptions(encoding=encoding), workers=2,
           progress=False)  # fmt: skip

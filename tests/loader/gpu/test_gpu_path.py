@@ -99,6 +99,17 @@ def store(tmp_path_factory):
     return make_small_store(tmp_path_factory.mktemp("gpu_path"))
 
 
+@pytest.fixture(scope="module")
+def pixel_store(store):
+    """The small store again with about half its samples as pixels (mixed:0.5)."""
+    from ingest.build import BuildOptions, build
+
+    mixed = store.parent / "mixed"
+    build(store.parent / "src", mixed, BuildOptions(encoding="mixed:0.5"), workers=2,
+          progress=False)  # fmt: skip
+    return mixed
+
+
 @pytest.fixture(autouse=True)
 def backend(monkeypatch):
     use_stand_ins(monkeypatch)
@@ -246,7 +257,7 @@ def test_pixel_records_are_cropped_by_the_kernels_and_keep_the_samples(
     from ingest.build import BuildOptions, build
     from ingest.format import FLAG_PROGRESSIVE, FORMAT_CODES
 
-    monkeypatch.setattr(loader.gpu.encoded, "_WINDOW_SHARE", 1.0)
+    monkeypatch.setattr(loader.gpu.encoded, "_WINDOW_SHARE", {"train": 1.0, "eval": 1.0})
     mixed = tmp_path / "mixed"
     build(store.parent / "src", mixed, BuildOptions(encoding="mixed:0.5"), workers=2,
           progress=False)  # fmt: skip
@@ -276,13 +287,32 @@ def test_pixel_records_are_cropped_by_the_kernels_and_keep_the_samples(
         assert diff.max() <= 1 and diff.mean() <= 0.25, k
 
 
+def test_the_room_for_windows_follows_the_recipe_and_is_capped(pixel_store, monkeypatch):
+    # Training windows average half an image, eval's are whole images: 0.9 and 1.5 of the
+    # mean image a sample (the slack of 1.5 included); at most _MAX_WINDOW_ROOM of them.
+    from ingest.format import FLAG_PROGRESSIVE, FORMAT_CODES
+
+    index = loader.store.Store(pixel_store).index
+    raw = index["format"] == FORMAT_CODES["raw"]
+    jpeg = (index["format"] == FORMAT_CODES["jpeg"]) & (index["flags"] & FLAG_PROGRESSIVE == 0)
+    pixels = (index["height"] * index["width"] * index["channels"]).astype(np.float64)[raw]
+    per = B * 1.5 / (raw.sum() + jpeg.sum())
+    jpegs = index["nbytes"][jpeg].astype(np.float64)
+    for spec, share in ((TRAIN, 0.6), (EVAL, 1.0)):
+        want = int((jpegs.sum() + share * pixels.sum()) * per) + int(jpegs.max())
+        assert abs(EncodedBatches(loader.store.Store(pixel_store), spec, B).capacity - want) <= 1
+    monkeypatch.setattr(loader.gpu.encoded, "_MAX_WINDOW_ROOM", 1000)
+    want = int(jpegs.sum() * per + 1000) + int(jpegs.max())
+    assert abs(EncodedBatches(loader.store.Store(pixel_store), EVAL, B).capacity - want) <= 1
+
+
 def test_a_window_that_does_not_fit_is_cropped_by_the_workers(store, tmp_path, monkeypatch):
     # Room for the JPEGs first, then for the windows in order; what is left out goes to
     # the workers, the same samples in the same order. (Room made small for it.)
     from ingest.build import BuildOptions, build
     from ingest.format import FORMAT_CODES
 
-    monkeypatch.setattr(loader.gpu.encoded, "_WINDOW_SHARE", 0.15)
+    monkeypatch.setattr(loader.gpu.encoded, "_WINDOW_SHARE", {"train": 0.15, "eval": 0.15})
     raw_store = tmp_path / "raw"
     build(store.parent / "src", raw_store, BuildOptions(encoding="raw"), workers=2,
           progress=False)  # fmt: skip
@@ -772,6 +802,51 @@ def test_rows_that_cannot_be_read_where_they_lie_are_copied(store, monkeypatch):
         assert int(rt.cudaHostUnregister(pixels.data_ptr())) == 0
     monkeypatch.setattr(GpuStage, "map_ring", lambda self, tensors: None)
     same_batches(batches, epoch(make(store, cpu_share=0.5)))
+
+
+@gpu_only
+def test_pixel_windows_are_copied_from_the_registered_ring_or_through_pinned_memory(
+    pixel_store, monkeypatch
+):
+    # The windows cross by one DMA copy from the ring's registered byte buffer; refused
+    # that (someone registered it first), through a pinned buffer; bit for bit the same
+    # batches either way, and closing the loader undoes the registration.
+    rt = torch.cuda.cudart()
+    refused = make(pixel_store, transform=TRAIN)
+    data = refused._ring.tensors["data"]
+    assert int(rt.cudaHostRegister(data.data_ptr(), data.nbytes, 0)) == 0
+    try:
+        batches = epoch(refused)
+        assert refused._gpu_stage.uploads.data_mapped is None
+        assert refused.stats()["gpu_cropped"] > 0
+        torch.zeros(1, device=DEVICE)  # no error left behind for a later launch
+    finally:
+        refused.close()
+        assert int(rt.cudaHostUnregister(data.data_ptr())) == 0
+    got = make(pixel_store, transform=TRAIN)
+    same_batches(batches, epoch(got))
+    mapped, data = got._gpu_stage.uploads.data_mapped, got._ring.tensors["data"]
+    assert mapped is not None and mapped._slots is not None
+    got.close()
+    assert int(rt.cudaHostRegister(data.data_ptr(), data.nbytes, 0)) == 0  # undone: anew
+    assert int(rt.cudaHostUnregister(data.data_ptr())) == 0
+    monkeypatch.setattr(GpuStage, "map_ring", lambda self, tensors: None)
+    same_batches(batches, epoch(make(pixel_store, transform=TRAIN)))
+
+
+@gpu_only
+def test_batches_of_a_pixel_store_are_never_overwritten(pixel_store):
+    dl = make(pixel_store, transform=TRAIN, dtype=torch.float16, num_workers=2)
+    assert_never_overwritten(dl, torch.cuda.Stream())
+
+
+@pytest.mark.parametrize("queries", [3, None], ids=["done-soon", "done-when-waited"])
+def test_a_pixel_store_slot_is_refilled_only_once_its_batch_gpu_work_is_done(
+    pixel_store, queries, monkeypatch
+):
+    # The windows' copy reads the slot as the JPEG decode does (see the test below).
+    dl = make(pixel_store, batch_size=2, num_workers=2, persistent_workers=True)
+    assert_slots_kept_until_done(dl, type(dl._gpu_stage), monkeypatch, queries)
 
 
 @gpu_only
