@@ -47,3 +47,18 @@ def corrupt(store, tmp_path, index: int) -> tuple[str, object]:
     data[at + 100 : at + 356] = b" this is not a JPEG " * 12 + bytes(16)
     shard.write_bytes(bytes(data))
     return record["path"], copy
+
+
+def photo_batch(n: int, size: int, seed: int = 0):
+    """``n`` uint8 views [n, 3, size, size] of the bundled photographs (a torch tensor),
+    with one flat gray image among them (hue and saturation's edge case)."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    photos = [cv2.imread(str(p), cv2.IMREAD_COLOR_RGB) for p in sample_photos()]
+    out = np.empty((n, size, size, 3), np.uint8)
+    for k in range(n):
+        view = random_view(photos[k % len(photos)], rng, (size, size + 8))
+        out[k] = view[:size, :size]
+    out[-1] = 128
+    return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous()
