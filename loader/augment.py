@@ -48,6 +48,9 @@ class Transform:
         std: per-channel standard deviation (RGB, 0..1) dividing float outputs.
         antialias: shrink with an area filter (as torchvision's antialiased resize does)
             rather than plain bilinear sampling, which is faster but aliases.
+        steps: batched steps on the cropped uint8 pixels, in order (``loader.ops.color``:
+            ``ColorJitter``, ``RandomGrayscale``); the GPU path only, for now.
+        erasing: a ``loader.ops.erasing.RandomErasing`` of the normalised batch, or None.
 
     Example:
         ``Transform("train", 176, scale=(0.35, 1), flip=0.0)``
@@ -62,6 +65,8 @@ class Transform:
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     antialias: bool = True
+    steps: tuple = ()
+    erasing: object = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -75,6 +80,7 @@ class Transform:
         if min(size) < 1:
             raise ValueError(f"image_size={self.size!r} is invalid: sizes must be >= 1 pixel")
         object.__setattr__(self, "size", size)
+        object.__setattr__(self, "steps", tuple(self.steps))
         self._check_ranges()
         for name in ("mean", "std"):
             value = tuple(float(v) for v in getattr(self, name))

@@ -11,8 +11,11 @@
 each followed (or, for v2 tensors, preceded) by a conversion to float in 0..1 (``ToTensor()``,
 ``PILToTensor()`` + ``ConvertImageDtype(torch.float32)``, or ``ToImage()`` +
 ``ToDtype(torch.float32, scale=True)``) and an optional ``Normalize(mean, std)`` after all
-of them. Interpolation must be bilinear (the default). Anything else (another class, a
-subclass, another order, bicubic) is not recognised, and the reason says which step.
+of them. After the crop and before the conversion, ``ColorJitter`` and ``RandomGrayscale``
+may follow in any number and order; ``RandomErasing`` may end the recipe (after the
+conversion and ``Normalize``). Interpolation must be bilinear (the default). Anything
+else (another class, a subclass, another order, bicubic) is not recognised, and the
+reason says which step.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from loader.augment import Transform
+from loader.ops.color import ColorJitter, RandomGrayscale
+from loader.ops.erasing import RandomErasing
 
 _MODULES = ("torchvision.transforms.transforms", "torchvision.transforms.v2._")
 
@@ -57,6 +62,8 @@ class _Reader:
         self.flip: float | None = None
         self.tensor: str | None = None  # None (PIL), "uint8" or "float"
         self.normalized = False
+        self.steps: list = []  # the pixel steps after the crop
+        self.erasing: RandomErasing | None = None
 
     def read(self, step) -> None:
         name = _name(step)
@@ -64,9 +71,47 @@ class _Reader:
         if handler is None:
             what = name or type(step).__name__
             raise NotARecipe(f"{what} is not a step the loader runs itself")
-        if self.normalized:
+        if self.erasing is not None:
+            raise NotARecipe(f"{name} comes after RandomErasing")
+        if self.normalized and name != "RandomErasing":
             raise NotARecipe(f"{name} comes after Normalize")
         handler(step)
+
+    def _pixels(self, step) -> None:
+        """Where a pixel step may come: after the crop, on uint8 pixels."""
+        if self.kind is None or "size" not in self.args:
+            raise NotARecipe(f"{_name(step)} comes before the crop (the loader runs it after)")
+        if self.tensor == "float":
+            raise NotARecipe(f"{_name(step)} comes after the conversion to float")
+
+    def _ColorJitter(self, step) -> None:
+        self._pixels(step)
+        ranges = {}
+        for name in ("brightness", "contrast", "saturation", "hue"):
+            value = getattr(step, name)
+            ranges[name] = None if value is None else (float(value[0]), float(value[1]))
+        self.steps.append(ColorJitter(**ranges))
+
+    def _RandomGrayscale(self, step) -> None:
+        self._pixels(step)
+        self.steps.append(RandomGrayscale(float(step.p)))
+
+    def _RandomErasing(self, step) -> None:
+        if self.tensor != "float":
+            raise NotARecipe("RandomErasing comes before the conversion to float")
+        value = "random" if step.value is None else step.value  # (v2 keeps "random" so)
+        if isinstance(value, str):
+            if value != "random":
+                raise NotARecipe(f"RandomErasing(value={value!r}) is not a fill it knows")
+            fill, value = "pixel", (0.0, 0.0, 0.0)
+        else:
+            values = [float(value)] if isinstance(value, (int, float)) else list(map(float, value))
+            if len(values) not in (1, 3):
+                raise NotARecipe(f"RandomErasing(value={step.value!r}) is not 1 or 3 values")
+            fill, value = "const", tuple(values * 3 if len(values) == 1 else values)
+        self.erasing = RandomErasing(
+            float(step.p), tuple(step.scale), tuple(step.ratio), fill, value
+        )
 
     def _geometry(self, step, kind: str) -> None:
         if self.kind is not None:
@@ -147,6 +192,7 @@ class _Reader:
         if self.kind == "eval" and self.flip is not None:
             raise NotARecipe("RandomHorizontalFlip with Resize + CenterCrop")
         args = {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0)} | self.args
+        args |= {"steps": tuple(self.steps), "erasing": self.erasing}
         if self.kind == "train":
             args["flip"] = self.flip or 0.0
         return Transform(self.kind, **args)

@@ -34,6 +34,7 @@ from loader.gpu.calls import Call
 from loader.gpu.encoded import EncodedBatches
 from loader.gpu.nvjpeg import check_decoded
 from loader.gpu.ragged import Ragged
+from loader.gpu.steps import BatchSteps
 from loader.gpu.streams import STREAMS, on_side_stream, recorded_event
 from loader.gpu.tuning.ways import TunedStage
 from loader.gpu.unverified import warn_unverified
@@ -82,6 +83,10 @@ class GpuStage(TunedStage):
         self.producer, self.device, self.dtype, self.stats = producer, device, dtype, stats
         self.spec, self.size = spec, spec.size
         self.format = torch.channels_last if channels_last else torch.contiguous_format
+        # A recipe's steps beyond the crop: then batches are cropped to uint8 first.
+        self.steps = BatchSteps(spec, dtype, self.format)
+        if self.steps.active:
+            self.dtype = torch.uint8
         self.decoder = get_decoder(decoder, device=device, batch_size=producer.batch_size)
         warn_unverified(producer.store, decoder)
         # A decoder that decodes only the crop windows (DALI) gets them with the bytes.
@@ -180,6 +185,8 @@ class GpuStage(TunedStage):
                 self.augment.pixels(pixels, rows, out)
             else:
                 (labels,) = upload(self.device, labels, stats=self.stats)
+            if self.steps.active:
+                out = self.steps(out, int(views["seed"][0]))
             done = recorded_event(self.device)
         with self._in_flight_lock:  # with the pixels uploaded on the decode stream
             self._in_flight.append(((images, early), done))

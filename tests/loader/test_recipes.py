@@ -83,8 +83,16 @@ def test_eval_resizes_the_short_side_exactly():
 @pytest.mark.parametrize(
     "transform, reason",
     [
-        (T.Compose([T.RandomResizedCrop(224), T.ColorJitter(0.4), T.ToTensor()]),
-         "ColorJitter is not a step the loader runs itself"),
+        (T.Compose([T.RandomResizedCrop(224), T.RandomRotation(10), T.ToTensor()]),
+         "RandomRotation is not a step the loader runs itself"),
+        (T.Compose([T.ColorJitter(0.4), T.RandomResizedCrop(224), T.ToTensor()]),
+         "ColorJitter comes before the crop (the loader runs it after)"),
+        (T.Compose([T.RandomResizedCrop(224), T.ToTensor(), T.ColorJitter(0.4)]),
+         "ColorJitter comes after the conversion to float"),
+        (T.Compose([T.RandomResizedCrop(224), T.ToTensor(), T.RandomErasing(), T.Normalize(
+            (0.5,) * 3, (0.5,) * 3)]), "Normalize comes after RandomErasing"),
+        (T.Compose([T.RandomResizedCrop(224), T.RandomErasing(), T.ToTensor()]),
+         "RandomErasing comes before the conversion to float"),
         (T.Compose([T.Resize(256, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(224),
                     T.ToTensor()]), "Resize interpolates with 'bicubic', not bilinear"),
         (T.Compose([T.Resize((256, 256)), T.CenterCrop(224), T.ToTensor()]),
@@ -156,14 +164,14 @@ def test_an_unrecognised_transform_gets_torchs_and_says_why(store, caplog, capsy
 
 
 def test_store_only_arguments_for_an_unrecognised_transform_warn_why(store):
-    tf = T.Compose([T.RandomResizedCrop(32), T.ColorJitter(0.4), T.ToTensor()])
+    tf = T.Compose([T.RandomResizedCrop(32), T.RandomRotation(10), T.ToTensor()])
     ds = loader.LMDBDataset(store, transform=tf)
     with pytest.warns(UserWarning) as caught:
         dl = loader.DataLoader(ds, batch_size=4, device="cpu")
     assert type(dl) is torch.utils.data.DataLoader and len(caught) == 1
     assert str(caught[0].message) == (
         "loader.DataLoader: device= ignored: torch's DataLoader reads this dataset (the "
-        "LMDBDataset's transform is not a recognised recipe: ColorJitter is not a step the "
+        "LMDBDataset's transform is not a recognised recipe: RandomRotation is not a step the "
         "loader runs itself) and they apply only to the fast path"
     )
 
@@ -175,3 +183,40 @@ def test_the_transform_is_given_once(store):
         ValueError, match=r"transform='train' given to a loader.DataLoader over an "
     ):
         loader.DataLoader(ds, batch_size=4, transform="train", device="cpu")
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_colour_steps_and_erasing_are_read_in_order(v2):
+    from loader.ops.color import ColorJitter, RandomGrayscale
+    from loader.ops.erasing import RandomErasing
+
+    t = V if v2 else T
+    head = [t.ToImage()] if v2 else []
+    to_float = [t.ToDtype(torch.float32, scale=True)] if v2 else [t.ToTensor()]
+    recipe = t.Compose([
+        *head, t.RandomResizedCrop(176), t.RandomHorizontalFlip(),
+        t.ColorJitter(0.4, 0.3, 0.2, 0.1), t.RandomGrayscale(0.2), *to_float,
+        t.Normalize((0.5,) * 3, (0.25,) * 3), t.RandomErasing(0.25, value="random"),
+    ])  # fmt: skip
+    spec = recognise(recipe)
+    assert spec.size == (176, 176) and spec.flip == 0.5
+    assert spec.steps == (
+        ColorJitter((0.6, 1.4), (0.7, 1.3), (0.8, 1.2), (-0.1, 0.1)),
+        RandomGrayscale(0.2),
+    )
+    assert spec.erasing == RandomErasing(0.25, (0.02, 0.33), (0.3, 3.3), "pixel")
+    constant = recognise(
+        t.Compose([*head, t.RandomResizedCrop(8), *to_float, t.RandomErasing(value=1)])
+    )
+    assert constant.erasing.fill == "const" and constant.erasing.value == (1.0, 1.0, 1.0)
+
+
+def test_colour_steps_keep_torchs_loader_on_the_cpu_path(store):
+    tf = T.Compose([T.RandomResizedCrop(32), T.ColorJitter(0.4), T.ToTensor()])
+    dl = loader.DataLoader(loader.LMDBDataset(store, transform=tf), batch_size=4)
+    assert type(dl) is torch.utils.data.DataLoader  # (no CUDA here: the CPU path)
+    from loader.ops.color import ColorJitter
+
+    spec = loader.Transform("train", 32, steps=(ColorJitter(brightness=(0.6, 1.4)),))
+    with pytest.raises(ValueError, match="run on the GPU path only so far, not with decoder='cpu'"):
+        loader.DataLoader(store, batch_size=4, transform=spec, device="cpu")

@@ -590,3 +590,20 @@ def test_a_script_that_leaves_its_loader_open_exits_cleanly(store):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Error" not in done.stderr and "terminate" not in done.stderr, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["read", "workers at the earlier hook: None"]
+
+
+@needs_dali
+def test_a_recipes_colour_steps_run_after_dali(store):
+    # DALI crops to uint8, the steps follow as on the other GPU decoder.
+    from loader.gpu.steps import BatchSteps
+    from loader.ops.color import ColorJitter
+    from loader.plan.sampler import batch_seed
+
+    spec = Transform("train", SIZE, steps=(ColorJitter((0.5, 1.5), None, (0.5, 1.5), None),))
+    got = epoch(make(store, transform=spec, dtype=torch.float16))
+    plain = epoch(make(store, transform=TRAIN, dtype=torch.uint8))
+    assert torch.equal(flat(got, 2), flat(plain, 2))
+    after = BatchSteps(spec, torch.float16, torch.contiguous_format)
+    want = [after(b[0], batch_seed(5, 0, k, rank=0)) for k, b in enumerate(plain)]
+    for k, (a, b) in enumerate(zip(flat(got, 0), torch.cat(want), strict=True)):
+        assert mean_diff(a, b) <= 0.05, k  # (DALI's batches split by way decode alike here)

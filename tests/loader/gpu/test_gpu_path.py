@@ -76,7 +76,7 @@ from gpu_path_data import (
 pytest.importorskip("triton")
 
 import loader
-from loader.augment import plan_crops
+from loader.augment import Transform, plan_crops
 from loader.bench.synth import random_view, sample_photos
 from loader.gpu.augment import GpuAugment
 from loader.gpu.decode_threads import DecodeThreads as _DecodeThreads
@@ -1657,3 +1657,34 @@ def test_ragged_windows_are_the_pixels_they_point_at():
     assert torch.equal(second, torch.from_numpy(rgb).permute(2, 0, 1))
     assert torch.equal(third, torch.from_numpy(gray).permute(2, 0, 1).expand(3, 3, 2))
     assert len(Ragged.empty().join(windows)) == 2 and len(windows.join(Ragged.empty())) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16])
+def test_a_recipes_colour_steps_and_erasing_act_on_the_cropped_batch(store, dtype):
+    # The same samples and crops as without them; each batch is then the crop's uint8
+    # pixels through the steps drawn from its seed (BatchSteps: within 1 level of
+    # torchvision, tests/loader/ops), normalised and erased; the seed decides.
+    from loader.gpu.steps import BatchSteps
+    from loader.ops.color import ColorJitter, RandomGrayscale
+    from loader.ops.erasing import RandomErasing
+
+    steps = (ColorJitter((0.6, 1.4), (0.6, 1.4), (0.6, 1.4), (-0.1, 0.1)), RandomGrayscale(0.3))
+    erasing = RandomErasing(0.5, fill="pixel") if dtype.is_floating_point else None
+    spec = Transform("train", SIZE, steps=steps, erasing=erasing)
+    got = epoch(make(store, transform=spec, dtype=dtype))
+    again = epoch(make(store, transform=spec, dtype=dtype))
+    plain = epoch(make(store, transform=TRAIN, dtype=torch.uint8))
+    assert torch.equal(flat(got, 2), flat(plain, 2)) and torch.equal(flat(got, 1), flat(plain, 1))
+    seeds = [int(s) for s in batch_seeds(len(plain))]
+    after = BatchSteps(spec, dtype, torch.contiguous_format)
+    want = torch.cat([after(b[0], seed) for b, seed in zip(plain, seeds, strict=True)])
+    assert torch.equal(flat(got, 0), want)
+    assert torch.equal(flat(got, 0), flat(again, 0))
+    assert not torch.equal(flat(got, 0)[:, :, :4], flat(plain, 0)[:, :, :4].to(dtype))
+
+
+def batch_seeds(n: int) -> list[int]:
+    """The seeds of ``make``'s first epoch's ``n`` batches (seed 5, rank 0)."""
+    from loader.plan.sampler import batch_seed
+
+    return [batch_seed(5, 0, step, rank=0) for step in range(n)]

@@ -1,0 +1,61 @@
+"""BatchSteps: a recipe's steps beyond the crop, run on the GPU path's finished batch.
+
+Where the recipe has any (``Transform.steps``: ColorJitter, RandomGrayscale;
+``Transform.erasing``), the stage crops into uint8 instead of normalising in its kernels;
+then each step acts on the whole batch on the device (``loader.ops``), the batch is
+normalised and cast, and RandomErasing acts on the result, all on the stage's side
+stream. The draws come from the batch's seed, so a resumed epoch repeats them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from loader.augment import Transform
+
+_STREAM = 44  # the steps' draws: a stream of the batch seed's own
+
+
+class BatchSteps:
+    """The steps of ``spec`` for a batch of ``dtype`` in ``memory_format``."""
+
+    def __init__(self, spec: Transform, dtype: torch.dtype, memory_format) -> None:
+        self.steps, self.erasing = spec.steps, spec.erasing
+        self.dtype, self.format = dtype, memory_format
+        if self.erasing is not None and not dtype.is_floating_point:
+            raise ValueError(
+                f"the recipe's RandomErasing erases normalised pixels, but dtype={dtype}; "
+                "pass a float dtype (e.g. torch.float16)"
+            )
+        std = np.asarray(spec.std, dtype=np.float64)
+        self._scale = (1.0 / (255.0 * std)).tolist()
+        self._bias = (-np.asarray(spec.mean, dtype=np.float64) / std).tolist()
+        self._affine: tuple | None = None  # (device, scale, bias)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.steps) or self.erasing is not None
+
+    def __call__(self, x: torch.Tensor, seed: int) -> torch.Tensor:
+        """The batch ``x`` (uint8 [N, 3, H, W]) of batch seed ``seed``, stepped, normalised
+        and cast; a new tensor."""
+        rng = np.random.default_rng([int(seed) & (2**63 - 1), _STREAM])
+        for step in self.steps:
+            x = step.apply(x, step.draw(rng, len(x)))
+        if self.dtype.is_floating_point:
+            scale, bias = self._on(x.device)
+            x = torch.addcmul(bias, x.float(), scale).to(self.dtype)
+        if self.erasing is not None:
+            boxes = self.erasing.draw(rng, len(x), tuple(x.shape[-2:]))
+            x = self.erasing.apply(x, boxes, seed=int(rng.integers(2**62)))
+        return x.contiguous(memory_format=self.format)
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, bias) on ``device``, made once (from lists each batch they would
+        synchronise the stream)."""
+        if self._affine is None or self._affine[0] != device:
+            scale = torch.tensor(self._scale, device=device).view(1, 3, 1, 1)
+            bias = torch.tensor(self._bias, device=device).view(1, 3, 1, 1)
+            self._affine = (device, scale, bias)
+        return self._affine[1], self._affine[2]
