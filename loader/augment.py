@@ -49,7 +49,7 @@ class Transform:
         antialias: shrink with an area filter (as torchvision's antialiased resize does)
             rather than plain bilinear sampling, which is faster but aliases.
         steps: batched steps on the cropped uint8 pixels, in order (``loader.ops.color``:
-            ``ColorJitter``, ``RandomGrayscale``); the GPU path only, for now.
+            ``ColorJitter``, ``RandomGrayscale``): batched on the GPU, per image in the workers.
         erasing: a ``loader.ops.erasing.RandomErasing`` of the normalised batch, or None.
 
     Example:

@@ -11,6 +11,7 @@ import logging
 import torch
 
 from ingest import format as fmt
+from loader.cpu.steps import erase
 from loader.records import verify_advice
 
 log = logging.getLogger("loader.dataloader")  # the DataLoader's log, where users look
@@ -19,8 +20,10 @@ log = logging.getLogger("loader.dataloader")  # the DataLoader's log, where user
 class Delivery:
     """Batches out of ring slots, on the loader's device, with the bad samples noted."""
 
-    def __init__(self, store, output, stats, settings) -> None:
+    def __init__(self, store, output, stats, settings, spec=None) -> None:
         self.store, self.output, self.stats, self.settings = store, output, stats, settings
+        self.spec = spec  # the CPU path's transform, whose RandomErasing acts here
+        self.erasing = None if spec is None else spec.erasing
         self._labels = store.labels
         self.bad_samples: dict[int, str] = {}
         self.num_replaced = 0
@@ -34,6 +37,8 @@ class Delivery:
         )  # fmt: skip
         indices = slot["indices"][: report.n].numpy().copy()
         images = self.output.images(slot["images"][: report.n])
+        if self.erasing is not None:  # the CPU path's: on the normalised batch
+            images = erase(self.spec, images, report.seed)
         labels = self.output.labels(self._labels[indices])
         if self.settings.with_indices:
             return images, labels, torch.from_numpy(indices)

@@ -245,7 +245,7 @@ class EpochIterator:
             crops = self._producer.plan(indices, seed)
             slot = self._free.pop()
             starts = range(0, len(indices), self._chunk)
-            self._pending[step] = [slot, len(starts), BatchReport(len(indices))]
+            self._pending[step] = [slot, len(starts), BatchReport(len(indices), seed=seed)]
             for lo in starts:
                 hi = lo + self._chunk
                 self.pool.submit((slot, step, (lo, indices[lo:hi], crops[lo:hi], seed)))

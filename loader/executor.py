@@ -33,11 +33,10 @@ def build_executor(
     batch_size, num_workers = settings.batch_size, settings.num_workers
     gpu_stage: GpuStage | None = None
     if runs_in_workers(decoder):
-        if transform.steps or transform.erasing is not None:
+        if transform.erasing is not None and not output.dtype.is_floating_point:
             raise ValueError(
-                "the transform's steps beyond the crop (ColorJitter, RandomGrayscale, "
-                f"RandomErasing) run on the GPU path only so far, not with decoder={decoder!r}; "
-                "pass device='cuda', or a transform without them"
+                f"the recipe's RandomErasing erases normalised pixels, but dtype={output.dtype}"
+                "; pass a float dtype (e.g. torch.float32)"
             )
         producer = PixelBatches(store, transform, batch_size, decoder, planar=not channels_last)
         slots = 1 if num_workers == 0 else num_workers * settings.prefetch_factor

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
 from loader.augment import Transform
-from loader.cpu.output import resolve_device
 from loader.dataset import LMDBDataset
 from loader.decode import decoders, delivers_to
 from loader.gpu.nvjpeg import import_torchvision_io
@@ -69,12 +68,6 @@ def route(dataset, given: dict) -> tuple[bool, str]:
         except NotARecipe as e:
             return False, f"the LMDBDataset's transform is not a recognised recipe: {e}"
         why = f"the LMDBDataset's transform is the recipe {recipe}"
-        if (recipe.steps or recipe.erasing) and not _on_the_gpu_path(given):
-            return False, (
-                "the LMDBDataset's transform has steps beyond the crop (ColorJitter, "
-                "RandomGrayscale, RandomErasing), which the loader runs on the GPU path "
-                "only so far (device='cuda')"
-            )
     if any(k in given for k in STORE_ONLY):
         return True, why
     sampler = given.get("sampler")
@@ -83,16 +76,6 @@ def route(dataset, given: dict) -> tuple[bool, str]:
     if sampler is not None and type(sampler) not in SAMPLERS:
         return False, f"sampler={type(sampler).__name__} is not one the loader follows"
     return True, why
-
-
-def _on_the_gpu_path(given: dict) -> bool:
-    """Whether the loader's arguments ``given`` take the GPU path (True where they are
-    invalid: ``DataLoader.__init__`` then says why)."""
-    try:
-        device = resolve_device(given.get("device"))
-        return resolve_decoder(given.get("decoder", "auto"), device) != "cpu"
-    except ValueError:
-        return True
 
 
 def ignore_store_only(kwargs: dict, why: str) -> dict:

@@ -74,7 +74,9 @@ class Session:
         if self._follows:
             self.plan.set_epoch(sampler.epoch)
         self._seed_chosen, self._label = seed_chosen, label
-        self.delivery = Delivery(store, output, stats, settings)
+        # The CPU path erases the delivered batch (the GPU stage its own).
+        spec = producer.spec if gpu_stage is None else None
+        self.delivery = Delivery(store, output, stats, settings, spec)
         self.workers = Workers()
         self._finalizer = weakref.finalize(self, self.workers.stop, False)
         # Iterations being closed (their workers' chunks drained), maybe on a prefetch

@@ -19,7 +19,8 @@ import lmdb
 import numpy as np
 
 from ingest.format import RecordError
-from loader.augment import Transform, plan_crops
+from loader.augment import CROP_COLUMNS, Transform, plan_crops
+from loader.cpu.steps import WorkerSteps
 from loader.decode import DecodeError, get_decoder
 from loader.store import Store
 
@@ -37,6 +38,7 @@ class BatchReport:
 
     n: int
     bad: list[tuple[int, str]] = field(default_factory=list)
+    seed: int = 0  # the batch's (its steps' draws come from it)
     cpu_decoded: int = 0  # samples decoded on the CPU by the workers
     decode_s: float = 0.0  # worker seconds spent decoding them
     worker_s: float = 0.0  # worker seconds spent on the batch in all
@@ -74,6 +76,7 @@ class PixelBatches:
         self.decoder_name, self.planar = decoder, planar
         self._decoder = None
         self._scratch: np.ndarray | None = None  # HWC pixels before the channel split
+        self.steps = WorkerSteps(spec, len(CROP_COLUMNS))  # a recipe's, after the crop
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_decoder": None, "_scratch": None}  # per process
@@ -85,11 +88,17 @@ class PixelBatches:
         return {"images": (shape, "uint8"), "indices": ((self.batch_size,), "int64")}
 
     def plan(self, indices: np.ndarray, seed: int) -> np.ndarray:
-        """Crop parameters of a batch, drawn from ``seed`` and the index's image sizes.
+        """Crop parameters of a batch, drawn from ``seed`` and the index's image sizes,
+        each row followed by the sample's step parameters where the recipe has steps.
 
         Runs in the main process, so that a batch can be split over several workers and
         still come out the same whatever the number of workers.
         """
+        crops = self.crops(indices, seed)
+        return self.steps.plan(crops, seed) if self.steps.active else crops
+
+    def crops(self, indices: np.ndarray, seed: int) -> np.ndarray:
+        """Crop parameters of a batch (int32 rows of ``CROP_COLUMNS``)."""
         rng = np.random.default_rng(seed)
         index = self.store.index
         return plan_crops(self.spec, index["height"][indices], index["width"][indices], rng)
@@ -108,12 +117,17 @@ class PixelBatches:
         """
         started = time.perf_counter()
         self._ensure_decoder()
-        report = BatchReport(len(indices))
+        report = BatchReport(len(indices), seed=seed)
         images = slot["images"]
+        steps = self.steps.active
+        if steps:
+            crops, params = self.steps.split(crops)
         for k, (i, crop) in enumerate(zip(indices.tolist(), crops, strict=True)):
             row = lo + k
             out = self._scratch if self.planar else images[row]
             slot["indices"][row] = self.decode_sample(i, crop, out, (seed, row), report)
+            if steps:
+                self.steps.apply(out, params, k)
             if self.planar:
                 cv2.split(out, list(images[row]))  # straight into the slot's three planes
         report.cpu_decoded = len(indices)

@@ -4,7 +4,8 @@ Where the recipe has any (``Transform.steps``: ColorJitter, RandomGrayscale;
 ``Transform.erasing``), the stage crops into uint8 instead of normalising in its kernels;
 then each step acts on the whole batch on the device (``loader.ops``), the batch is
 normalised and cast, and RandomErasing acts on the result, all on the stage's side
-stream. The draws come from the batch's seed, so a resumed epoch repeats them.
+stream. The draws come from the batch's seed (``loader.ops.draws``), so a resumed epoch
+repeats them, and the CPU path makes the same.
 """
 
 from __future__ import annotations
@@ -13,15 +14,14 @@ import numpy as np
 import torch
 
 from loader.augment import Transform
-
-_STREAM = 44  # the steps' draws: a stream of the batch seed's own
+from loader.ops.draws import apply_steps, draw
 
 
 class BatchSteps:
     """The steps of ``spec`` for a batch of ``dtype`` in ``memory_format``."""
 
     def __init__(self, spec: Transform, dtype: torch.dtype, memory_format) -> None:
-        self.steps, self.erasing = spec.steps, spec.erasing
+        self.spec, self.steps, self.erasing = spec, spec.steps, spec.erasing
         self.dtype, self.format = dtype, memory_format
         if self.erasing is not None and not dtype.is_floating_point:
             raise ValueError(
@@ -40,15 +40,13 @@ class BatchSteps:
     def __call__(self, x: torch.Tensor, seed: int) -> torch.Tensor:
         """The batch ``x`` (uint8 [N, 3, H, W]) of batch seed ``seed``, stepped, normalised
         and cast; a new tensor."""
-        rng = np.random.default_rng([int(seed) & (2**63 - 1), _STREAM])
-        for step in self.steps:
-            x = step.apply(x, step.draw(rng, len(x)))
+        draws = draw(self.spec, seed, len(x))
+        x = apply_steps(self.steps, x, draws.params)
         if self.dtype.is_floating_point:
             scale, bias = self._on(x.device)
             x = torch.addcmul(bias, x.float(), scale).to(self.dtype)
         if self.erasing is not None:
-            boxes = self.erasing.draw(rng, len(x), tuple(x.shape[-2:]))
-            x = self.erasing.apply(x, boxes, seed=int(rng.integers(2**62)))
+            x = self.erasing.apply(x, draws.boxes, seed=draws.noise)
         return x.contiguous(memory_format=self.format)
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

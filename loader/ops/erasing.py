@@ -5,7 +5,8 @@ The box is drawn as torchvision's ``RandomErasing.get_params`` and timm's
 aspect ratio, up to 10 tries for a box smaller than the image, then a uniform position;
 no box where every try fails. It is filled with a constant (torchvision's ``value``,
 timm's ``const``), normal noise per channel (timm's ``rand``) or per pixel (torchvision's
-``"random"``, timm's ``pixel``). One masked write a batch, on the batch's device.
+``"random"``, timm's ``pixel``). One masked write a batch on a GPU; on the CPU a write
+per box, the noise drawn only where it goes.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class RandomErasing:
         """``x`` with each sample's box filled (noise drawn from ``seed`` on ``x``'s device)."""
         if not boxes[:, 2].any():
             return x
+        if x.device.type == "cpu":
+            return self._each_box(x, boxes, seed)
         dev = x.device
         b = torch.from_numpy(boxes).to(dev)
         rows = torch.arange(x.shape[2], device=dev).view(1, -1, 1)
@@ -70,3 +73,18 @@ class RandomErasing:
             fill = torch.randn(shape, generator=gen, device=dev, dtype=torch.float32)
             fill = fill.to(x.dtype)
         return torch.where(inside, fill, x)
+
+    def _each_box(self, x: torch.Tensor, boxes: np.ndarray, seed: int) -> torch.Tensor:
+        """On the CPU: fill box by box (noise only where it goes), a new tensor."""
+        x = x.clone()
+        gen = torch.Generator().manual_seed(int(seed))
+        const = torch.tensor(self.value, dtype=x.dtype).view(3, 1, 1)
+        for k in np.flatnonzero(boxes[:, 2]):
+            top, left, h, w = (int(v) for v in boxes[k])
+            box = x[k, :, top : top + h, left : left + w]
+            if self.fill == "const":
+                box.copy_(const.expand_as(box))
+            else:
+                shape = (3, 1, 1) if self.fill == "channel" else (3, h, w)
+                box.copy_(torch.randn(shape, generator=gen).expand(3, h, w))
+        return x

@@ -209,14 +209,3 @@ def test_colour_steps_and_erasing_are_read_in_order(v2):
         t.Compose([*head, t.RandomResizedCrop(8), *to_float, t.RandomErasing(value=1)])
     )
     assert constant.erasing.fill == "const" and constant.erasing.value == (1.0, 1.0, 1.0)
-
-
-def test_colour_steps_keep_torchs_loader_on_the_cpu_path(store):
-    tf = T.Compose([T.RandomResizedCrop(32), T.ColorJitter(0.4), T.ToTensor()])
-    dl = loader.DataLoader(loader.LMDBDataset(store, transform=tf), batch_size=4)
-    assert type(dl) is torch.utils.data.DataLoader  # (no CUDA here: the CPU path)
-    from loader.ops.color import ColorJitter
-
-    spec = loader.Transform("train", 32, steps=(ColorJitter(brightness=(0.6, 1.4)),))
-    with pytest.raises(ValueError, match="run on the GPU path only so far, not with decoder='cpu'"):
-        loader.DataLoader(store, batch_size=4, transform=spec, device="cpu")

@@ -33,8 +33,9 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
         (color.contrast, F.adjust_contrast, 0.4, 1.6),
         (color.saturation, F.adjust_saturation, 0.0, 2.0),
         (color.hue, F.adjust_hue, -0.5, 0.5),
+        (color.hue_torch, F.adjust_hue, -0.5, 0.5),
     ],
-    ids=["brightness", "contrast", "saturation", "hue"],
+    ids=["brightness", "contrast", "saturation", "hue", "hue-batched-torch"],
 )
 def test_each_step_is_torchvisions_per_sample(batch, step, reference, low, high):
     factors = torch.linspace(low, high, N)
