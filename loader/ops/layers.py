@@ -1,0 +1,57 @@
+"""Run the layers of an auto-augmentation policy over a batch, the samples grouped by op.
+
+A policy's parameters hold, for each layer, the op each sample chose (-1: none) and that
+op's own columns. ``apply_layers`` runs each layer op by op: the rows that chose op k go
+through it together (``index_select``, the op, ``index_copy``), so a batch costs a few
+kernels per op, and one image (a worker's call) costs no copies at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+Op = Callable[[torch.Tensor, np.ndarray], torch.Tensor]  # (samples, their columns) -> samples
+
+
+def on_rows(x: torch.Tensor, rows: np.ndarray, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """``x`` with ``fn`` applied to its samples ``rows`` (the others as they are)."""
+    if len(rows) == len(x):
+        return fn(x)
+    at = torch.from_numpy(rows).to(x.device)
+    return x.index_copy(0, at, fn(x.index_select(0, at)))
+
+
+def apply_layers(
+    x: torch.Tensor, params: np.ndarray, ops: Sequence[Op | None], layers: int, width: int
+) -> torch.Tensor:
+    """``x`` through the first ``layers`` groups of ``width`` columns of ``params``: a
+    layer's first column is the op (an index of ``ops``; -1 or a None op: left as it is),
+    the others its arguments. ``x`` itself is never written: the groups go into one copy."""
+    source = x.untyped_storage().data_ptr()
+    for j in range(layers):
+        layer = params[:, j * width : (j + 1) * width]
+        code = layer[:, 0].astype(np.int64)
+        for k in np.unique(code):
+            if k < 0 or ops[k] is None:
+                continue
+            rows = np.flatnonzero(code == k)
+            if len(rows) == len(x):
+                x = ops[k](x, layer[rows, 1:])
+                continue
+            if x.untyped_storage().data_ptr() == source:
+                x = x.clone()
+            at = torch.from_numpy(rows).to(x.device)
+            x.index_copy_(0, at, ops[k](x.index_select(0, at), layer[rows, 1:]))
+    return x
+
+
+def by_mode(x: torch.Tensor, modes: np.ndarray, names: Sequence[str], fn) -> torch.Tensor:
+    """``x`` with ``fn(samples, rows, names[m])`` run on the samples of each mode code m
+    (an interpolation chosen per sample)."""
+    for m in np.unique(modes):
+        rows = np.flatnonzero(modes == m)
+        x = on_rows(x, rows, lambda s, rows=rows, m=m: fn(s, rows, names[int(m)]))
+    return x
