@@ -89,7 +89,7 @@ def torch_loader(src: Path, args):
 
     tf = T.Compose(
         [
-            T.RandomResizedCrop(224),
+            T.RandomResizedCrop(224, interpolation=T.InterpolationMode(args.interpolation)),
             T.RandomHorizontalFlip(),
             T.ToTensor(),
             T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
@@ -114,7 +114,9 @@ def our_loader(store: Path, args):
         shuffle=True,
         num_workers=args.workers,
         persistent_workers=True,
-        transform=loader.Transform("train", antialias=not args.no_antialias),
+        transform=loader.Transform(
+            "train", antialias=not args.no_antialias, interpolation=args.interpolation
+        ),
         device="cpu",
     )
 
@@ -228,6 +230,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=usable_cores())
     p.add_argument("--epochs", type=int, default=4, help="timed epochs, after one warm-up")
     p.add_argument("--no-antialias", action="store_true", help="plain bilinear shrink")
+    p.add_argument("--interpolation", choices=("bilinear", "bicubic"), default="bilinear",
+                   help="the resize filter, of both loaders")  # fmt: skip
     p.add_argument("--workdir", type=Path, default=REPO / "bench-data" / "loader")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = p.parse_args()

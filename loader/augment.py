@@ -18,6 +18,7 @@ import numpy as np
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 KINDS = ("train", "eval")
+INTERPOLATIONS = ("bilinear", "bicubic")
 
 # Columns of a crop-parameter row (int32): window Y, X, H, W in source pixels; resized size
 # RH, RW; output offset OY, OX inside the resized window; FLIP (1 = mirror left-right).
@@ -48,6 +49,9 @@ class Transform:
         std: per-channel standard deviation (RGB, 0..1) dividing float outputs.
         antialias: shrink with an area filter (as torchvision's antialiased resize does)
             rather than plain bilinear sampling, which is faster but aliases.
+        interpolation: "bilinear" (PIL's triangle filter) or "bicubic" (PIL's cubic,
+            a = -0.5), as torchvision's ``Resize(..., interpolation=, antialias=True)``
+            resizes a PIL image; with ``antialias=False``, torch's plain bicubic (a = -0.75).
         steps: batched steps on the cropped uint8 pixels, in order (``loader.ops.color``:
             ``ColorJitter``, ``RandomGrayscale``): batched on the GPU, per image in the workers.
         erasing: a ``loader.ops.erasing.RandomErasing`` of the normalised batch, or None.
@@ -65,6 +69,7 @@ class Transform:
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     antialias: bool = True
+    interpolation: str = "bilinear"
     steps: tuple = ()
     erasing: object = None
 
@@ -81,6 +86,10 @@ class Transform:
             raise ValueError(f"image_size={self.size!r} is invalid: sizes must be >= 1 pixel")
         object.__setattr__(self, "size", size)
         object.__setattr__(self, "steps", tuple(self.steps))
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(
+                f"interpolation={self.interpolation!r} is invalid: pass 'bilinear' or 'bicubic'"
+            )
         self._check_ranges()
         for name in ("mean", "std"):
             value = tuple(float(v) for v in getattr(self, name))

@@ -82,7 +82,8 @@ def pil_reference(store, spec, batches, seed: int) -> torch.Tensor:
                 rgb = rgb if rgb.shape[2] == 3 else rgb.repeat(3, axis=2)
             else:
                 rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-            out.append(torch.from_numpy(pil_resized_crop(rgb, crop, spec.size)).permute(2, 0, 1))
+            ref = pil_resized_crop(rgb, crop, spec.size, spec.interpolation)
+            out.append(torch.from_numpy(ref).permute(2, 0, 1))
     return torch.stack(out)
 
 

@@ -109,11 +109,15 @@ class SerialisingDecoder:
                 cls._inside -= 1
 
 
-def pil_resized_crop(rgb: np.ndarray, crop, size: tuple[int, int]) -> np.ndarray:
-    """Reference: PIL's antialiased bilinear resize of the crop window, cropped, flipped."""
+def pil_resized_crop(
+    rgb: np.ndarray, crop, size: tuple[int, int], interpolation: str = "bilinear"
+) -> np.ndarray:
+    """Reference: PIL's antialiased bilinear (or bicubic) resize of the crop window,
+    cropped, flipped."""
     y, x, h, w, rh, rw, oy, ox, flip = (int(v) for v in crop[:9])
     img = Image.fromarray(rgb).crop((x, y, x + w, y + h))
-    out = np.array(img.resize((rw, rh), Image.BILINEAR, reducing_gap=None))
+    mode = Image.BICUBIC if interpolation == "bicubic" else Image.BILINEAR
+    out = np.array(img.resize((rw, rh), mode, reducing_gap=None))
     out = out[oy : oy + size[0], ox : ox + size[1]]
     return np.ascontiguousarray(out[:, ::-1] if flip else out)
 

@@ -11,9 +11,11 @@ table of their addresses, so no image is padded, copied or converted to float fi
    row of the output batch with the output's strides (contiguous or channels_last).
 
 The filter is PIL's separable triangle filter (torchvision's ``antialias=True``): s source
-pixels each side when shrinking by s, else bilinear. Windows and flips come from the
-sampler, as on the CPU path. Triton is imported lazily; the kernels also run under its CPU
-interpreter (``TRITON_INTERPRET=1``), which the CPU test suite uses.
+pixels each side when shrinking by s, else bilinear; or, for ``interpolation="bicubic"``,
+PIL's cubic (a = -0.5), 2s pixels each side, each pass clamped to 0..255 as PIL's is.
+Windows and flips come from the sampler, as on the CPU path. Triton is imported lazily;
+the kernels also run under its CPU interpreter (``TRITON_INTERPRET=1``), which the CPU
+test suite uses.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ _P_STRIDES = slice(13, 16)  # the image's element strides: channel, row, column
 _P_COLS = 16
 _BLOCK_W = 256  # output columns per kernel tile (at most)
 _ROWS = 4  # rows per kernel tile
+# The filters' half-widths in source pixels (before widening by the shrink factor): PIL's
+# triangle (bilinear) and cubic (bicubic).
+_SUPPORT = {"bilinear": 1.0, "bicubic": 2.0}
+CUBIC_A = -0.5  # PIL's (and torch's antialiased) bicubic
+PLAIN_CUBIC_A = -0.75  # torch's bicubic without antialias (and OpenCV's INTER_CUBIC)
 
 
 def _kernels():
@@ -155,10 +162,13 @@ def triton_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _max_taps(window: np.ndarray, resized: np.ndarray, antialias: bool) -> int:
+def _max_taps(
+    window: np.ndarray, resized: np.ndarray, antialias: bool, interpolation: str = "bilinear"
+) -> int:
     """Most source pixels one output pixel reads along an axis, over the batch."""
     scale = window.astype(np.float64) / np.maximum(resized, 1)
     support = np.maximum(scale, 1.0) if antialias else np.ones_like(scale)
+    support = support * _SUPPORT[interpolation]
     return int(np.ceil(2 * support.max())) + 2 if len(scale) else 1
 
 
@@ -190,20 +200,37 @@ def image_params(
 
 
 def filter_matrix(
-    out_size: int, offset: int, window: int, resized: int, antialias: bool
+    out_size: int,
+    offset: int,
+    window: int,
+    resized: int,
+    antialias: bool,
+    interpolation: str = "bilinear",
 ) -> np.ndarray:
     """Weights [out_size, window] of the kernels' filter along one axis: output pixel k is
     pixel ``offset + k`` of the window resized to ``resized`` pixels (PIL's coefficients)."""
     scale = window / resized
     fscale = max(scale, 1.0) if antialias else 1.0
+    support = fscale * _SUPPORT[interpolation]
     centre = (np.arange(out_size) + offset + 0.5)[:, None] * scale
-    lo = np.maximum(np.trunc(centre - fscale + 0.5), 0)
-    hi = np.minimum(np.trunc(centre + fscale + 0.5), window)
+    lo = np.maximum(np.trunc(centre - support + 0.5), 0)
+    hi = np.minimum(np.trunc(centre + support + 0.5), window)
     x = np.arange(window)[None, :]
-    w = np.clip(1.0 - np.abs((x - centre + 0.5) / fscale), 0.0, None)
+    t = np.abs((x - centre + 0.5) / fscale)
+    if interpolation == "bicubic":
+        w = _cubic(t, CUBIC_A if antialias else PLAIN_CUBIC_A)
+    else:
+        w = np.clip(1.0 - t, 0.0, None)
     w = np.where((x >= lo) & (x < hi), w, 0.0)
     total = w.sum(axis=1, keepdims=True)
     return w / np.where(total > 0, total, 1.0)
+
+
+def _cubic(t: np.ndarray, a: float) -> np.ndarray:
+    """The cubic convolution kernel (Keys) of parameter ``a`` at distances ``t`` >= 0."""
+    near = ((a + 2.0) * t - (a + 3.0)) * t * t + 1.0
+    far = (((t - 5.0) * t + 8.0) * t - 4.0) * a
+    return np.where(t < 1.0, near, np.where(t < 2.0, far, 0.0))
 
 
 class GpuAugment:
@@ -212,11 +239,13 @@ class GpuAugment:
     Args:
         size: output (height, width).
         mean, std: normalisation (RGB, 0..1); ignored for uint8 output.
-        antialias: PIL's antialiased filter when shrinking, else plain bilinear.
+        antialias: PIL's antialiased filter when shrinking, else plain bilinear (or plain
+            bicubic: torch's, a = -0.75).
         backend: "triton" (the kernels; the default on CUDA) or "torch" (the same filter as
             two matrix products per image: the default on the CPU, where the CPU test
             suite runs the GPU path's pipeline).
         stats: a ``LoaderStats`` counting the bytes of the kernels' tables it copies.
+        interpolation: "bilinear" (the triangle filter) or "bicubic" (the cubic one).
     """
 
     def __init__(
@@ -227,8 +256,10 @@ class GpuAugment:
         antialias: bool = True,
         backend: str = "auto",
         stats=None,
+        interpolation: str = "bilinear",
     ) -> None:
         self.size, self.antialias, self.backend = tuple(size), bool(antialias), backend
+        self.interpolation = interpolation
         self.stats = stats
         std64 = np.asarray(std, dtype=np.float64)
         self._scale = [float(v) for v in 1.0 / (255.0 * std64)]
@@ -260,28 +291,33 @@ class GpuAugment:
         table, p, rows = upload(out.device, images.addresses, params, row_image, stats=self.stats)
         h_out, w_out = self.size
         scratch = torch.empty((len(row_image), 3, w_out), dtype=torch.float32, device=dev)
-        taps_x = _max_taps(crops[:, _P_W], crops[:, _P_RW], self.antialias)
-        taps_y = _max_taps(crops[:, _P_H], crops[:, _P_RH], self.antialias)
+        taps_x = _max_taps(crops[:, _P_W], crops[:, _P_RW], self.antialias, self.interpolation)
+        taps_y = _max_taps(crops[:, _P_H], crops[:, _P_RH], self.antialias, self.interpolation)
+        cubic = self.interpolation == "bicubic"
         rows_kernel, cols_kernel = _kernels()
         block = min(_BLOCK_W, triton_pow2(w_out))
         cols = -(-w_out // block)
         rows_kernel[(-(-len(row_image) // _ROWS), cols)](
             table, p, rows, scratch, len(row_image), w_out, taps_x,
-            ANTIALIAS=self.antialias, ROWS=_ROWS, BLOCK=block,
+            ANTIALIAS=self.antialias, CUBIC=cubic, ROWS=_ROWS, BLOCK=block,
         )  # fmt: skip
         cols_kernel[(len(images), -(-h_out // _ROWS), cols)](
             scratch, p, out, h_out, w_out, taps_y, *out.stride(), *self._scale, *self._bias,
-            ANTIALIAS=self.antialias, RAW=out.dtype == torch.uint8, ROWS=_ROWS, BLOCK=block,
+            ANTIALIAS=self.antialias, CUBIC=cubic, RAW=out.dtype == torch.uint8, ROWS=_ROWS,
+            BLOCK=block,
         )  # fmt: skip
 
     def _one(self, image: torch.Tensor, crop: np.ndarray, raw: bool) -> torch.Tensor:
         """One image through the same filter as the kernels, as matrix products."""
         y, x, h, w, rh, rw, oy, ox, flip = (int(v) for v in crop[:9])
         h_out, w_out = self.size
-        wy = filter_matrix(h_out, oy, h, rh, self.antialias)
-        wx = filter_matrix(w_out, ox, w, rw, self.antialias)
+        wy = torch.from_numpy(filter_matrix(h_out, oy, h, rh, self.antialias, self.interpolation))
+        wx = torch.from_numpy(filter_matrix(w_out, ox, w, rw, self.antialias, self.interpolation))
         window = image[:, y : y + h, x : x + w].double().cpu()
-        v = torch.from_numpy(wy) @ window @ torch.from_numpy(wx).T
+        if self.interpolation == "bicubic":  # rows first, clamped between passes: the kernels'
+            v = wy @ (window @ wx.T).clamp_(0, 255)
+        else:
+            v = wy @ window @ wx.T
         v = torch.floor(v + 0.5).clamp_(0, 255).to(image.device)
         if flip:
             v = v.flip(-1)

@@ -4,7 +4,7 @@ One graph decodes each sample's crop window (``decoders.image_slice``), resizes 
 output size (antialiased, rounded to uint8) and flips and normalises it into the output
 dtype and layout (``crop_mirror_normalize``), all in DALI's own threads and streams. The
 windows are the sampler's, so the samples are the same on every backend; the pixels differ
-from the loader's own kernels only by DALI's resampling (the same triangle filter).
+from the loader's own kernels only by DALI's resampling (the same triangle or cubic filter).
 """
 
 from __future__ import annotations
@@ -29,9 +29,24 @@ class Graph(NamedTuple):
     mean: tuple
     std: tuple
     antialias: bool
+    interpolation: str  # "bilinear" or "bicubic" (``interp_type``)
     centre_crop: bool  # resize the part of each window the output is cropped from
     hw_load: float  # the share of the JPEGs for the hardware engines (CUDA only)
     no_copy: bool  # whether DALI reads the JPEGs where they lie instead of copying them
+
+
+def interp_type(interpolation: str):
+    """DALI's ``interp_type`` for the transform's ``interpolation``.
+
+    DALI's cubic is PIL's kernel (Catmull-Rom, a = -0.5, read from a 129-point table) and
+    with ``antialias`` is widened by the shrink factor as PIL's is (its resampling
+    filters' source; not run here). Unlike PIL it keeps floats between its two passes (no
+    clamp to 0..255 there), and without antialias it stays a = -0.5, where torch's plain
+    bicubic and the loader's kernels use a = -0.75.
+    """
+    from nvidia.dali import types
+
+    return {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}[interpolation]
 
 
 def dali_dtype(dtype: torch.dtype) -> tuple:
@@ -107,7 +122,7 @@ def build_pipeline(g: Graph):
                 "roi_relative": False,
             }
         images = fn.resize(
-            images, resize_y=out_h, resize_x=out_w, interp_type=types.INTERP_LINEAR,
+            images, resize_y=out_h, resize_x=out_w, interp_type=interp_type(g.interpolation),
             antialias=g.antialias, **roi,
         )  # fmt: skip
         return fn.crop_mirror_normalize(

@@ -9,32 +9,49 @@ import triton.language as tl
 
 
 @triton.jit
-def filter_span(pos, size, scale, antialias: tl.constexpr):
+def filter_span(pos, size, scale, antialias: tl.constexpr, cubic: tl.constexpr):
     # PIL's precompute_coeffs: the centre of output pixel `pos` in source coordinates,
-    # the filter's half-width (scale when shrinking with antialias, else 1) and the
-    # first source pixel it covers.
+    # the filter's scale (the shrink factor with antialias, else 1), the first source
+    # pixel it covers and the one past its last (its half-width is the scale, twice that
+    # for the cubic).
     centre = (pos.to(tl.float32) + 0.5) * scale
     if antialias:  # noqa: SIM108  (a constexpr branch: Triton compiles one side)
         fscale = tl.maximum(scale, 1.0)
     else:
         fscale = scale * 0.0 + 1.0
-    lo = tl.maximum((centre - fscale + 0.5).to(tl.int32), 0)
-    hi = tl.minimum((centre + fscale + 0.5).to(tl.int32), size)
+    if cubic:  # noqa: SIM108
+        support = 2.0 * fscale
+    else:
+        support = fscale
+    lo = tl.maximum((centre - support + 0.5).to(tl.int32), 0)
+    hi = tl.minimum((centre + support + 0.5).to(tl.int32), size)
     return centre, fscale, lo, hi
 
 
 @triton.jit
-def tap_weight(src, centre, fscale, use):
-    # The triangle filter's weight of source pixel `src` for an output pixel centred at
-    # `centre` (0 where `use` is false: past the window or the tile).
-    wgt = tl.maximum(1.0 - tl.abs((src.to(tl.float32) - centre + 0.5) / fscale), 0.0)
+def tap_weight(src, centre, fscale, use, antialias: tl.constexpr, cubic: tl.constexpr):
+    # The filter's weight of source pixel `src` for an output pixel centred at `centre`
+    # (0 where `use` is false: past the window or the tile): the triangle, or the cubic
+    # convolution kernel with PIL's a = -0.5 (torch's -0.75 without antialias:
+    # ``augment.CUBIC_A``, ``PLAIN_CUBIC_A``).
+    t = tl.abs((src.to(tl.float32) - centre + 0.5) / fscale)
+    if cubic:
+        if antialias:  # noqa: SIM108
+            a = -0.5
+        else:
+            a = -0.75
+        near = ((a + 2.0) * t - (a + 3.0)) * t * t + 1.0
+        far = (((t - 5.0) * t + 8.0) * t - 4.0) * a
+        wgt = tl.where(t < 1.0, near, tl.where(t < 2.0, far, 0.0))
+    else:
+        wgt = tl.maximum(1.0 - t, 0.0)
     return tl.where(use, wgt, 0.0)
 
 
 @triton.jit
 def resample_rows(
     images, crop_info, row_image, scratch, n_rows, out_w, taps,
-    ANTIALIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ANTIALIAS: tl.constexpr, CUBIC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # A tile of ROWS scratch rows (window rows, possibly of several images) by BLOCK output
     # columns: each row resampled horizontally to the columns the output keeps.
@@ -52,7 +69,7 @@ def resample_rows(
     live = t_ok[:, None] & (j < out_w)[None, :]
     scale = ww.to(tl.float32) / rw.to(tl.float32)
     centre, fscale, lo, hi = filter_span(
-        j[None, :] + ox[:, None], ww[:, None], scale[:, None], ANTIALIAS
+        j[None, :] + ox[:, None], ww[:, None], scale[:, None], ANTIALIAS, CUBIC
     )
     acc0 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
     acc1 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
@@ -61,17 +78,22 @@ def resample_rows(
     for k in range(0, taps):
         x = lo + k
         use = live & (x < hi)
-        wgt = tap_weight(x, centre, fscale, use)
+        wgt = tap_weight(x, centre, fscale, use, ANTIALIAS, CUBIC)
         at = row[:, None] + x * sx[:, None]
         acc0 += wgt * tl.load(at, mask=use, other=0).to(tl.float32)
         acc1 += wgt * tl.load(at + sc[:, None], mask=use, other=0).to(tl.float32)
         acc2 += wgt * tl.load(at + 2 * sc[:, None], mask=use, other=0).to(tl.float32)
         total += wgt
     total = tl.where(total > 0, total, 1.0)
+    r0, r1, r2 = acc0 / total, acc1 / total, acc2 / total
+    if CUBIC:  # PIL clamps each pass to 0..255: the cubic overshoots at edges (a triangle cannot)
+        r0 = tl.minimum(tl.maximum(r0, 0.0), 255.0)
+        r1 = tl.minimum(tl.maximum(r1, 0.0), 255.0)
+        r2 = tl.minimum(tl.maximum(r2, 0.0), 255.0)
     base = scratch + t.to(tl.int64)[:, None] * 3 * out_w + j[None, :]
-    tl.store(base, acc0 / total, mask=live)
-    tl.store(base + out_w, acc1 / total, mask=live)
-    tl.store(base + 2 * out_w, acc2 / total, mask=live)
+    tl.store(base, r0, mask=live)
+    tl.store(base + out_w, r1, mask=live)
+    tl.store(base + 2 * out_w, r2, mask=live)
 
 
 @triton.jit
@@ -79,7 +101,8 @@ def resample_cols(
     scratch, crop_info, out, out_h, out_w, taps,
     s_n, s_c, s_h, s_w,
     m0, m1, m2, b0, b1, b2,
-    ANTIALIAS: tl.constexpr, RAW: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ANTIALIAS: tl.constexpr, CUBIC: tl.constexpr, RAW: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     # A tile of ROWS output rows by BLOCK columns of image g: each output pixel resampled
     # vertically from the scratch rows, rounded, mirrored, normalised and stored.
@@ -91,7 +114,7 @@ def resample_cols(
     j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     live = (i < out_h)[:, None] & (j < out_w)[None, :]
     scale = wh.to(tl.float32) / rh.to(tl.float32)
-    centre, fscale, lo, hi = filter_span((i + oy)[:, None], wh, scale, ANTIALIAS)
+    centre, fscale, lo, hi = filter_span((i + oy)[:, None], wh, scale, ANTIALIAS, CUBIC)
     acc0 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
     acc1 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
     acc2 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
@@ -99,7 +122,7 @@ def resample_cols(
     for k in range(0, taps):
         y = lo + k
         use = live & (y < hi)
-        wgt = tap_weight(y, centre, fscale, use)
+        wgt = tap_weight(y, centre, fscale, use, ANTIALIAS, CUBIC)
         base = scratch + (row0 + y).to(tl.int64) * 3 * out_w + j[None, :]
         acc0 += wgt * tl.load(base, mask=use, other=0.0)
         acc1 += wgt * tl.load(base + out_w, mask=use, other=0.0)

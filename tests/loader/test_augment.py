@@ -162,8 +162,14 @@ def test_transform_errors(args, match):
         ({"ratio": (0, 1)}, r"ratio=\(0, 1\) is invalid"),
         ({"flip": 2}, r"flip=2 is invalid"),
         ({"crop_pct": 0}, r"crop_pct=0 is invalid"),
+        ({"interpolation": "nearest"}, r"interpolation='nearest' is invalid: pass 'bilinear' or"),
     ],
 )
 def test_transform_field_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Transform("train", **kwargs)
+
+
+def test_interpolation_is_bilinear_unless_asked():
+    assert Transform("train").interpolation == Transform("eval").interpolation == "bilinear"
+    assert Transform("eval", interpolation="bicubic").interpolation == "bicubic"

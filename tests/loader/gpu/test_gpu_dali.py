@@ -143,7 +143,11 @@ def test_dali_copies_on_the_stream_it_is_given():
 
 
 @needs_dali
-@pytest.mark.parametrize("spec", [TRAIN, EVAL], ids=["train", "eval"])
+@pytest.mark.parametrize(
+    "spec",
+    [TRAIN, EVAL, Transform("train", SIZE, interpolation="bicubic")],
+    ids=["train", "eval", "train-bicubic"],
+)
 def test_same_samples_windows_and_pixels_as_the_full_decode(store, spec):
     full = epoch(make(store, transform=spec, decoder=BACKEND))
     dl = make(store, transform=spec)
