@@ -223,6 +223,12 @@ class DataLoader:
 
     # -- the torch-like surface ---------------------------------------------------------
 
+    @property
+    def batch_sampler(self) -> torch.utils.data.BatchSampler:
+        """As torch's: ``sampler``'s indices in batches (what scripts probe for
+        ``set_epoch``, e.g. timm's ``train.py``); the loader's own batches are these."""
+        return torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last)
+
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
         return len(self._plan)

@@ -1,58 +1,17 @@
-"""Recognise the standard torchvision transform recipes as a built-in ``loader.Transform``.
-
-``LMDBDataset(root, transform=T)`` given to ``loader.DataLoader`` takes the fast path when
-``T`` is one of the recipes every ImageNet script writes, in torchvision v1
-(``torchvision.transforms``) or v2 (``torchvision.transforms.v2``) classes:
-
-* train: ``RandomResizedCrop(size, scale, ratio)`` and an optional
-  ``RandomHorizontalFlip(p)`` (before or after it);
-* eval: ``Resize(short)`` then ``CenterCrop(size)`` (``short >= size``);
-
-each followed (or, for v2 tensors, preceded) by a conversion to float in 0..1 (``ToTensor()``,
-``PILToTensor()`` + ``ConvertImageDtype(torch.float32)``, or ``ToImage()`` +
-``ToDtype(torch.float32, scale=True)``) and an optional ``Normalize(mean, std)`` after all
-of them. After the crop and before the conversion, ``ColorJitter`` and ``RandomGrayscale``
-may follow in any number and order; ``RandomErasing`` may end the recipe (after the
-conversion and ``Normalize``). Interpolation must be bilinear (the default). Anything
-else (another class, a subclass, another order, bicubic) is not recognised, and the
-reason says which step.
-"""
+"""The recipe reader: a torchvision recipe, step by step, into a ``Transform``'s arguments."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from loader.augment import Transform
+from loader.ops.autoaugment import AutoAugment, RandAugment, TrivialAugmentWide
 from loader.ops.color import ColorJitter, RandomGrayscale
 from loader.ops.erasing import RandomErasing
-
-_MODULES = ("torchvision.transforms.transforms", "torchvision.transforms.v2._")
-
-
-class NotARecipe(Exception):
-    """The transform is not a recognised recipe; the message says which step and why."""
+from loader.recipes.names import NotARecipe, interpolation
+from loader.recipes.names import name as _name
+from loader.recipes.timm import TimmSteps
 
 
-def _name(step) -> str:
-    """The torchvision class name of ``step``, or "" for anything not from torchvision."""
-    module = type(step).__module__
-    return type(step).__name__ if module.startswith(_MODULES) else ""
-
-
-def _steps(transform) -> list:
-    """The steps of a (possibly nested) ``Compose``, or ``[transform]``."""
-    if _name(transform) == "Compose":
-        return [s for t in transform.transforms for s in _steps(t)]
-    return [transform]
-
-
-def _bilinear(step) -> None:
-    mode = getattr(step.interpolation, "value", step.interpolation)
-    if mode != "bilinear":
-        raise NotARecipe(f"{_name(step)} interpolates with {mode!r}, not bilinear")
-
-
-class _Reader:
+class Reader(TimmSteps):
     """Reads a recipe step by step into the arguments of a ``Transform``."""
 
     def __init__(self) -> None:
@@ -67,13 +26,13 @@ class _Reader:
 
     def read(self, step) -> None:
         name = _name(step)
-        handler = getattr(self, f"_{name}", None) if name else None
+        handler = getattr(self, f"_{name.replace('.', '_')}", None) if name else None
         if handler is None:
             what = name or type(step).__name__
             raise NotARecipe(f"{what} is not a step the loader runs itself")
         if self.erasing is not None:
             raise NotARecipe(f"{name} comes after RandomErasing")
-        if self.normalized and name != "RandomErasing":
+        if self.normalized and not name.endswith("RandomErasing"):
             raise NotARecipe(f"{name} comes after Normalize")
         handler(step)
 
@@ -96,6 +55,26 @@ class _Reader:
         self._pixels(step)
         self.steps.append(RandomGrayscale(float(step.p)))
 
+    def _auto_augment(self, step, kind: type, **args) -> None:
+        """torchvision's RandAugment, TrivialAugmentWide or AutoAugment as ours, ``kind``."""
+        self._pixels(step)
+        fill = step.fill
+        try:
+            mode = getattr(step.interpolation, "value", step.interpolation)
+            self.steps.append(kind(interpolation=mode, fill=fill, **args))
+        except ValueError as e:
+            raise NotARecipe(f"{_name(step)}: {e}") from None
+
+    def _RandAugment(self, step) -> None:
+        args = {k: getattr(step, k) for k in ("num_ops", "magnitude", "num_magnitude_bins")}
+        self._auto_augment(step, RandAugment, **args)
+
+    def _TrivialAugmentWide(self, step) -> None:
+        self._auto_augment(step, TrivialAugmentWide, num_magnitude_bins=step.num_magnitude_bins)
+
+    def _AutoAugment(self, step) -> None:
+        self._auto_augment(step, AutoAugment, policy=getattr(step.policy, "value", step.policy))
+
     def _RandomErasing(self, step) -> None:
         if self.tensor != "float":
             raise NotARecipe("RandomErasing comes before the conversion to float")
@@ -113,10 +92,12 @@ class _Reader:
             float(step.p), tuple(step.scale), tuple(step.ratio), fill, value
         )
 
-    def _geometry(self, step, kind: str) -> None:
+    def _geometry(self, step, kind: str, mode=None) -> None:
         if self.kind is not None:
             raise NotARecipe(f"{_name(step)} follows another resizing step")
-        _bilinear(step)
+        mode = interpolation(step, mode)
+        if mode != "bilinear":
+            self.args["interpolation"] = mode
         self.kind = kind
         # On PIL images torchvision always antialiases; on tensors only if asked.
         self.args["antialias"] = True if self.tensor is None else bool(step.antialias)
@@ -202,16 +183,3 @@ def _crop_pct(crop: int, short: int) -> float:
     """A ``crop_pct`` with ``int(crop / crop_pct) == short``, as ``Transform`` computes it."""
     pct = crop / short
     return pct if int(crop / pct) == short else crop / (short + 0.5)
-
-
-def recognise(transform: Callable) -> Transform:
-    """The built-in ``Transform`` that does what the torchvision ``transform`` does.
-
-    Raises:
-        NotARecipe: ``transform`` is not one of the recipes (see the module docstring);
-            the message names the step that is not.
-    """
-    reader = _Reader()
-    for step in _steps(transform):
-        reader.read(step)
-    return reader.transform()

@@ -63,6 +63,16 @@ def store(tmp_path_factory):
             T.Compose([T.Compose([T.Resize(257), T.CenterCrop(224)]), T.ToTensor()]),
             Transform("eval", 224, crop_pct=224 / 257, **RAW),
         ),
+        (  # bicubic, v1 and v2, train and eval
+            T.Compose([T.RandomResizedCrop(224, interpolation=T.InterpolationMode.BICUBIC),
+                       T.ToTensor()]),
+            Transform("train", 224, flip=0.0, interpolation="bicubic", **RAW),
+        ),
+        (
+            V.Compose([V.Resize(256, interpolation=V.InterpolationMode.BICUBIC),
+                       V.CenterCrop(224), V.ToImage(), F32]),
+            Transform("eval", 224, interpolation="bicubic", **RAW),
+        ),
     ],
 )  # fmt: skip
 def test_recognised(transform, expected):
@@ -93,8 +103,8 @@ def test_eval_resizes_the_short_side_exactly():
             (0.5,) * 3, (0.5,) * 3)]), "Normalize comes after RandomErasing"),
         (T.Compose([T.RandomResizedCrop(224), T.RandomErasing(), T.ToTensor()]),
          "RandomErasing comes before the conversion to float"),
-        (T.Compose([T.Resize(256, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(224),
-                    T.ToTensor()]), "Resize interpolates with 'bicubic', not bilinear"),
+        (T.Compose([T.Resize(256, interpolation=T.InterpolationMode.NEAREST), T.CenterCrop(224),
+                    T.ToTensor()]), "Resize interpolates with 'nearest', not bilinear or bicubic"),
         (T.Compose([T.Resize((256, 256)), T.CenterCrop(224), T.ToTensor()]),
          r"Resize(size=(256, 256)) is not a resize of the short side"),
         (T.Compose([T.Resize(200), T.CenterCrop(224), T.ToTensor()]),
@@ -209,3 +219,41 @@ def test_colour_steps_and_erasing_are_read_in_order(v2):
         t.Compose([*head, t.RandomResizedCrop(8), *to_float, t.RandomErasing(value=1)])
     )
     assert constant.erasing.fill == "const" and constant.erasing.value == (1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_auto_augment_policies_are_pixel_steps(v2):
+    from loader.ops.autoaugment import AutoAugment, RandAugment, TrivialAugmentWide
+
+    t = V if v2 else T
+    to_float = [t.ToDtype(torch.float32, scale=True)] if v2 else [t.ToTensor()]
+    head = [t.ToImage()] if v2 else []
+    bilinear = t.InterpolationMode.BILINEAR
+    for step, want in [
+        (t.RandAugment(), RandAugment(2, 9, 31, "nearest", None)),
+        (t.RandAugment(3, 7, 21, bilinear, [128, 64, 0]),
+         RandAugment(3, 7, 21, "bilinear", (128.0, 64.0, 0.0))),
+        (t.TrivialAugmentWide(), TrivialAugmentWide(31, "nearest", None)),
+        (t.AutoAugment(), AutoAugment("imagenet", "nearest", None)),
+    ]:  # fmt: skip
+        spec = recognise(t.Compose([*head, t.RandomResizedCrop(64), step, *to_float]))
+        assert spec.steps == (want,), step
+    with pytest.raises(NotARecipe, match="RandAugment comes before the crop"):
+        recognise(t.Compose([*head, t.RandAugment(), t.RandomResizedCrop(64), *to_float]))
+
+
+def test_a_randaugment_recipe_runs_on_the_cpu_path(store):
+    tf = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip(), T.RandAugment(),
+                    T.ToTensor(), T.Normalize(MEAN, STD)])  # fmt: skip
+    dl = loader.DataLoader(loader.LMDBDataset(store, transform=tf), batch_size=8, seed=3)
+    assert isinstance(dl, loader.DataLoader)
+    first = [b[0] for b in dl]
+    again = [b[0] for b in loader.DataLoader(loader.LMDBDataset(store, transform=tf),
+                                             batch_size=8, seed=3)]  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    plain = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip(), T.ToTensor(),
+                       T.Normalize(MEAN, STD)])  # fmt: skip
+    base = [b[0] for b in loader.DataLoader(loader.LMDBDataset(store, transform=plain),
+                                            batch_size=8, seed=3)]  # fmt: skip
+    changed = torch.cat([(a != b).flatten(1).any(1) for a, b in zip(first, base, strict=True)])
+    assert 0.5 < changed.float().mean() <= 1.0  # two ops an image; identity sometimes
