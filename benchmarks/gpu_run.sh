@@ -1,14 +1,14 @@
 #!/bin/bash
 # The benchmarks on the GPU machine. Run from the repository root after the wheels are
 # installed in /tmp/site (../shared/GPU.md), with the photographs in .photos:
-#   benchmarks/gpu_run.sh STAGE...   (prepare, tests, bench, profile, ingest, ddp, soak)
+#   benchmarks/gpu_run.sh STAGE...   (prepare, tests, bench, timm, profile, ingest, ddp, soak)
 # Logs and JSON go to $OUT. Knobs (environment):
 #   IMAGES (20000) and SHORT_SIDE (e.g. 800-1000: camera-sized images) for the store;
 #   bench: PASSES (3), MIN_PASS (least seconds of a timed pass; imfeed-bench's default 2),
 #     TRAIN=0 (no training checks), TRAIN_STEPS (30), TRAIN_WARMUP, ONLY (pipelines),
 #     MAX_SIZE=512 (every pipeline on images capped at 512 px), ENCODING (raw, mixed:SHARE:
 #     ours read a store of that encoding; name@jpeg in ONLY: ours on the JPEG store), NAME,
-#     BENCH_S (time limit);
+#     RECIPE (randaugment), BENCH_S (time limit);
 #   tests: TESTS (files or node ids), TESTS_K (a -k expression), TESTS_S (time limit);
 #   soak: SOAK_S (seconds), SOAK_ARGS (e.g. "--cache shm --resume-every 20");
 #   ddp: DDP_RUNS (1 2 2numa), DDP_ARGS, DDP_TAG (added to the file names).
@@ -26,10 +26,11 @@ for stage in "$@"; do
   case $stage in
     prepare) prepare; tail -1 $OUT/prepare.log 2>/dev/null || echo "reusing $STORE" ;;
     tests) timeout ${TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/loader/gpu/test_gpu_path.py tests/loader/gpu/test_gpu_dali.py} ${TESTS_K:+-k "$TESTS_K"} > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log ;;
-    bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W ${MAX_SIZE:+--max-size $MAX_SIZE} ${SHORT_SIDE:+--short-side $SHORT_SIDE} ${ENCODING:+--encoding $ENCODING} \
+    bench) prepare; timeout ${BENCH_S:-560} python3 -m loader.bench --images "$N" --photos .photos --workdir $W ${MAX_SIZE:+--max-size $MAX_SIZE} ${SHORT_SIDE:+--short-side $SHORT_SIDE} ${ENCODING:+--encoding $ENCODING} ${RECIPE:+--recipe $RECIPE} \
         --batch-size 256 --workers 16 --dtype float16 --channels-last --passes ${PASSES:-3} ${MIN_PASS:+--min-pass-seconds $MIN_PASS} $([ "${TRAIN:-1}" = 1 ] && echo --train-check) \
         --train-steps ${TRAIN_STEPS:-30} ${TRAIN_WARMUP:+--train-warmup $TRAIN_WARMUP} --only "${ONLY:-torch-pil,loader-nvjpeg,loader-dali,loader-dali-auto,dali-crop,dali-ram}" \
         --name "${NAME:-gpu-h200-dali}" --out $OUT --logs /tmp/blogs > $OUT/bench.log 2>&1; tail -25 $OUT/bench.log ;;
+    timm) prepare; benchmarks/timm_train.sh "$FOLDER" "$STORE" > $OUT/timm-train.log 2>&1; grep "^timm " $OUT/timm-train.log ;;
     profile) prepare; timeout 300 python3 benchmarks/profile_example.py "$FOLDER" "$STORE" > $OUT/profile.log 2>&1; cat $OUT/profile.log | tail -20 ;;
     ingest) timeout ${INGEST_S:-300} python3 benchmarks/bench_ingest.py --images 20000 --workdir /tmp/bi --out $OUT > $OUT/ingest.log 2>&1; tail -25 $OUT/ingest.log ;;
     soak) prepare; timeout $(( ${SOAK_S:-300} + 90 )) python3 benchmarks/soak.py "$STORE" --seconds ${SOAK_S:-300} --device cuda --workers 16 ${SOAK_ARGS:-} --out $OUT/soak.json > $OUT/soak.log 2>&1; tail -c 1500 $OUT/soak.log ;;

@@ -18,11 +18,12 @@ import numpy as np
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 KINDS = ("train", "eval")
-INTERPOLATIONS = ("bilinear", "bicubic")
+INTERPOLATIONS = ("bilinear", "bicubic", "random")  # random: either, per image (timm's)
 
 # Columns of a crop-parameter row (int32): window Y, X, H, W in source pixels; resized size
-# RH, RW; output offset OY, OX inside the resized window; FLIP (1 = mirror left-right).
-CROP_COLUMNS = ("y", "x", "h", "w", "rh", "rw", "oy", "ox", "flip")
+# RH, RW; output offset OY, OX inside the resized window; FLIP (1 = mirror left-right);
+# CUBIC (1 = the bicubic filter, 0 = bilinear).
+CROP_COLUMNS = ("y", "x", "h", "w", "rh", "rw", "oy", "ox", "flip", "cubic")
 _RRC_TRIES = 10  # attempts before the central-crop fallback, as in torchvision
 
 
@@ -51,7 +52,8 @@ class Transform:
             rather than plain bilinear sampling, which is faster but aliases.
         interpolation: "bilinear" (PIL's triangle filter) or "bicubic" (PIL's cubic,
             a = -0.5), as torchvision's ``Resize(..., interpolation=, antialias=True)``
-            resizes a PIL image; with ``antialias=False``, torch's plain bicubic (a = -0.75).
+            resizes a PIL image; with ``antialias=False``, torch's plain bicubic (a = -0.75);
+            or, for train, "random": either of them, drawn per image (timm's default).
         steps: batched steps on the cropped uint8 pixels, in order (``loader.ops.color``:
             ``ColorJitter``, ``RandomGrayscale``): batched on the GPU, per image in the workers.
         erasing: a ``loader.ops.erasing.RandomErasing`` of the normalised batch, or None.
@@ -88,7 +90,13 @@ class Transform:
         object.__setattr__(self, "steps", tuple(self.steps))
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(
-                f"interpolation={self.interpolation!r} is invalid: pass 'bilinear' or 'bicubic'"
+                f"interpolation={self.interpolation!r} is invalid: pass 'bilinear', 'bicubic' "
+                "or (train) 'random'"
+            )
+        if self.interpolation == "random" and self.kind != "train":
+            raise ValueError(
+                "interpolation='random' is for kind='train': an eval transform resizes every "
+                "image alike; pass 'bilinear' or 'bicubic'"
             )
         self._check_ranges()
         for name in ("mean", "std"):
@@ -162,6 +170,10 @@ def plan_crops(
     else:
         out[:, 2], out[:, 3] = h, w
         out[:, 4:8] = centre_crop_resize(h, w, spec.size, spec.crop_pct)
+    if spec.interpolation == "random":  # drawn last: the other draws stay as they were
+        out[:, 9] = rng.random(len(h)) < 0.5
+    else:
+        out[:, 9] = spec.interpolation == "bicubic"
     return out.astype(np.int32)
 
 

@@ -82,7 +82,8 @@ def pil_reference(store, spec, batches, seed: int) -> torch.Tensor:
                 rgb = rgb if rgb.shape[2] == 3 else rgb.repeat(3, axis=2)
             else:
                 rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-            ref = pil_resized_crop(rgb, crop, spec.size, spec.interpolation)
+            mode = "bicubic" if crop[9] else "bilinear"  # the row says (spec: maybe random)
+            ref = pil_resized_crop(rgb, crop, spec.size, mode)
             out.append(torch.from_numpy(ref).permute(2, 0, 1))
     return torch.stack(out)
 

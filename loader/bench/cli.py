@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ingest.cli import quiet_pipe
 from ingest.cores import usable_cores
+from loader.bench.settings import RECIPES
 
 DTYPES = ("float32", "float16", "bfloat16", "uint8")
 
@@ -51,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
     a("--dtype", choices=DTYPES, default="float32", help="images dtype delivered")
     a("--channels-last", action="store_true", help="deliver images in channels_last layout")
     a("--eval", action="store_true", help="resize + centre crop instead of train augmentation")
+    a("--recipe", choices=RECIPES, default="standard", help="train augmentation: crop + flip, "
+      "or RandAugment(2, 9) after them (DALI: its auto_aug.rand_augment)")  # fmt: skip
     a("--passes", type=int, help="timed passes after a warm-up pass (default 3; --quick 2)")
     a("--min-pass-seconds", type=float, help="a pass reads whole epochs until at least this "
       "long has passed (default 2; --quick 0: one epoch), so that a fast pipeline's passes "
@@ -204,8 +207,13 @@ def subtitle(report: dict) -> str:
         f"{m['cpu']}, {m['cpus']} cores, {m['gpu'] or 'no GPU'}; {d['images']} images{kept}, "
         f"batch {s['batch_size']}, {s['workers']} workers, {s['dtype']}"
         f"{', channels_last' if s['channels_last'] else ''}, "
-        f"{'eval' if s['eval'] else 'train'} augmentation, on {s['device']}; {report['date']}"
+        f"{'eval' if s['eval'] else _recipe(s)} augmentation, on {s['device']}; {report['date']}"
     )
+
+
+def _recipe(settings: dict) -> str:
+    recipe = settings.get("recipe", "standard")  # reports before it have none
+    return "train" if recipe == "standard" else f"train + {recipe}"
 
 
 def _chart(path: Path, report: dict, say) -> str | None:

@@ -58,7 +58,7 @@ def _graph(variant: str, s: Settings, source: RamSource | None):
     dtype = {"float16": types.FLOAT16, "uint8": types.UINT8}.get(s.dtype, types.FLOAT)
     raw = s.dtype == "uint8"
 
-    @pipeline_def
+    @pipeline_def(enable_conditionals=s.recipe != "standard")
     def graph():
         if source is None:
             jpegs, labels = fn.readers.file(file_root=s.folder, random_shuffle=True, name="Reader")
@@ -73,6 +73,10 @@ def _graph(variant: str, s: Settings, source: RamSource | None):
         else:
             images = fn.decoders.image_random_crop(jpegs, device=decode_on, output_type=types.RGB)
             images = fn.resize(images, resize_x=SIZE, resize_y=SIZE)
+        if s.recipe == "randaugment" and not s.eval:  # as torchvision's RandAugment(2, 9)
+            from nvidia.dali.auto_aug import rand_augment
+
+            images = rand_augment.rand_augment(images, n=2, m=9, shape=(SIZE, SIZE))
         images = fn.crop_mirror_normalize(
             images,
             dtype=dtype,

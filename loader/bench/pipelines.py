@@ -164,6 +164,8 @@ def torch_transform(s: Settings):
         geometry = [T.Resize(int(SIZE / 0.875)), T.CenterCrop(SIZE)]
     else:
         geometry = [T.RandomResizedCrop(SIZE), T.RandomHorizontalFlip()]
+        if s.recipe == "randaugment":
+            geometry.append(T.RandAugment(num_ops=2, magnitude=9))
     if s.dtype == "uint8":
         return T.Compose([*geometry, T.PILToTensor()])
     return T.Compose([*geometry, T.ToTensor(), T.Normalize(MEAN, STD)])
@@ -217,7 +219,10 @@ class OurPipeline:
         self, decoder: str, s: Settings, cpu_share: float | str = 0.0, nice: int = 0
     ) -> None:
         import loader
+        from loader.recipes import recognise
 
+        # the recipe torch's pipelines run, recognised as the loader's own
+        recipe = "eval" if s.eval else recognise(torch_transform(s))
         self.dl = loader.DataLoader(
             s.store,
             batch_size=s.batch_size,
@@ -225,7 +230,7 @@ class OurPipeline:
             num_workers=s.workers,
             persistent_workers=s.workers > 0,
             pin_memory=s.device != "cpu",
-            transform="eval" if s.eval else "train",
+            transform=recipe,
             dtype=s.dtype,
             channels_last=s.channels_last,
             device=s.device,

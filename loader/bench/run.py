@@ -29,6 +29,7 @@ def settings(args, data: Data, device: str) -> Settings:
         train_warmup=max(args.train_warmup or 0, train_warmup(args.train_steps, args.workers)),
         min_pass_seconds=args.min_pass_seconds,
         jpeg_store=str(data.jpeg_store) if data.jpeg_store else None,
+        recipe=args.recipe,
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 SIZE = 224
+RECIPES = ("standard", "randaugment")  # train: crop + flip (+ RandAugment(num_ops=2, magnitude=9))
 
 
 @dataclass(frozen=True)
@@ -26,3 +27,4 @@ class Settings:
     train_warmup: int = 0
     min_pass_seconds: float = 0.0  # a pass reads whole epochs until this long has passed
     jpeg_store: str | None = None  # with --encoding: the JPEG store, which ``@jpeg`` read
+    recipe: str = "standard"  # train: "randaugment" adds RandAugment(2, 9) after the flip

@@ -137,11 +137,7 @@ class PixelBatches:
     def _ensure_decoder(self) -> None:
         """Create this process's decoder (and scratch) on first use."""
         if self._decoder is None:
-            self._decoder = get_decoder(
-                self.decoder_name,
-                antialias=self.spec.antialias,
-                interpolation=self.spec.interpolation,
-            )
+            self._decoder = get_decoder(self.decoder_name, antialias=self.spec.antialias)
             self._scratch = np.empty((*self.spec.size, 3), np.uint8) if self.planar else None
 
     def decode_sample(self, i: int, crop, out: np.ndarray, key: tuple, report: BatchReport) -> int:

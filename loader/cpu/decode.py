@@ -11,7 +11,6 @@ import torch
 from ingest.cstderr import captured
 from ingest.images.normalize import Reject, check_jpeg
 from ingest.images.probe import PngError, header_problem, plain_png
-from loader.augment import INTERPOLATIONS
 from loader.decode import DecodeError, in_worker_process
 
 _BASE = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # stored images are upright
@@ -42,24 +41,18 @@ class CpuDecoder:
     Args:
         antialias: when shrinking, low-pass filter first, as torchvision's antialiased
             resize does; otherwise plain bilinear sampling (faster, aliases fine detail).
-        interpolation: "bilinear" or "bicubic" (PIL's filters: ``_bilinear``, ``_bicubic``).
     """
 
     name = "cpu"
     in_workers = True
     devices = ("cpu", "cuda")  # decodes on the CPU, delivers anywhere
 
-    def __init__(self, antialias: bool = True, interpolation: str = "bilinear") -> None:
-        if interpolation not in INTERPOLATIONS:
-            raise ValueError(
-                f"interpolation={interpolation!r} is unknown; use one of {INTERPOLATIONS}"
-            )
+    def __init__(self, antialias: bool = True) -> None:
         if in_worker_process():
             # Workers are the parallelism; OpenCV's threads would oversubscribe the cores.
             # (In the training process the user's OpenCV setting is left alone.)
             cv2.setNumThreads(1)
         self.antialias = antialias
-        self.interpolation = interpolation
 
     def decode_into(
         self, data: bytes, kind: str, shape: tuple[int, int], crop: np.ndarray, out: np.ndarray
@@ -72,7 +65,7 @@ class CpuDecoder:
             img = np.frombuffer(data, np.uint8).reshape(shape[0], shape[1], -1)
             if img.shape[2] == 1:
                 img = cv2.cvtColor(img, cv2.COLOR_GRAY2RGB)
-            _crop_resize(img, crop, 1, out, self.antialias, self.interpolation)
+            _crop_resize(img, crop, 1, out, self.antialias)
             return
         f = reduction(kind, crop)
         if kind == "png":  # what libpng reads without a word, or refused before it does
@@ -97,7 +90,7 @@ class CpuDecoder:
             )
         if img.ndim == 2:  # a decoder that ignored the colour flag
             img = cv2.cvtColor(img, cv2.COLOR_GRAY2RGB)
-        _crop_resize(img, crop, f, out, self.antialias, self.interpolation)
+        _crop_resize(img, crop, f, out, self.antialias)
 
 
 def _quietly(data: bytes, kind: str) -> contextlib.AbstractContextManager:
@@ -129,14 +122,12 @@ def _window(crop: np.ndarray, f: int, shape: tuple[int, int]) -> tuple[int, int,
     return y0, x0, max(1, y1 - y0), max(1, x1 - x0)
 
 
-def _crop_resize(
-    img: np.ndarray, crop: np.ndarray, f: int, out: np.ndarray, aa: bool, interpolation: str
-) -> None:
+def _crop_resize(img: np.ndarray, crop: np.ndarray, f: int, out: np.ndarray, aa: bool) -> None:
     y, x, h, w = _window(crop, f, img.shape[:2])
-    rh, rw, oy, ox, flip = (int(v) for v in crop[4:9])
+    rh, rw, oy, ox, flip, cubic = (int(v) for v in crop[4:10])
     window = img[y : y + h, x : x + w]
     whole = (rh, rw) == out.shape[:2] and oy == ox == 0
-    resize = _bicubic if interpolation == "bicubic" else _bilinear
+    resize = _bicubic if cubic else _bilinear
     resized = resize(window, (rh, rw), aa, out if whole else None)
     if not whole:
         out[...] = resized[oy : oy + out.shape[0], ox : ox + out.shape[1]]

@@ -11,8 +11,9 @@ table of their addresses, so no image is padded, copied or converted to float fi
    row of the output batch with the output's strides (contiguous or channels_last).
 
 The filter is PIL's separable triangle filter (torchvision's ``antialias=True``): s source
-pixels each side when shrinking by s, else bilinear; or, for ``interpolation="bicubic"``,
-PIL's cubic (a = -0.5), 2s pixels each side, each pass clamped to 0..255 as PIL's is.
+pixels each side when shrinking by s, else bilinear; or, for the images whose crop row asks
+for it (``Transform.interpolation``), PIL's cubic (a = -0.5), 2s pixels each side, each pass
+clamped to 0..255 as PIL's is.
 Windows and flips come from the sampler, as on the CPU path. Triton is imported lazily;
 the kernels also run under its CPU interpreter (``TRITON_INTERPRET=1``), which the CPU
 test suite uses.
@@ -31,7 +32,8 @@ from loader.gpu.ragged import Ragged
 _P_Y, _P_X, _P_H, _P_W, _P_RH, _P_RW, _P_OY, _P_OX, _P_FLIP = range(9)
 _P_IMG_H, _P_IMG_W, _P_OUT_ROW, _P_ROW0 = range(9, 13)
 _P_STRIDES = slice(13, 16)  # the image's element strides: channel, row, column
-_P_COLS = 16
+_P_CUBIC = 16  # 1: the cubic filter (the crop row's CUBIC)
+_P_COLS = 17  # kernels.py reads rows of this many
 _BLOCK_W = 256  # output columns per kernel tile (at most)
 _ROWS = 4  # rows per kernel tile
 # The filters' half-widths in source pixels (before widening by the shrink factor): PIL's
@@ -162,13 +164,11 @@ def triton_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _max_taps(
-    window: np.ndarray, resized: np.ndarray, antialias: bool, interpolation: str = "bilinear"
-) -> int:
+def _max_taps(window: np.ndarray, resized: np.ndarray, antialias: bool, cubic: np.ndarray) -> int:
     """Most source pixels one output pixel reads along an axis, over the batch."""
     scale = window.astype(np.float64) / np.maximum(resized, 1)
     support = np.maximum(scale, 1.0) if antialias else np.ones_like(scale)
-    support = support * _SUPPORT[interpolation]
+    support = support * np.where(cubic != 0, _SUPPORT["bicubic"], _SUPPORT["bilinear"])
     return int(np.ceil(2 * support.max())) + 2 if len(scale) else 1
 
 
@@ -185,11 +185,12 @@ def image_params(
         out_rows: the row of the output batch each image goes to.
 
     Returns:
-        (params int32 [G, 16], row_image int32 [sum of window heights]).
+        (params int32 [G, _P_COLS], row_image int32 [sum of window heights]).
     """
     g = len(crops)
     params = np.empty((g, _P_COLS), dtype=np.int32)
     params[:, :9] = crops[:, :9]
+    params[:, _P_CUBIC] = crops[:, 9]
     params[:, _P_IMG_H], params[:, _P_IMG_W] = shapes[:, 0], shapes[:, 1]
     params[:, _P_OUT_ROW] = out_rows
     params[:, _P_STRIDES] = strides
@@ -245,7 +246,8 @@ class GpuAugment:
             two matrix products per image: the default on the CPU, where the CPU test
             suite runs the GPU path's pipeline).
         stats: a ``LoaderStats`` counting the bytes of the kernels' tables it copies.
-        interpolation: "bilinear" (the triangle filter) or "bicubic" (the cubic one).
+
+    Each crop row's CUBIC column picks the filter of its image: the triangle or the cubic.
     """
 
     def __init__(
@@ -256,10 +258,8 @@ class GpuAugment:
         antialias: bool = True,
         backend: str = "auto",
         stats=None,
-        interpolation: str = "bilinear",
     ) -> None:
         self.size, self.antialias, self.backend = tuple(size), bool(antialias), backend
-        self.interpolation = interpolation
         self.stats = stats
         std64 = np.asarray(std, dtype=np.float64)
         self._scale = [float(v) for v in 1.0 / (255.0 * std64)]
@@ -291,9 +291,10 @@ class GpuAugment:
         table, p, rows = upload(out.device, images.addresses, params, row_image, stats=self.stats)
         h_out, w_out = self.size
         scratch = torch.empty((len(row_image), 3, w_out), dtype=torch.float32, device=dev)
-        taps_x = _max_taps(crops[:, _P_W], crops[:, _P_RW], self.antialias, self.interpolation)
-        taps_y = _max_taps(crops[:, _P_H], crops[:, _P_RH], self.antialias, self.interpolation)
-        cubic = self.interpolation == "bicubic"
+        cubic = crops[:, 9]
+        taps_x = _max_taps(crops[:, _P_W], crops[:, _P_RW], self.antialias, cubic)
+        taps_y = _max_taps(crops[:, _P_H], crops[:, _P_RH], self.antialias, cubic)
+        cubic = bool(cubic.any())  # compiles the cubic filter in only where a batch needs it
         rows_kernel, cols_kernel = _kernels()
         block = min(_BLOCK_W, triton_pow2(w_out))
         cols = -(-w_out // block)
@@ -309,15 +310,14 @@ class GpuAugment:
 
     def _one(self, image: torch.Tensor, crop: np.ndarray, raw: bool) -> torch.Tensor:
         """One image through the same filter as the kernels, as matrix products."""
-        y, x, h, w, rh, rw, oy, ox, flip = (int(v) for v in crop[:9])
+        y, x, h, w, rh, rw, oy, ox, flip, cubic = (int(v) for v in crop[:10])
         h_out, w_out = self.size
-        wy = torch.from_numpy(filter_matrix(h_out, oy, h, rh, self.antialias, self.interpolation))
-        wx = torch.from_numpy(filter_matrix(w_out, ox, w, rw, self.antialias, self.interpolation))
+        mode = "bicubic" if cubic else "bilinear"
+        wy = torch.from_numpy(filter_matrix(h_out, oy, h, rh, self.antialias, mode))
+        wx = torch.from_numpy(filter_matrix(w_out, ox, w, rw, self.antialias, mode))
         window = image[:, y : y + h, x : x + w].double().cpu()
-        if self.interpolation == "bicubic":  # rows first, clamped between passes: the kernels'
-            v = wy @ (window @ wx.T).clamp_(0, 255)
-        else:
-            v = wy @ window @ wx.T
+        # Rows first, clamped between the passes, as the kernels (a no-op for the triangle).
+        v = wy @ (window @ wx.T).clamp_(0, 255)
         v = torch.floor(v + 0.5).clamp_(0, 255).to(image.device)
         if flip:
             v = v.flip(-1)

@@ -55,8 +55,7 @@ class DaliDecoder:
 
     Args:
         device: the CUDA device to decode on (the CPU only in tests: DALI's CPU decoder).
-        antialias, interpolation: accepted for the registry's common signature; resizing is
-            not done here.
+        antialias: accepted for the registry's common signature; resizing is not done here.
         batch_size: the most images one call decodes.
         threads: DALI's CPU threads (default: ``MAX_THREADS``, fewer on a small machine).
         hw_decoder_load: share of the JPEGs for the hardware engines.
@@ -81,9 +80,8 @@ class DaliDecoder:
         batch_size: int = 256,
         threads: int | None = None,
         hw_decoder_load: float = HW_DECODER_LOAD,
-        interpolation: str = "bilinear",
     ) -> None:
-        del antialias, interpolation
+        del antialias
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("decoder='dali' decodes on a CUDA device; use decoder='cpu'")

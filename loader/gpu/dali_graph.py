@@ -29,14 +29,13 @@ class Graph(NamedTuple):
     mean: tuple
     std: tuple
     antialias: bool
-    interpolation: str  # "bilinear" or "bicubic" (``interp_type``)
     centre_crop: bool  # resize the part of each window the output is cropped from
     hw_load: float  # the share of the JPEGs for the hardware engines (CUDA only)
     no_copy: bool  # whether DALI reads the JPEGs where they lie instead of copying them
 
 
-def interp_type(interpolation: str):
-    """DALI's ``interp_type`` for the transform's ``interpolation``.
+def interp_types(cubic: np.ndarray) -> np.ndarray:
+    """DALI's ``interp_type`` (int32) for each crop row's CUBIC column.
 
     DALI's cubic is PIL's kernel (Catmull-Rom, a = -0.5, read from a 129-point table) and
     with ``antialias`` is widened by the shrink factor as PIL's is (its resampling
@@ -46,7 +45,8 @@ def interp_type(interpolation: str):
     """
     from nvidia.dali import types
 
-    return {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}[interpolation]
+    kinds = np.array([int(types.INTERP_LINEAR), int(types.INTERP_CUBIC)], dtype=np.int32)
+    return kinds[(cubic != 0).astype(np.intp)]
 
 
 def dali_dtype(dtype: torch.dtype) -> tuple:
@@ -65,14 +65,15 @@ def window_arguments(
     crops: np.ndarray, size: tuple[int, int], centre_crop: bool
 ) -> dict[str, np.ndarray]:
     """The pipeline's per-sample inputs for crop rows ``crops`` (``CROP_COLUMNS``): the
-    window to decode (x, y and w, h), the flip and, for a centre crop, the part of the
-    window resized to the output (y, x from and to, in the window's pixels)."""
+    window to decode (x, y and w, h), the flip, the filter and, for a centre crop, the part
+    of the window resized to the output (y, x from and to, in the window's pixels)."""
     c = crops.astype(np.float32)
     y, x, h, w, rh, rw, oy, ox = (c[:, k] for k in range(8))
     args = {
         "anchor": np.ascontiguousarray(np.stack([x, y], 1)),
         "shape": np.ascontiguousarray(np.stack([w, h], 1)),
         "flip": np.ascontiguousarray(crops[:, 8].astype(np.int32)),
+        "interp": interp_types(crops[:, 9]),
     }
     if centre_crop:
         out_h, out_w = size
@@ -85,7 +86,7 @@ def window_arguments(
 
 def build_pipeline(g: Graph):
     """A built asynchronous, pipelined DALI pipeline fed by ``external_source``: "jpegs",
-    "anchor", "shape", "flip" (and "roi_start", "roi_end" for a centre crop)."""
+    "anchor", "shape", "flip", "interp" (and "roi_start", "roi_end" for a centre crop)."""
     from nvidia.dali import fn, pipeline_def, types
 
     cuda = g.device.type == "cuda"
@@ -122,8 +123,8 @@ def build_pipeline(g: Graph):
                 "roi_relative": False,
             }
         images = fn.resize(
-            images, resize_y=out_h, resize_x=out_w, interp_type=interp_type(g.interpolation),
-            antialias=g.antialias, **roi,
+            images, resize_y=out_h, resize_x=out_w, antialias=g.antialias, **roi,
+            interp_type=fn.cast(given("interp", types.INT32, ndim=0), dtype=types.INTERP_TYPE),
         )  # fmt: skip
         return fn.crop_mirror_normalize(
             images, dtype=g.out_dtype, output_layout=layout, mean=mean, std=std,

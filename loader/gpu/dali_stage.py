@@ -294,7 +294,6 @@ class DaliStage(GpuStage):
                 depth=self.depth, dtype=self.dtype, out_dtype=self._out_dtype[0],
                 channels_last=self.format == torch.channels_last, size=self.size,
                 mean=self.spec.mean, std=self.spec.std, antialias=self.spec.antialias,
-                interpolation=self.spec.interpolation, centre_crop=self._centre_crop,
-                hw_load=_HW_LOAD[kind], no_copy=NO_COPY,
+                centre_crop=self._centre_crop, hw_load=_HW_LOAD[kind], no_copy=NO_COPY,
             )
         )  # fmt: skip

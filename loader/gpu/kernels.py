@@ -9,18 +9,18 @@ import triton.language as tl
 
 
 @triton.jit
-def filter_span(pos, size, scale, antialias: tl.constexpr, cubic: tl.constexpr):
+def filter_span(pos, size, scale, cubic, antialias: tl.constexpr, CUBIC: tl.constexpr):
     # PIL's precompute_coeffs: the centre of output pixel `pos` in source coordinates,
     # the filter's scale (the shrink factor with antialias, else 1), the first source
     # pixel it covers and the one past its last (its half-width is the scale, twice that
-    # for the cubic).
+    # for the images whose `cubic` is set; CUBIC: whether any of the batch's is).
     centre = (pos.to(tl.float32) + 0.5) * scale
     if antialias:  # noqa: SIM108  (a constexpr branch: Triton compiles one side)
         fscale = tl.maximum(scale, 1.0)
     else:
         fscale = scale * 0.0 + 1.0
-    if cubic:  # noqa: SIM108
-        support = 2.0 * fscale
+    if CUBIC:  # noqa: SIM108
+        support = tl.where(cubic != 0, 2.0 * fscale, fscale)
     else:
         support = fscale
     lo = tl.maximum((centre - support + 0.5).to(tl.int32), 0)
@@ -29,22 +29,21 @@ def filter_span(pos, size, scale, antialias: tl.constexpr, cubic: tl.constexpr):
 
 
 @triton.jit
-def tap_weight(src, centre, fscale, use, antialias: tl.constexpr, cubic: tl.constexpr):
+def tap_weight(src, centre, fscale, use, cubic, antialias: tl.constexpr, CUBIC: tl.constexpr):
     # The filter's weight of source pixel `src` for an output pixel centred at `centre`
-    # (0 where `use` is false: past the window or the tile): the triangle, or the cubic
-    # convolution kernel with PIL's a = -0.5 (torch's -0.75 without antialias:
-    # ``augment.CUBIC_A``, ``PLAIN_CUBIC_A``).
+    # (0 where `use` is false: past the window or the tile): the triangle, or where `cubic`
+    # is set the cubic convolution kernel with PIL's a = -0.5 (torch's -0.75 without
+    # antialias: ``augment.CUBIC_A``, ``PLAIN_CUBIC_A``).
     t = tl.abs((src.to(tl.float32) - centre + 0.5) / fscale)
-    if cubic:
+    wgt = tl.maximum(1.0 - t, 0.0)
+    if CUBIC:
         if antialias:  # noqa: SIM108
             a = -0.5
         else:
             a = -0.75
         near = ((a + 2.0) * t - (a + 3.0)) * t * t + 1.0
         far = (((t - 5.0) * t + 8.0) * t - 4.0) * a
-        wgt = tl.where(t < 1.0, near, tl.where(t < 2.0, far, 0.0))
-    else:
-        wgt = tl.maximum(1.0 - t, 0.0)
+        wgt = tl.where(cubic != 0, tl.where(t < 1.0, near, tl.where(t < 2.0, far, 0.0)), wgt)
     return tl.where(use, wgt, 0.0)
 
 
@@ -58,8 +57,9 @@ def resample_rows(
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     t_ok = t < n_rows
     g = tl.load(row_image + t, mask=t_ok, other=0)
-    p = crop_info + g * 16
+    p = crop_info + g * 17  # augment._P_COLS
     wy, wx, ww = tl.load(p + 0), tl.load(p + 1), tl.load(p + 3)
+    cu = tl.load(p + 16)[:, None]
     rw, ox, row0 = tl.load(p + 5), tl.load(p + 7), tl.load(p + 12)
     sc, sy, sx = tl.load(p + 13).to(tl.int64), tl.load(p + 14).to(tl.int64), tl.load(p + 15)
     src = tl.load(images + g).to(tl.pointer_type(tl.uint8))
@@ -69,7 +69,7 @@ def resample_rows(
     live = t_ok[:, None] & (j < out_w)[None, :]
     scale = ww.to(tl.float32) / rw.to(tl.float32)
     centre, fscale, lo, hi = filter_span(
-        j[None, :] + ox[:, None], ww[:, None], scale[:, None], ANTIALIAS, CUBIC
+        j[None, :] + ox[:, None], ww[:, None], scale[:, None], cu, ANTIALIAS, CUBIC
     )
     acc0 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
     acc1 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
@@ -78,7 +78,7 @@ def resample_rows(
     for k in range(0, taps):
         x = lo + k
         use = live & (x < hi)
-        wgt = tap_weight(x, centre, fscale, use, ANTIALIAS, CUBIC)
+        wgt = tap_weight(x, centre, fscale, use, cu, ANTIALIAS, CUBIC)
         at = row[:, None] + x * sx[:, None]
         acc0 += wgt * tl.load(at, mask=use, other=0).to(tl.float32)
         acc1 += wgt * tl.load(at + sc[:, None], mask=use, other=0).to(tl.float32)
@@ -107,14 +107,14 @@ def resample_cols(
     # A tile of ROWS output rows by BLOCK columns of image g: each output pixel resampled
     # vertically from the scratch rows, rounded, mirrored, normalised and stored.
     g = tl.program_id(0)
-    p = crop_info + g * 16
-    wh, rh, oy = tl.load(p + 2), tl.load(p + 4), tl.load(p + 6)
+    p = crop_info + g * 17  # augment._P_COLS
+    wh, rh, oy, cu = tl.load(p + 2), tl.load(p + 4), tl.load(p + 6), tl.load(p + 16)
     flip, out_row, row0 = tl.load(p + 8), tl.load(p + 11), tl.load(p + 12)
     i = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     live = (i < out_h)[:, None] & (j < out_w)[None, :]
     scale = wh.to(tl.float32) / rh.to(tl.float32)
-    centre, fscale, lo, hi = filter_span((i + oy)[:, None], wh, scale, ANTIALIAS, CUBIC)
+    centre, fscale, lo, hi = filter_span((i + oy)[:, None], wh, scale, cu, ANTIALIAS, CUBIC)
     acc0 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
     acc1 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
     acc2 = tl.full([ROWS, BLOCK], 0.0, tl.float32)
@@ -122,7 +122,7 @@ def resample_cols(
     for k in range(0, taps):
         y = lo + k
         use = live & (y < hi)
-        wgt = tap_weight(y, centre, fscale, use, ANTIALIAS, CUBIC)
+        wgt = tap_weight(y, centre, fscale, use, cu, ANTIALIAS, CUBIC)
         base = scratch + (row0 + y).to(tl.int64) * 3 * out_w + j[None, :]
         acc0 += wgt * tl.load(base, mask=use, other=0.0)
         acc1 += wgt * tl.load(base + out_w, mask=use, other=0.0)

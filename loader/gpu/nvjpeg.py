@@ -42,7 +42,7 @@ class NvjpegDecoder:
 
     Args:
         device: the CUDA device to decode on.
-        antialias, interpolation, batch_size: accepted for the registry's common signature.
+        antialias, batch_size: accepted for the registry's common signature.
 
     Raises:
         ValueError: no CUDA device, or a torchvision without nvjpeg support.
@@ -56,13 +56,9 @@ class NvjpegDecoder:
     concurrent_calls = 2
 
     def __init__(
-        self,
-        device: torch.device | str | None = None,
-        antialias: bool = True,
-        batch_size=None,
-        interpolation: str = "bilinear",
+        self, device: torch.device | str | None = None, antialias: bool = True, batch_size=None
     ) -> None:
-        del antialias, batch_size, interpolation
+        del antialias, batch_size
         device = torch.device(device if device is not None else "cuda")
         if device.type != "cuda" or not torch.cuda.is_available():
             raise ValueError(

@@ -58,7 +58,7 @@ class GpuStage(TunedStage):
 
     Args:
         producer: the loader's ``EncodedBatches`` (its CPU decoder serves the retries).
-        spec: the transform (output size, mean, std, antialias, interpolation).
+        spec: the transform (output size, mean, std, antialias).
         dtype: output dtype (float dtypes are normalised, uint8 is left raw).
         channels_last: deliver in ``torch.channels_last`` memory format.
         device: the CUDA device.
@@ -91,10 +91,7 @@ class GpuStage(TunedStage):
         warn_unverified(producer.store, decoder)
         # A decoder that decodes only the crop windows (DALI) gets them with the bytes.
         self.windows = bool(getattr(self.decoder, "crop_windows", False))
-        self.augment = GpuAugment(
-            spec.size, spec.mean, spec.std, spec.antialias, stats=stats,
-            interpolation=spec.interpolation,
-        )  # fmt: skip
+        self.augment = GpuAugment(spec.size, spec.mean, spec.std, spec.antialias, stats=stats)
         # The side streams (none off CUDA: the CPU, in tests), lent by ``STREAMS``.
         self._lent: dict = {}  # the streams lent to this stage
         self._streams = weakref.finalize(self, STREAMS.give_back, self._lent)

@@ -24,6 +24,7 @@ from loader.ops import color, tone
 from loader.ops.geometry import MODES, inverse_matrices, rotate, warp
 from loader.ops.layers import apply_layers
 from loader.ops.policies import TORCHVISION
+from loader.ops.upload import on_device
 
 OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness")
 OPS += ("Color", "Contrast", "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize")
@@ -58,7 +59,7 @@ def magnitudes(wide: bool, bins: int, height: int, width: int) -> np.ndarray:
 
 
 def _on(x: torch.Tensor, values: np.ndarray, dtype=torch.float32) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(values)).to(device=x.device, dtype=dtype)
+    return on_device(np.asarray(values), x.device, dtype)
 
 
 def _shear(x, m, mode, fill, axis: int):

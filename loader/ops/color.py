@@ -17,7 +17,12 @@ import cv2
 import numpy as np
 import torch
 
+from loader.ops.upload import constant, on_device
+
 _GRAY = (0.2989, 0.587, 0.114)  # ITU-R 601-2 luma, as torchvision's rgb_to_grayscale
+
+# Which of (v, q, p, t) each channel takes, by hue sextant (the HSV -> RGB conversion).
+_SEXTANTS = ((0, 3, 2), (1, 0, 2), (2, 0, 3), (2, 1, 0), (3, 2, 0), (0, 2, 1))
 
 
 def _gray(x: torch.Tensor) -> torch.Tensor:
@@ -75,9 +80,7 @@ def hue_torch(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     t = (top * (1.0 - s * (1.0 - frac))).clamp(0.0, 1.0)
     v = top
     levels = torch.stack([v, q, p, t], 1)  # which of them each channel takes, by sextant
-    pick = torch.tensor(
-        [[0, 3, 2], [1, 0, 2], [2, 0, 3], [2, 1, 0], [3, 2, 0], [0, 2, 1]], device=x.device
-    )[i]  # [N, H, W, 3]
+    pick = constant(_SEXTANTS, x.device, torch.int64)[i]  # [N, H, W, 3]
     rgb = torch.gather(levels, 1, pick.permute(0, 3, 1, 2))
     return (rgb * (255.0 + 1.0 - 1e-3)).to(torch.uint8)  # torchvision's float -> uint8
 
@@ -131,8 +134,8 @@ class ColorJitter:
                 rows = np.flatnonzero((order[:, position] == step) & ~np.isnan(factors[:, step]))
                 if not len(rows):
                     continue
-                at = torch.from_numpy(rows).to(x.device)
-                f = torch.from_numpy(factors[rows, step]).float().to(x.device)
+                at = on_device(rows, x.device)
+                f = on_device(factors[rows, step], x.device, torch.float32)
                 x = x.index_copy(0, at, _STEPS[step](x.index_select(0, at), f))
         return x
 
@@ -150,5 +153,5 @@ class RandomGrayscale:
         rows = np.flatnonzero(params[:, 0] > 0)
         if not len(rows):
             return x
-        at = torch.from_numpy(rows).to(x.device)
+        at = on_device(rows, x.device)
         return x.index_copy(0, at, grayscale(x.index_select(0, at)).contiguous())

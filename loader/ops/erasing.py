@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loader.ops.upload import constant, on_device
+
 FILLS = ("const", "channel", "pixel")
 _TRIES = 10
 
@@ -59,14 +61,14 @@ class RandomErasing:
         if x.device.type == "cpu":
             return self._each_box(x, boxes, seed)
         dev = x.device
-        b = torch.from_numpy(boxes).to(dev)
+        b = on_device(boxes, dev)
         rows = torch.arange(x.shape[2], device=dev).view(1, -1, 1)
         cols = torch.arange(x.shape[3], device=dev).view(1, 1, -1)
         top, left, h, w = (b[:, k].view(-1, 1, 1) for k in range(4))
         inside = (rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w)
         inside = inside.unsqueeze(1)  # [N, 1, H, W]
         if self.fill == "const":
-            fill = torch.tensor(self.value, dtype=x.dtype, device=dev).view(1, 3, 1, 1)
+            fill = constant(tuple(self.value), dev, x.dtype).view(1, 3, 1, 1)
         else:
             gen = torch.Generator(device=dev).manual_seed(int(seed))
             shape = (x.shape[0], 3, 1, 1) if self.fill == "channel" else tuple(x.shape)

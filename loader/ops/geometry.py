@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as nnf
 
 from loader.ops.layers import on_rows
+from loader.ops.upload import on_device
 
 MODES = ("nearest", "bilinear", "bicubic")
 EDGES = ("tensor", "pil")
@@ -76,7 +77,7 @@ def grid(matrices: np.ndarray, height: int, width: int, device) -> torch.Tensor:
     """The sampling grid [n, H, W, 2] of centred inverse ``matrices`` [n, 6]."""
     scale = np.array([0.5 * width, 0.5 * height], dtype=np.float32)
     theta = matrices.astype(np.float32).reshape(-1, 2, 3).transpose(0, 2, 1) / scale
-    theta = torch.from_numpy(np.ascontiguousarray(theta)).to(device)
+    theta = on_device(theta, device)
     out = torch.matmul(_base_grid(height, width, torch.device(device)), theta)
     return out.view(-1, height, width, 2)
 

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from loader.ops.upload import on_device
+
 Op = Callable[[torch.Tensor, np.ndarray], torch.Tensor]  # (samples, their columns) -> samples
 
 
@@ -20,7 +22,7 @@ def on_rows(x: torch.Tensor, rows: np.ndarray, fn: Callable[[torch.Tensor], torc
     """``x`` with ``fn`` applied to its samples ``rows`` (the others as they are)."""
     if len(rows) == len(x):
         return fn(x)
-    at = torch.from_numpy(rows).to(x.device)
+    at = on_device(rows, x.device)
     return x.index_copy(0, at, fn(x.index_select(0, at)))
 
 
@@ -43,7 +45,7 @@ def apply_layers(
                 continue
             if x.untyped_storage().data_ptr() == source:
                 x = x.clone()
-            at = torch.from_numpy(rows).to(x.device)
+            at = on_device(rows, x.device)
             x.index_copy_(0, at, ops[k](x.index_select(0, at), layer[rows, 1:]))
     return x
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from loader.ops.upload import on_device
+
 MODES = ("batch", "elem")
 
 
@@ -95,16 +97,16 @@ class Mixup:
         lam = np.where(cut, cut_lam, lam)
         dev = images.device
         other = images.flip(0)
-        weight = torch.from_numpy(np.where(cut, 1.0, lam)).to(dev, images.dtype).view(-1, 1, 1, 1)
+        weight = on_device(np.where(cut, 1.0, lam), dev, images.dtype).view(-1, 1, 1, 1)
         out = images * weight + other * (1 - weight)  # Mixup's blend (1: CutMix's rows)
         if cut.any():
-            b = torch.from_numpy(np.where(cut[:, None], boxes, 0)).to(dev)
+            b = on_device(np.where(cut[:, None], boxes, 0), dev)
             rows = torch.arange(images.shape[-2], device=dev).view(1, -1, 1)
             cols = torch.arange(images.shape[-1], device=dev).view(1, 1, -1)
             y0, y1, x0, x1 = (b[:, k].view(-1, 1, 1) for k in range(4))
             inside = ((rows >= y0) & (rows < y1) & (cols >= x0) & (cols < x1)).unsqueeze(1)
             out = torch.where(inside, other, out)
-        return out, self.targets(labels, torch.from_numpy(lam).to(labels.device))
+        return out, self.targets(labels, on_device(lam, labels.device))
 
     def targets(self, labels: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
         """timm's ``mixup_target``: smoothed one-hot targets mixed with the reversed

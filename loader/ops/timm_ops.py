@@ -18,6 +18,7 @@ import torch
 from loader.ops import tone
 from loader.ops.geometry import from_pil, rotate, warp
 from loader.ops.layers import by_mode
+from loader.ops.upload import on_device
 
 _DENOM = 10.0  # timm's _LEVEL_DENOM: magnitude 10 is an op's full level
 
@@ -120,7 +121,7 @@ def _geometric(x, name, arg, modes, names, fill) -> torch.Tensor:
 
 
 def _tensor(x: torch.Tensor, values: np.ndarray, dtype=torch.float32) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(values)).to(device=x.device, dtype=dtype)
+    return on_device(np.asarray(values), x.device, dtype)
 
 
 _TONE = {  # name -> (samples, arguments) -> samples

@@ -12,7 +12,6 @@ _TORCHVISION = (
     "torchvision.transforms.v2._",
 )
 _TIMM = ("timm.data.transforms", "timm.data.auto_augment", "timm.data.random_erasing")
-INTERPOLATIONS = ("bilinear", "bicubic")
 
 
 class NotARecipe(Exception):
@@ -35,19 +34,23 @@ def flatten(transform) -> list:
     return [transform]
 
 
-def interpolation(step, mode=None) -> str:
-    """``step``'s interpolation (or ``mode``) as "bilinear" or "bicubic".
+def interpolation(step) -> str:
+    """``step``'s interpolation as "bilinear", "bicubic" or "random" (timm's choice of
+    either per image: a tuple of the two).
 
     Raises:
-        NotARecipe: another one, or timm's per-image random choice.
+        NotARecipe: another one, or a random choice among others.
     """
-    mode = step.interpolation if mode is None else mode
+    mode = step.interpolation
     if isinstance(mode, (tuple, list)):
-        raise NotARecipe(
-            f"{name(step)} picks its interpolation at random per image; pass one "
-            "(timm: --train-interpolation bicubic or bilinear)"
-        )
+        modes = sorted(getattr(m, "value", m) for m in mode)
+        if modes != ["bicubic", "bilinear"]:
+            raise NotARecipe(
+                f"{name(step)} picks its interpolation at random among {modes}; the loader "
+                "draws between bilinear and bicubic only"
+            )
+        return "random"
     mode = getattr(mode, "value", mode)
-    if mode not in INTERPOLATIONS:
+    if mode not in ("bilinear", "bicubic"):
         raise NotARecipe(f"{name(step)} interpolates with {mode!r}, not bilinear or bicubic")
     return mode

@@ -92,10 +92,10 @@ class Reader(TimmSteps):
             float(step.p), tuple(step.scale), tuple(step.ratio), fill, value
         )
 
-    def _geometry(self, step, kind: str, mode=None) -> None:
+    def _geometry(self, step, kind: str) -> None:
         if self.kind is not None:
             raise NotARecipe(f"{_name(step)} follows another resizing step")
-        mode = interpolation(step, mode)
+        mode = interpolation(step)
         if mode != "bilinear":
             self.args["interpolation"] = mode
         self.kind = kind

@@ -8,14 +8,14 @@ import math
 
 from loader.ops.erasing import RandomErasing
 from loader.ops.timm_augment import from_timm
-from loader.recipes.names import NotARecipe, interpolation
+from loader.recipes.names import NotARecipe
 
 
 class TimmSteps:
     """The ``Reader``'s handlers of timm's classes (a mixin: they use its state)."""
 
     def _timm_RandomResizedCropAndInterpolation(self, step) -> None:
-        self._geometry(step, "train", interpolation(step))
+        self._geometry(step, "train")
         self.args |= {"size": tuple(step.size), "scale": step.scale, "ratio": step.ratio}
 
     def _timm_MaybeToTensor(self, step) -> None:

@@ -162,7 +162,7 @@ def test_transform_errors(args, match):
         ({"ratio": (0, 1)}, r"ratio=\(0, 1\) is invalid"),
         ({"flip": 2}, r"flip=2 is invalid"),
         ({"crop_pct": 0}, r"crop_pct=0 is invalid"),
-        ({"interpolation": "nearest"}, r"interpolation='nearest' is invalid: pass 'bilinear' or"),
+        ({"interpolation": "nearest"}, r"interpolation='nearest' is invalid: pass 'bilinear',"),
     ],
 )
 def test_transform_field_errors(kwargs, match):
@@ -173,3 +173,22 @@ def test_transform_field_errors(kwargs, match):
 def test_interpolation_is_bilinear_unless_asked():
     assert Transform("train").interpolation == Transform("eval").interpolation == "bilinear"
     assert Transform("eval", interpolation="bicubic").interpolation == "bicubic"
+    with pytest.raises(ValueError, match="interpolation='random' is for kind='train'"):
+        Transform("eval", interpolation="random")
+
+
+def test_the_crop_rows_say_which_filter():
+    """CUBIC is the transform's, or for "random" drawn per image after the other draws
+    (so a transform's windows and flips are the same whatever its interpolation)."""
+    h, w = np.full(2000, 300), np.full(2000, 400)
+    rows = {
+        mode: plan_crops(Transform("train", interpolation=mode), h, w, np.random.default_rng(5))
+        for mode in ("bilinear", "bicubic", "random")
+    }
+    assert (rows["bilinear"][:, 9] == 0).all() and (rows["bicubic"][:, 9] == 1).all()
+    assert 0.45 < rows["random"][:, 9].mean() < 0.55
+    assert all((r[:, :9] == rows["bilinear"][:, :9]).all() for r in rows.values())
+    again = plan_crops(Transform("train", interpolation="random"), h, w, np.random.default_rng(5))
+    assert (again == rows["random"]).all()
+    evaluation = plan_crops(Transform("eval", interpolation="bicubic"), h[:3], w[:3], None)
+    assert (evaluation[:, 9] == 1).all()

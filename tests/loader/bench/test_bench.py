@@ -820,3 +820,20 @@ def test_the_bench_removes_only_its_own_empty_logs(tmp_path: Path):
     (logs / "loader.log").unlink()
     runner.drop_empty_logs(logs, ["torch-pil"])
     assert [p.name for p in logs.iterdir()] == ["mine.log"]  # the user's, and the folder, kept
+
+
+def test_the_randaugment_recipe_is_the_same_on_torch_and_ours():
+    """``--recipe randaugment``: torch's pipelines get RandAugment(2, 9) after the flip, and
+    ours runs that very recipe (recognised), so both do the same work an image."""
+    from loader.bench.pipelines import torch_transform
+    from loader.bench.settings import Settings
+    from loader.ops.autoaugment import RandAugment
+    from loader.recipes import recognise
+
+    s = Settings(None, None, 8, 0, "float32", False, False, "cpu", recipe="randaugment")
+    steps = [type(t).__name__ for t in torch_transform(s).transforms]
+    assert steps == ["RandomResizedCrop", "RandomHorizontalFlip", "RandAugment", "ToTensor",
+                     "Normalize"]  # fmt: skip
+    assert recognise(torch_transform(s)).steps == (RandAugment(2, 9, 31, "nearest", None),)
+    standard = dataclasses.replace(s, recipe="standard")
+    assert recognise(torch_transform(standard)).steps == ()

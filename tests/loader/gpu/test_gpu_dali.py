@@ -145,8 +145,13 @@ def test_dali_copies_on_the_stream_it_is_given():
 @needs_dali
 @pytest.mark.parametrize(
     "spec",
-    [TRAIN, EVAL, Transform("train", SIZE, interpolation="bicubic")],
-    ids=["train", "eval", "train-bicubic"],
+    [
+        TRAIN,
+        EVAL,
+        Transform("train", SIZE, interpolation="bicubic"),
+        Transform("train", SIZE, interpolation="random"),
+    ],
+    ids=["train", "eval", "train-bicubic", "train-random"],
 )
 def test_same_samples_windows_and_pixels_as_the_full_decode(store, spec):
     full = epoch(make(store, transform=spec, decoder=BACKEND))

@@ -1,0 +1,38 @@
+#!/bin/bash
+# timm's train.py fed by timm's own loader, by ours (benchmarks/timm_swap.diff: two lines,
+# and --no-prefetcher, since our loader does what timm's PrefetchLoader does), and by one
+# batch kept on the GPU (the ceiling), for ResNet-50 and ResNet-18 with a modern recipe:
+#   benchmarks/timm_train.sh IMAGE_FOLDER STORE   (TIMM_TRAIN: timm's train.py, default
+#   .ab/train_orig.py; huggingface/pytorch-image-models at aa4b5850, with timm 1.0.31)
+# Prints "timm MODEL LOADER IMG/S" lines: each run's mean of its epochs after the first.
+set -u
+folder=$1 store=$2 train=/tmp/timm_train.py
+cp "${TIMM_TRAIN:-.ab/train_orig.py}" $train && patch -s $train benchmarks/timm_swap.diff || exit 1
+mkdir -p /tmp/timm_data && ln -sfn "$folder" /tmp/timm_data/train
+recipe="--aa rand-m9-mstd0.5-inc1 --reprob 0.25 --mixup 0.2 --cutmix 1.0 --amp --channels-last"
+for model in ${MODELS:-resnet50 resnet18}; do
+  for feed in ${FEEDS:-timm ours synthetic}; do
+    epochs=${EPOCHS:-4}; [ $model = resnet18 ] && [ $feed != timm ] && epochs=${EPOCHS_FAST:-8}
+    case $feed in
+      timm) env=() prefetch=() ;;
+      ours) env=(IMFEED_STORE=$store) prefetch=(--no-prefetcher) ;;
+      synthetic) env=(IMFEED_SYNTHETIC=1) prefetch=(--no-prefetcher) ;;
+    esac
+    echo "== $model $feed $(date -u +%T)"
+    env "${env[@]}" timeout ${RUN_S:-200} python3 $train --data-dir /tmp/timm_data --val-split '' \
+      --model $model -b 256 --epochs $epochs --warmup-epochs 0 --workers 16 --pin-mem $recipe \
+      "${prefetch[@]}" --log-interval 10 --eval-metric loss --checkpoint-hist 1 \
+      --output /tmp/timm_out --experiment $model-$feed 2>&1 | tee /tmp/timm_run.log
+    python3 - $model $feed <<'PY'
+import re, sys
+last = {}
+for line in open("/tmp/timm_run.log"):
+    m = re.search(r"Train: (\d+) \[.*\(\s*[\d.]+s,\s*([\d.]+)/s\)", line)
+    if m:
+        last[int(m.group(1))] = float(m.group(2))
+rates = [r for e, r in sorted(last.items()) if e > 0]
+mean = sum(rates) / len(rates) if rates else float("nan")
+print(f"timm {sys.argv[1]} {sys.argv[2]} {mean:.0f} img/s (epochs 1..{len(rates)}: {rates})")
+PY
+  done
+done
