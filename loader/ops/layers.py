@@ -3,7 +3,9 @@
 A policy's parameters hold, for each layer, the op each sample chose (-1: none) and that
 op's own columns. ``apply_layers`` runs each layer op by op: the rows that chose op k go
 through it together (``index_select``, the op, ``index_copy``), so a batch costs a few
-kernels per op, and one image (a worker's call) costs no copies at all.
+kernels per op, and one image (a worker's call) costs no copies at all; or group by group,
+where a policy runs several ops as one (every warp in one ``grid_sample``, every
+pointwise tone op in one lookup).
 """
 
 from __future__ import annotations
@@ -27,26 +29,42 @@ def on_rows(x: torch.Tensor, rows: np.ndarray, fn: Callable[[torch.Tensor], torc
 
 
 def apply_layers(
-    x: torch.Tensor, params: np.ndarray, ops: Sequence[Op | None], layers: int, width: int
+    x: torch.Tensor,
+    params: np.ndarray,
+    ops: Sequence[Op | None],
+    layers: int,
+    width: int,
+    groups: Sequence[tuple[frozenset, Callable]] = (),
 ) -> torch.Tensor:
     """``x`` through the first ``layers`` groups of ``width`` columns of ``params``: a
     layer's first column is the op (an index of ``ops``; -1 or a None op: left as it is),
-    the others its arguments. ``x`` itself is never written: the groups go into one copy."""
+    the others its arguments. ``groups`` (op indices, ``fn(samples, their op codes, their
+    columns)``) run the samples that chose any of those ops together, in one call: fewer,
+    larger kernels than op by op. ``x`` itself is never written: the groups go into one
+    copy."""
     source = x.untyped_storage().data_ptr()
+    grouped = {int(k) for members, _ in groups for k in members}
+
+    def through(x, rows, fn):
+        if len(rows) == len(x):
+            return fn(x, rows)
+        if x.untyped_storage().data_ptr() == source:
+            x = x.clone()
+        at = on_device(rows, x.device)
+        return x.index_copy_(0, at, fn(x.index_select(0, at), rows))
+
     for j in range(layers):
         layer = params[:, j * width : (j + 1) * width]
         code = layer[:, 0].astype(np.int64)
+        for members, fn in groups:
+            rows = np.flatnonzero(np.isin(code, list(members)))
+            if len(rows):
+                x = through(x, rows, lambda s, r, fn=fn, c=code, a=layer: fn(s, c[r], a[r, 1:]))
         for k in np.unique(code):
-            if k < 0 or ops[k] is None:
+            if k < 0 or ops[k] is None or int(k) in grouped:
                 continue
             rows = np.flatnonzero(code == k)
-            if len(rows) == len(x):
-                x = ops[k](x, layer[rows, 1:])
-                continue
-            if x.untyped_storage().data_ptr() == source:
-                x = x.clone()
-            at = on_device(rows, x.device)
-            x.index_copy_(0, at, ops[k](x.index_select(0, at), layer[rows, 1:]))
+            x = through(x, rows, lambda s, r, k=k, a=layer: ops[k](s, a[r, 1:]))
     return x
 
 

@@ -25,7 +25,7 @@ import torch
 
 from loader.ops import policies
 from loader.ops.layers import apply_layers
-from loader.ops.timm_ops import TimmOp, run
+from loader.ops.timm_ops import GEOMETRIC, TimmOp, is_lookup, lookups, run, warps
 
 FILL = (128, 128, 128)  # timm's default img_mean
 RANDOM = ("bilinear", "bicubic")  # timm's per-application random choice
@@ -58,7 +58,16 @@ def _apply(step, x: torch.Tensor, params: np.ndarray, ops, layers: int) -> torch
     def bind(name):
         return lambda s, cols: run(s, name, cols[:, 0], cols[:, 1], names, fill)
 
-    return apply_layers(x, params, [bind(op.name) for op in ops], layers, 3)
+    groups = ()
+    if len(x) > 1:  # a batch: every warp together, every LUT op together (the same pixels)
+        geometric = frozenset(k for k, op in enumerate(ops) if op.name in GEOMETRIC)
+        lookup = frozenset(k for k, op in enumerate(ops) if is_lookup(op.name))
+        groups = (
+            (geometric, lambda s, codes, cols: warps(
+                s, [ops[k].name for k in codes], cols[:, 0], cols[:, 1], names, fill)),
+            (lookup, lambda s, codes, cols: lookups(s, [ops[k].name for k in codes], cols[:, 0])),
+        )  # fmt: skip
+    return apply_layers(x, params, [bind(op.name) for op in ops], layers, 3, groups)
 
 
 def _check(step) -> None:

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from loader.ops import tone
-from loader.ops.geometry import from_pil, rotate, warp
-from loader.ops.layers import by_mode
+from loader.ops.geometry import from_pil, inverse_matrices, rotate, warp
+from loader.ops.layers import by_mode, on_rows
 from loader.ops.upload import on_device
 
 _DENOM = 10.0  # timm's _LEVEL_DENOM: magnitude 10 is an op's full level
@@ -146,3 +146,91 @@ def run(x: torch.Tensor, name: str, arg: np.ndarray, modes: np.ndarray, names, f
         return _geometric(x, name, arg, modes.astype(np.int64), names, fill)
     base = name.removesuffix("Increasing").removesuffix("Original")
     return _TONE[base](x, arg)
+
+
+# -- several ops at once: what a batch's layer runs (``layers.apply_layers``' groups) ---------
+
+POINTWISE = ("Invert", "Posterize", "Solarize", "SolarizeAdd", "Brightness")  # of the pixel only
+LOOKUPS = (*POINTWISE, "AutoContrast", "Equalize", "Contrast")  # a LUT per sample and channel
+
+
+def _base(name: str) -> str:
+    return name.removesuffix("Increasing").removesuffix("Original")
+
+
+def is_lookup(name: str) -> bool:
+    return _base(name) in LOOKUPS
+
+
+def warps(x: torch.Tensor, names: list, arg: np.ndarray, modes: np.ndarray, choices, fill):
+    """Samples ``x`` through the geometric ops ``names`` (one a sample), each with its
+    argument and interpolation: one warp per interpolation for them all (the same
+    per-sample matrices and pixels as ``run``, op by op)."""
+    h, w = x.shape[-2:]
+    names, modes = np.asarray(names), modes.astype(np.int64)
+    matrices = np.zeros((len(x), 6))
+    angle = np.mod(arg, 360.0)
+    turns = (0.0, 180.0) if h != w else (0.0, 90.0, 180.0, 270.0)  # as ``rotate`` takes them
+    exact = (names == "Rotate") & np.isin(angle, turns)
+    for name in np.unique(names):
+        at = np.flatnonzero(names == name)
+        if name == "Rotate":
+            matrices[at] = inverse_matrices(angle=-angle[at])
+        else:
+            matrices[at] = from_pil(_affine(str(name), arg[at], h, w), h, w)
+    general = np.flatnonzero(~exact)
+
+    def run_warp(s, rows, mode):
+        return warp(s, matrices[general[rows]], mode, fill, edge="pil")
+
+    x = on_rows(x, general, lambda s: by_mode(s, modes[general], choices, run_warp))
+    rows = np.flatnonzero(exact)  # turns by exact right angles: transposed, not warped
+    if len(rows):
+        x = on_rows(x, rows, lambda s: rotate(s, arg[rows], "nearest", fill, edge="pil"))
+    return x
+
+
+def pointwise_luts(names: np.ndarray, arg: np.ndarray) -> np.ndarray:
+    """The LUTs [n, 256] uint8 of pointwise tone ops, made on the host with the float32
+    arithmetic of ``tone``'s ops on the device (``tests/loader/ops``: equal pixels)."""
+    levels = np.arange(256, dtype=np.int64)[None, :]
+    a = arg[:, None]
+    out = np.broadcast_to(levels, (len(names), 256)).copy()
+    name = names[:, None]
+    bits = np.clip(np.nan_to_num(a), 0, 8).astype(np.int64)
+    out = np.where(name == "Invert", 255 - levels, out)
+    out = np.where(name == "Posterize", levels & ((255 << (8 - bits)) & 255), out)
+    threshold = np.nan_to_num(a).astype(np.int64)
+    out = np.where((name == "Solarize") & (levels >= threshold), 255 - levels, out)
+    added = np.minimum(levels + threshold, 255)
+    out = np.where((name == "SolarizeAdd") & (levels < 128), added, out)
+    f = np.nan_to_num(a).astype(np.float32)
+    blended = (levels.astype(np.float32) * f).clip(0, 255).astype(np.int64)  # pil_blend with 0
+    out = np.where(name == "Brightness", blended, out)
+    return out.astype(np.uint8)
+
+
+def lookups(x: torch.Tensor, names: list, arg: np.ndarray) -> torch.Tensor:
+    """Samples ``x`` through the tone ops ``names`` (one a sample) that map each pixel by a
+    LUT of the sample and channel: the pointwise ops' LUTs made on the host and copied at
+    once, AutoContrast's, Equalize's and Contrast's from their samples; then one lookup."""
+    n, c = x.shape[:2]
+    names = np.asarray([_base(str(v)) for v in names])
+    host = np.repeat(pointwise_luts(names, arg)[:, None, :], c, 1)
+    luts = on_device(host, x.device)  # [n, c, 256]; the other ops' rows written below
+    for name in ("AutoContrast", "Equalize", "Contrast"):
+        rows = np.flatnonzero(names == name)
+        if not len(rows):
+            continue
+        at = on_device(rows, x.device)
+        own = x.index_select(0, at)
+        if name == "Contrast":
+            ramp = torch.arange(256, dtype=torch.uint8, device=x.device)
+            ramp = ramp.view(1, 1, 1, 256).expand(len(rows), c, 1, 256)
+            lut = tone.pil_contrast(ramp, _tensor(x, arg[rows]), mean=tone.pil_mean(own))
+        else:
+            lut = {"AutoContrast": tone.autocontrast_pil_lut, "Equalize": tone.equalize_lut}[name](
+                own
+            )
+        luts.index_copy_(0, at, lut.reshape(len(rows), c, 256))
+    return tone.lookup(x, luts.view(n * c, 256))

@@ -72,7 +72,7 @@ def autocontrast(x: torch.Tensor) -> torch.Tensor:
     return x.float().sub_(low).div_(inv_scale).clamp_(0, 255).to(torch.uint8)
 
 
-def _lookup(x: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+def lookup(x: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     """``x`` through a uint8 LUT per sample and channel ([N * C, 256])."""
     n, c, h, w = x.shape
     return lut.gather(1, x.reshape(n * c, h * w).long()).view(n, c, h, w)
@@ -80,20 +80,29 @@ def _lookup(x: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
 
 def autocontrast_pil(x: torch.Tensor) -> torch.Tensor:
     """PIL's ``ImageOps.autocontrast``: the LUT ``int(i * scale - low * scale)`` (float64)."""
+    return lookup(x, autocontrast_pil_lut(x))
+
+
+def autocontrast_pil_lut(x: torch.Tensor) -> torch.Tensor:
+    """``autocontrast_pil``'s LUT of each sample and channel, uint8 [N * C, 256]."""
     n, c = x.shape[:2]
     low = x.amin((-2, -1)).reshape(n * c, 1).double()
     high = x.amax((-2, -1)).reshape(n * c, 1).double()
     scale = torch.full_like(high, 255.0).div_((high - low).clamp_(min=1.0))  # not 1/x * 255
     levels = torch.arange(256, dtype=torch.float64, device=x.device)
     lut = (levels * scale + (-low * scale)).trunc_().clamp_(0, 255)
-    lut = torch.where(high > low, lut, levels).to(torch.uint8)
-    return _lookup(x, lut)
+    return torch.where(high > low, lut, levels).to(torch.uint8)
 
 
 def equalize(x: torch.Tensor) -> torch.Tensor:
     """torchvision's (and PIL's) ``equalize``: per channel, the LUT
     ``(cumsum[i - 1] + step // 2) // step``, ``step`` the pixels below the top level // 255;
     a channel with ``step == 0`` kept."""
+    return lookup(x, equalize_lut(x))
+
+
+def equalize_lut(x: torch.Tensor) -> torch.Tensor:
+    """``equalize``'s LUT of each sample and channel, uint8 [N * C, 256]."""
     n, c, h, w = x.shape
     flat = x.reshape(n * c, h * w).long()
     hist = torch.zeros((n * c, 256), dtype=torch.int32, device=x.device)
@@ -103,8 +112,7 @@ def equalize(x: torch.Tensor) -> torch.Tensor:
     step = (h * w - top).div_(255, rounding_mode="floor")
     lut = cum[:, :-1].add_(step // 2).div_(step.clamp(min=1), rounding_mode="floor").clamp_(0, 255)
     lut = torch.cat([torch.zeros_like(lut[:, :1]), lut], 1)
-    lut = torch.where(step > 0, lut, torch.arange(256, device=x.device)).to(torch.uint8)
-    return lut.gather(1, flat).view(n, c, h, w)
+    return torch.where(step > 0, lut, torch.arange(256, device=x.device)).to(torch.uint8)
 
 
 def pil_gray(x: torch.Tensor) -> torch.Tensor:
@@ -129,12 +137,18 @@ def pil_color(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return pil_blend(pil_gray(x).float(), x, factor)
 
 
-def pil_contrast(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """Blended with the mean luma, rounded (``int(mean + 0.5)``, in integers here)."""
+def pil_contrast(x: torch.Tensor, factor: torch.Tensor, mean=None) -> torch.Tensor:
+    """Blended with the mean luma, rounded (``int(mean + 0.5)``, in integers here), that of
+    ``x`` or the ``mean`` given (a tensor of one a sample)."""
+    mean = pil_mean(x) if mean is None else mean
+    return pil_blend(_per_sample(mean.float()), x, factor)
+
+
+def pil_mean(x: torch.Tensor) -> torch.Tensor:
+    """Each sample's mean luma, rounded as PIL's ``ImageEnhance.Contrast`` (int64 [N])."""
     total = pil_gray(x).sum((1, 2, 3), dtype=torch.int64)
     count = x.shape[-2] * x.shape[-1]
-    mean = (2 * total + count).div_(2 * count, rounding_mode="floor")
-    return pil_blend(_per_sample(mean.float()), x, factor)
+    return (2 * total + count).div_(2 * count, rounding_mode="floor")
 
 
 def pil_sharpness(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

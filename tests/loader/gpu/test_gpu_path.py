@@ -1738,17 +1738,29 @@ def test_a_recipes_colour_steps_and_erasing_act_on_the_cropped_batch(store, dtyp
     steps = (ColorJitter((0.6, 1.4), (0.6, 1.4), (0.6, 1.4), (-0.1, 0.1)), RandomGrayscale(0.3))
     erasing = RandomErasing(0.5, fill="pixel") if dtype.is_floating_point else None
     spec = Transform("train", SIZE, steps=steps, erasing=erasing)
-    got = epoch(make(store, transform=spec, dtype=dtype))
-    again = epoch(make(store, transform=spec, dtype=dtype))
-    plain = epoch(make(store, transform=TRAIN, dtype=torch.uint8))
+    first, second = (
+        make(store, transform=spec, dtype=dtype),
+        make(store, transform=spec, dtype=dtype),
+    )
+    got, again = epoch(first), epoch(second)
+    plain_dl = make(store, transform=TRAIN, dtype=torch.uint8)
+    plain = epoch(plain_dl)
+    decoded = [{k: v for k, v in d.stats().items() if "decoded" in k or "share" in k}
+               for d in (first, second, plain_dl)]  # fmt: skip
     assert torch.equal(flat(got, 2), flat(plain, 2)) and torch.equal(flat(got, 1), flat(plain, 1))
     seeds = [int(s) for s in batch_seeds(len(plain))]
     after = BatchSteps(spec, dtype, torch.contiguous_format)
     want = torch.cat([after(b[0], seed) for b, seed in zip(plain, seeds, strict=True)])
     diff = (flat(got, 0).float() - want.float()).abs()
     off = torch.nonzero(diff.flatten(1).amax(1)).flatten().tolist()
-    assert torch.equal(flat(got, 0), want), (off, diff.max().item(), (diff > 0).float().mean())
-    assert torch.equal(flat(got, 0), flat(again, 0))
+    twice = (flat(got, 0).float() - flat(again, 0).float()).abs()
+    assert torch.equal(flat(got, 0), flat(again, 0)), (twice.max().item(), decoded)
+    assert torch.equal(flat(got, 0), want), (
+        off,
+        diff.max().item(),
+        (diff > 0).float().mean(),
+        decoded,
+    )
     assert not torch.equal(flat(got, 0)[:, :, :4], flat(plain, 0)[:, :, :4].to(dtype))
 
 

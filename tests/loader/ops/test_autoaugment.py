@@ -134,9 +134,12 @@ def test_the_seed_decides(step):
 
 @pytest.mark.parametrize(
     "step",
-    [RandAugment(4, 20, interpolation="bilinear", fill=9), TrivialAugmentWide(fill=(1, 2, 3))],
-)
+    [RandAugment(4, 20, interpolation="bilinear", fill=9), TrivialAugmentWide(fill=(1, 2, 3)),
+     RandAugment(), RandAugment(3, 0), AutoAugment(), AutoAugment("svhn")],
+)  # fmt: skip
 def test_a_batch_is_its_images_one_by_one_whatever_their_strides(batch, step):
+    """A batch runs its warps together and its LUT ops together; one image op by op: the
+    same pixels (magnitude 0: rotations by exactly 0 degrees), square or not."""
     params = step.draw(np.random.default_rng(3), N)
     before = batch.clone()
     got = step.apply(batch, params)
@@ -148,6 +151,10 @@ def test_a_batch_is_its_images_one_by_one_whatever_their_strides(batch, step):
         hwc = batch[k].permute(1, 2, 0).contiguous()  # as a worker sees its image
         one = step.apply(hwc.permute(2, 0, 1).unsqueeze(0), params[k : k + 1])
         assert torch.equal(one[0], got[k])
+    wide = batch[:, :, : batch.shape[2] - 8]
+    got = step.apply(wide, params)
+    for k in range(N):
+        assert torch.equal(step.apply(wide[k : k + 1], params[k : k + 1])[0], got[k])
 
 
 def test_arguments_are_checked():

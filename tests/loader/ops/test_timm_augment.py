@@ -222,9 +222,14 @@ def test_an_applied_sample_is_timms_ops_in_its_order(batch):
         assert diff.max() <= 1 and (diff > 0).float().mean() < 0.005, (k, params[k])
 
 
-@pytest.mark.parametrize("config", ["rand-m9-mstd0.5-inc1", "rand-m15-mmax20-n4"])
+@pytest.mark.parametrize(
+    "config", ["rand-m9-mstd0.5-inc1", "rand-m15-mmax20-n4", "rand-m0-n4", "original", "v0"]
+)
 def test_a_batch_is_its_images_one_by_one(batch, config):
-    step = rand_augment(config, HPARAMS)
+    """A batch runs its warps together and its LUT ops together (``warps``, ``lookups``);
+    one image runs op by op: the same pixels (m0: rotations by exactly 0 degrees)."""
+    build = rand_augment if config.startswith("rand") else auto_augment
+    step = build(config, HPARAMS)
     params = step.draw(np.random.default_rng(5), N)
     assert np.array_equal(params, step.draw(np.random.default_rng(5), N), equal_nan=True)
     got = step.apply(batch, params)
@@ -232,6 +237,10 @@ def test_a_batch_is_its_images_one_by_one(batch, config):
     for k in range(N):
         hwc = batch[k].permute(1, 2, 0).contiguous()
         assert torch.equal(step.apply(hwc.permute(2, 0, 1)[None], params[k : k + 1])[0], got[k])
+    wide = batch[:, :, :40, :]  # not square: only half turns are transposes
+    got = step.apply(wide, params)
+    for k in range(N):
+        assert torch.equal(step.apply(wide[k : k + 1], params[k : k + 1])[0], got[k])
 
 
 @pytest.mark.gpu
