@@ -5,8 +5,9 @@ The box is drawn as torchvision's ``RandomErasing.get_params`` and timm's
 aspect ratio, up to 10 tries for a box smaller than the image, then a uniform position;
 no box where every try fails. It is filled with a constant (torchvision's ``value``,
 timm's ``const``), normal noise per channel (timm's ``rand``) or per pixel (torchvision's
-``"random"``, timm's ``pixel``). One masked write a batch on a GPU; on the CPU a write
-per box, the noise drawn only where it goes.
+``"random"``, timm's ``pixel``), the same values on every path (``loader.ops.noise``).
+One masked write a batch on a GPU; on the CPU a write per box, the noise made only where
+it goes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loader.ops import noise
 from loader.ops.upload import constant, on_device
 
 FILLS = ("const", "channel", "pixel")
@@ -54,39 +56,56 @@ class RandomErasing:
                     break
         return boxes
 
-    def apply(self, x: torch.Tensor, boxes: np.ndarray, seed: int = 0) -> torch.Tensor:
-        """``x`` with each sample's box filled (noise drawn from ``seed`` on ``x``'s device)."""
+    def apply(
+        self, x: torch.Tensor, boxes: np.ndarray, seed: int = 0, by_box: bool | None = None
+    ) -> torch.Tensor:
+        """``x`` with each sample's box filled, the noise ``loader.ops.noise``'s of ``seed``
+        (the same values whether the batch is filled at once or box by box). ``by_box``:
+        box by box (the default on the CPU) or the whole batch in one masked write."""
         if not boxes[:, 2].any():
             return x
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" if by_box is None else by_box:
             return self._each_box(x, boxes, seed)
         dev = x.device
-        b = on_device(boxes, dev)
-        rows = torch.arange(x.shape[2], device=dev).view(1, -1, 1)
-        cols = torch.arange(x.shape[3], device=dev).view(1, 1, -1)
+        rows = np.flatnonzero(boxes[:, 2])
+        at = on_device(rows, dev)
+        b = on_device(boxes[rows], dev)
+        h_img, w_img = x.shape[2:]
+        ys = torch.arange(h_img, device=dev)
+        xs = torch.arange(w_img, device=dev)
         top, left, h, w = (b[:, k].view(-1, 1, 1) for k in range(4))
-        inside = (rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w)
-        inside = inside.unsqueeze(1)  # [N, 1, H, W]
+        inside = (ys.view(1, -1, 1) >= top) & (ys.view(1, -1, 1) < top + h)
+        inside = (inside & (xs.view(1, 1, -1) >= left) & (xs.view(1, 1, -1) < left + w))[:, None]
         if self.fill == "const":
             fill = constant(tuple(self.value), dev, x.dtype).view(1, 3, 1, 1)
         else:
-            gen = torch.Generator(device=dev).manual_seed(int(seed))
-            shape = (x.shape[0], 3, 1, 1) if self.fill == "channel" else tuple(x.shape)
-            fill = torch.randn(shape, generator=gen, device=dev, dtype=torch.float32)
+            key = on_device(noise.keys(seed, rows), dev)
+            if self.fill == "channel":
+                zero = torch.zeros(1, dtype=torch.int64, device=dev)
+                fill = noise.normal(key, 3, zero, zero, (1, 1))
+            else:
+                fill = noise.normal(key, 3, ys, xs, (h_img, w_img))
             fill = fill.to(x.dtype)
-        return torch.where(inside, fill, x)
+        erased = torch.where(inside, fill, x.index_select(0, at))
+        return x.index_copy(0, at, erased)
 
     def _each_box(self, x: torch.Tensor, boxes: np.ndarray, seed: int) -> torch.Tensor:
-        """On the CPU: fill box by box (noise only where it goes), a new tensor."""
+        """Box by box (noise only where it goes), a new tensor."""
         x = x.clone()
-        gen = torch.Generator().manual_seed(int(seed))
         const = torch.tensor(self.value, dtype=x.dtype).view(3, 1, 1)
-        for k in np.flatnonzero(boxes[:, 2]):
+        rows = np.flatnonzero(boxes[:, 2])
+        keys = torch.from_numpy(noise.keys(seed, rows)).to(x.device)
+        h_img, w_img = x.shape[2:]
+        for key, k in zip(keys, rows, strict=True):
             top, left, h, w = (int(v) for v in boxes[k])
             box = x[k, :, top : top + h, left : left + w]
             if self.fill == "const":
-                box.copy_(const.expand_as(box))
+                box.copy_(const.to(x.device).expand_as(box))
+            elif self.fill == "channel":
+                zero = torch.zeros(1, dtype=torch.int64, device=x.device)
+                box.copy_(noise.normal(key.view(1), 3, zero, zero, (1, 1))[0].expand(3, h, w))
             else:
-                shape = (3, 1, 1) if self.fill == "channel" else (3, h, w)
-                box.copy_(torch.randn(shape, generator=gen).expand(3, h, w))
+                ys = torch.arange(top, top + h, device=x.device)
+                xs = torch.arange(left, left + w, device=x.device)
+                box.copy_(noise.normal(key.view(1), 3, ys, xs, (h_img, w_img))[0])
         return x

@@ -45,6 +45,29 @@ def test_noise_fills_only_the_box_and_is_the_seeds(batch, fill):
         if fill == "channel":  # one value a channel
             assert torch.equal(box, box[:, :1].expand_as(box))
 
+    # The same values filled batch-wise (the GPU path's way) as box by box (the CPU's), a
+    # sample's whatever the others; another seed, other values.
+    assert torch.equal(erasing.apply(batch, boxes, seed=9, by_box=False), got)
+    alone = erasing.apply(batch[3:4], boxes[3:4], seed=9)  # sample 0 of its own batch
+    assert not torch.equal(alone[0], got[3])  # the key is the seed's and the row's
+    assert not torch.equal(erasing.apply(batch, boxes, seed=10), got)
+
+
+def test_the_noise_is_standard_normal_and_a_function_of_its_coordinates():
+    from loader.ops import noise
+
+    key = torch.from_numpy(noise.keys(123, np.arange(4)))
+    ys, xs = torch.arange(200), torch.arange(300)
+    values = noise.normal(key, 3, ys, xs, (200, 300))
+    assert values.shape == (4, 3, 200, 300) and values.dtype == torch.float32
+    flat = values.double().flatten()
+    assert abs(flat.mean()) < 0.005 and abs(flat.std() - 1.0) < 0.005  # 720,000 values
+    assert abs((flat.abs() < 1.0).double().mean() - 0.6827) < 0.003
+    window = noise.normal(key[2:3], 3, ys[50:60], xs[7:9], (200, 300))
+    assert torch.equal(window[0], values[2, :, 50:60, 7:9])
+    corr = torch.corrcoef(torch.stack([values[0].flatten(), values[1].flatten()]))[0, 1]
+    assert abs(corr) < 0.01
+
 
 def test_boxes_are_drawn_as_torchvision_draws_them():
     # Same distribution: the share of the area, its aspect and its place, over many draws.
