@@ -221,8 +221,10 @@ class OurPipeline:
         import loader
         from loader.recipes import recognise
 
-        # the recipe torch's pipelines run, recognised as the loader's own
-        recipe = "eval" if s.eval else recognise(torch_transform(s))
+        # the recipe torch's pipelines run, recognised as the loader's own (read as float:
+        # for uint8 output the loader leaves out the normalisation torch's recipe lacks)
+        as_float = dataclasses.replace(s, dtype="float32")
+        recipe = "eval" if s.eval else recognise(torch_transform(as_float))
         self.dl = loader.DataLoader(
             s.store,
             batch_size=s.batch_size,

@@ -120,7 +120,8 @@ def _warps(x, names: np.ndarray, m: np.ndarray, mode: str, fill) -> torch.Tensor
         at = np.flatnonzero(names == name)
         matrices[at] = _matrices(str(name), m[at], h, w)
     general = np.flatnonzero(~exact)
-    x = on_rows(x, general, lambda s: warp(s, matrices[general], mode, fill))
+    if len(general):
+        x = on_rows(x, general, lambda s: warp(s, matrices[general], mode, fill))
     rows = np.flatnonzero(exact)
     return on_rows(x, rows, lambda s: rotate(s, m[rows], mode, fill)) if len(rows) else x
 

@@ -77,8 +77,13 @@ def grid(matrices: np.ndarray, height: int, width: int, device) -> torch.Tensor:
     """The sampling grid [n, H, W, 2] of centred inverse ``matrices`` [n, 6]."""
     scale = np.array([0.5 * width, 0.5 * height], dtype=np.float32)
     theta = matrices.astype(np.float32).reshape(-1, 2, 3).transpose(0, 2, 1) / scale
-    theta = on_device(theta, device)
-    out = torch.matmul(_base_grid(height, width, torch.device(device)), theta)
+    device = torch.device(device)
+    base = _base_grid(height, width, device)
+    if device.type == "cuda":  # in float64: cuBLAS would round float32 to TF32 where the
+        # user allows it (timm's train.py does), moving the samples by ~0.05 pixel
+        out = torch.matmul(base.double(), on_device(theta, device, torch.float64)).float()
+    else:
+        out = torch.matmul(base, on_device(theta, device))
     return out.view(-1, height, width, 2)
 
 

@@ -41,7 +41,7 @@ def normal(key: torch.Tensor, channels: int, ys: torch.Tensor, xs: torch.Tensor,
     h, w = size
     c = torch.arange(channels, dtype=torch.int64, device=key.device).view(1, -1, 1, 1)
     index = (c * h + ys.view(1, 1, -1, 1)) * w + xs.view(1, 1, 1, -1)
-    first = _hash32((key.view(-1, 1, 1, 1) ^ (index & _MASK)) & _MASK)
+    first = _hash32(key.view(-1, 1, 1, 1) ^ _hash32(index & _MASK))
     second = _hash32(first ^ _SECOND)
     u1 = (first.double() + 0.5) * (1.0 / 2**32)
     u2 = (second.double() + 0.5) * (1.0 / 2**32)

@@ -183,7 +183,8 @@ def warps(x: torch.Tensor, names: list, arg: np.ndarray, modes: np.ndarray, choi
     def run_warp(s, rows, mode):
         return warp(s, matrices[general[rows]], mode, fill, edge="pil")
 
-    x = on_rows(x, general, lambda s: by_mode(s, modes[general], choices, run_warp))
+    if len(general):
+        x = on_rows(x, general, lambda s: by_mode(s, modes[general], choices, run_warp))
     rows = np.flatnonzero(exact)  # turns by exact right angles: transposed, not warped
     if len(rows):
         x = on_rows(x, rows, lambda s: rotate(s, arg[rows], "nearest", fill, edge="pil"))

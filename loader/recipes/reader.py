@@ -100,7 +100,9 @@ class Reader(TimmSteps):
             self.args["interpolation"] = mode
         self.kind = kind
         # On PIL images torchvision always antialiases; on tensors only if asked.
-        self.args["antialias"] = True if self.tensor is None else bool(step.antialias)
+        # (timm's crop has no such attribute: on tensors it antialiases, torch's default)
+        antialias = getattr(step, "antialias", True)
+        self.args["antialias"] = True if self.tensor is None else bool(antialias)
 
     def _RandomResizedCrop(self, step) -> None:
         self._geometry(step, "train")
@@ -176,7 +178,10 @@ class Reader(TimmSteps):
         args |= {"steps": tuple(self.steps), "erasing": self.erasing}
         if self.kind == "train":
             args["flip"] = self.flip or 0.0
-        return Transform(self.kind, **args)
+        try:
+            return Transform(self.kind, **args)
+        except ValueError as e:  # what torchvision only warns of (a reversed range...)
+            raise NotARecipe(f"its parameters are not the loader's: {e}") from None
 
 
 def _crop_pct(crop: int, short: int) -> float:

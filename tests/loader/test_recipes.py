@@ -113,6 +113,13 @@ def test_eval_resizes_the_short_side_exactly():
          "CenterCrop does not directly follow Resize"),
         (T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip()]),
          "it does not end with a float tensor (ToTensor or ToDtype)"),
+        # what torchvision takes (or only warns of) and the loader's Transform refuses
+        (T.Compose([T.RandomResizedCrop(224, scale=(0.5, 2.0)), T.ToTensor()]),
+         "its parameters are not the loader's: scale=(0.5, 2.0) is invalid"),
+        (T.Compose([T.RandomResizedCrop(224, ratio=(4 / 3, 3 / 4)), T.ToTensor()]),
+         "its parameters are not the loader's: ratio="),
+        (T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(1.5), T.ToTensor()]),
+         "its parameters are not the loader's: flip=1.5 is invalid"),
         (T.Compose([T.RandomResizedCrop(224), T.ToTensor(), T.Normalize(MEAN, STD),
                     T.RandomHorizontalFlip()]), "RandomHorizontalFlip comes after Normalize"),
         (T.Compose([T.ToTensor(), T.Normalize([0.5], [0.5]), T.RandomResizedCrop(8)]),

@@ -71,6 +71,16 @@ def test_what_timm_makes_and_the_loader_does_not_run_says_why(kw, reason):
         recognise(_create(is_training=True, **kw))
 
 
+def test_timms_crop_on_tensors_antialiases_as_torchs_default():
+    import torchvision.transforms as T
+    from timm.data.transforms import MaybePILToTensor, RandomResizedCropAndInterpolation
+
+    crop = RandomResizedCropAndInterpolation(224)  # it has no antialias attribute
+    tf = T.Compose([MaybePILToTensor(), crop, T.ConvertImageDtype(torch.float32)])
+    spec = recognise(tf)
+    assert (spec.kind, spec.antialias, spec.size) == ("train", True, (224, 224))
+
+
 def test_timms_train_py_data_code_takes_the_fast_path(store):
     # train.py: create_loader sets dataset.transform; the swap reads it from there, and the
     # loop probes batch_sampler and sampler for set_epoch, then mixes up on the device.

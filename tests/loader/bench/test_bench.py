@@ -837,3 +837,18 @@ def test_the_randaugment_recipe_is_the_same_on_torch_and_ours():
     assert recognise(torch_transform(s)).steps == (RandAugment(2, 9, 31, "nearest", None),)
     standard = dataclasses.replace(s, recipe="standard")
     assert recognise(torch_transform(standard)).steps == ()
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float16"])
+def test_our_pipeline_runs_the_recipe_whatever_the_dtype(monkeypatch, dtype):
+    import loader
+    from loader.bench.pipelines import OurPipeline
+    from loader.bench.settings import Settings
+    from loader.ops.autoaugment import RandAugment
+
+    seen = {}
+    monkeypatch.setattr(loader, "DataLoader", lambda *a, **k: seen.update(k))
+    s = Settings(None, "/nowhere", 8, 0, dtype, False, False, "cpu", recipe="randaugment")
+    OurPipeline("cpu", s)
+    assert seen["dtype"] == dtype and seen["transform"].kind == "train"
+    assert seen["transform"].steps == (RandAugment(2, 9, 31, "nearest", None),)

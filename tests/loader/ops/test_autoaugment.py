@@ -191,3 +191,17 @@ def test_cuda_applies_what_the_cpu_applies(batch, kind, mode):
     diff = (got.cpu().int() - step.apply(batch, params).int()).abs()
     print(f"{kind} {mode}: max {int(diff.max())}, share {float((diff > 0).float().mean()):.2e}")
     assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_warps_on_cuda_ignore_tf32(batch, monkeypatch):
+    """timm's train.py allows TF32 matmuls; the warps' grids are made in float64 there, so
+    the pixels are those of full float32 precision (TF32 moved samples by ~0.05 pixel:
+    up to 190 levels at the fill's edge)."""
+    step = RandAugment(2, 9, interpolation="bilinear", fill=(124, 116, 104))
+    params = step.draw(np.random.default_rng(8), N)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    exact = step.apply(batch.cuda(), params)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    assert torch.equal(step.apply(batch.cuda(), params), exact)
