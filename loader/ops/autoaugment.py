@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from loader.ops import color, tone
+from loader.ops.autoaugment_batch import LUTS, WARPS, lookups, warps
 from loader.ops.geometry import MODES, inverse_matrices, rotate, warp
-from loader.ops.layers import apply_layers, on_rows
+from loader.ops.layers import apply_layers
 from loader.ops.policies import TORCHVISION
 from loader.ops.upload import on_device
 
@@ -90,61 +91,6 @@ _RUN = {  # name -> (samples, magnitudes, interpolation, fill) -> samples
     "Equalize": lambda x, *_: tone.equalize(x),
     "Invert": lambda x, *_: tone.invert(x),
 }
-
-
-_WARPS = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")
-_LUTS = ("Brightness", "Posterize", "Solarize", "Invert", "Equalize")
-
-
-def _matrices(name: str, m: np.ndarray, h: int, w: int) -> np.ndarray:
-    """The centred inverse matrices of ``_RUN``'s warps ``name`` at magnitudes ``m``."""
-    if name == "Rotate":
-        return inverse_matrices(angle=-np.mod(m, 360.0))
-    if name.startswith("Shear"):
-        degrees = np.degrees(np.arctan(m))
-        zero = np.zeros_like(degrees)
-        shear = (degrees, zero) if name == "ShearX" else (zero, degrees)
-        return inverse_matrices(shear=shear, center=(-0.5 * w, -0.5 * h))
-    t, zero = np.trunc(m), np.zeros_like(m)
-    return inverse_matrices(translate=(t, zero) if name == "TranslateX" else (zero, t))
-
-
-def _warps(x, names: np.ndarray, m: np.ndarray, mode: str, fill) -> torch.Tensor:
-    """Samples through the warps ``names``, one ``warp`` for them all (exact right-angle
-    turns as ``rotate`` takes them)."""
-    h, w = x.shape[-2:]
-    turns = (0.0, 180.0) if h != w else (0.0, 90.0, 180.0, 270.0)
-    exact = (names == "Rotate") & np.isin(np.mod(m, 360.0), turns)
-    matrices = np.zeros((len(x), 6))
-    for name in np.unique(names):
-        at = np.flatnonzero(names == name)
-        matrices[at] = _matrices(str(name), m[at], h, w)
-    general = np.flatnonzero(~exact)
-    if len(general):
-        x = on_rows(x, general, lambda s: warp(s, matrices[general], mode, fill))
-    rows = np.flatnonzero(exact)
-    return on_rows(x, rows, lambda s: rotate(s, m[rows], mode, fill)) if len(rows) else x
-
-
-def _lookups(x, names: np.ndarray, m: np.ndarray) -> torch.Tensor:
-    """Samples through the LUT ops ``names``: the pointwise ones' LUTs made on the host with
-    the float32 arithmetic of their tensor ops, Equalize's from its samples; one lookup."""
-    n, c = x.shape[:2]
-    levels = np.arange(256)[None, :]
-    name, a = names[:, None], m[:, None]
-    ratio = (1.0 + a).astype(np.float32)  # color.brightness: ratio * x + (1 - ratio) * 0
-    out = np.where(name == "Brightness", (ratio * levels.astype(np.float32)).clip(0, 255), levels)
-    bits = np.clip(np.nan_to_num(a).astype(np.int64), 0, 8)
-    out = np.where(name == "Posterize", levels & ((255 << (8 - bits)) & 255), out)
-    threshold = (255.0 * a).astype(np.float32)
-    out = np.where((name == "Solarize") & (levels >= threshold), 255 - levels, out)
-    out = np.where(name == "Invert", 255 - levels, out)
-    luts = on_device(np.repeat(out.astype(np.uint8)[:, None, :], c, 1), x.device)
-    rows = np.flatnonzero(names == "Equalize")
-    if len(rows):
-        at = on_device(rows, x.device)
-        luts.index_copy_(0, at, tone.equalize_lut(x.index_select(0, at)).view(-1, c, 256))
-    return tone.lookup(x, luts.view(n * c, 256))
 
 
 def check_mode(mode) -> str:
@@ -216,7 +162,7 @@ class _Layers:
                 (frozenset(OPS.index(k) for k in kinds),
                  lambda s, codes, c, fn=fn: fn(s, names[codes], c[:, 0]))
                 for kinds, fn in (
-                    (_WARPS, lambda s, k, m: _warps(s, k, m, mode, fill)), (_LUTS, _lookups)
+                    (WARPS, lambda s, k, m: warps(s, k, m, mode, fill)), (LUTS, lookups)
                 )
             )  # fmt: skip
         return apply_layers(x, cols, self._ops(), layers, 2, groups)
