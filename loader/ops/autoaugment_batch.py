@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from loader.ops import tone
-from loader.ops.geometry import inverse_matrices, rotate, warp
+from loader.ops.geometry import inverse_matrices, rotate, turns, warp
 from loader.ops.layers import on_rows
 from loader.ops.upload import on_device
 
@@ -33,8 +33,7 @@ def warps(x, names: np.ndarray, m: np.ndarray, mode: str, fill) -> torch.Tensor:
     """Samples through the warps ``names``, one ``warp`` for them all (exact right-angle
     turns as ``rotate`` takes them)."""
     h, w = x.shape[-2:]
-    turns = (0.0, 180.0) if h != w else (0.0, 90.0, 180.0, 270.0)
-    exact = (names == "Rotate") & np.isin(np.mod(m, 360.0), turns)
+    exact = (names == "Rotate") & (turns(m, h, w) >= 0)
     matrices = np.zeros((len(x), 6))
     for name in np.unique(names):
         at = np.flatnonzero(names == name)
@@ -50,16 +49,10 @@ def lookups(x, names: np.ndarray, m: np.ndarray) -> torch.Tensor:
     """Samples through the LUT ops ``names``: the pointwise ones' LUTs made on the host with
     the float32 arithmetic of their tensor ops, Equalize's from its samples; one lookup."""
     n, c = x.shape[:2]
-    levels = np.arange(256)[None, :]
-    name, a = names[:, None], m[:, None]
-    ratio = (1.0 + a).astype(np.float32)  # color.brightness: ratio * x + (1 - ratio) * 0
-    out = np.where(name == "Brightness", (ratio * levels.astype(np.float32)).clip(0, 255), levels)
-    bits = np.clip(np.nan_to_num(a).astype(np.int64), 0, 8)
-    out = np.where(name == "Posterize", levels & ((255 << (8 - bits)) & 255), out)
-    threshold = (255.0 * a).astype(np.float32)
-    out = np.where((name == "Solarize") & (levels >= threshold), 255 - levels, out)
-    out = np.where(name == "Invert", 255 - levels, out)
-    luts = on_device(np.repeat(out.astype(np.uint8)[:, None, :], c, 1), x.device)
+    # the arguments of the tensor ops: color.brightness blends by 1 + m (with 0, as PIL's),
+    # solarize compares with 255 * m in float32
+    args = np.where(names == "Brightness", 1.0 + m, np.where(names == "Solarize", 255.0 * m, m))
+    luts = on_device(np.repeat(tone.host_luts(names, args)[:, None, :], c, 1), x.device)
     rows = np.flatnonzero(names == "Equalize")
     if len(rows):
         at = on_device(rows, x.device)

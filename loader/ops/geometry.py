@@ -126,6 +126,17 @@ def _pil_edge(img: torch.Tensor, at: torch.Tensor, mode: str, fill: tuple | None
     return out.to(torch.uint8).mul_(inside).add_(value * ~inside)
 
 
+def turns(angle: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Each ``angle``'s exact quarter turns (0..3; -1: warped), as torchvision and PIL take
+    them: 0 and 180 degrees always, 90 and 270 on squares only."""
+    angle = np.mod(np.asarray(angle, dtype=np.float64), 360.0)
+    out = np.full(angle.shape, -1)
+    for k, degrees in enumerate((0.0, 90.0, 180.0, 270.0)):
+        if k % 2 == 0 or height == width:
+            out[angle == degrees] = k
+    return out
+
+
 def rotate(
     x: torch.Tensor,
     angle: np.ndarray,
@@ -138,12 +149,9 @@ def rotate(
     torchvision and PIL do."""
     _, _, h, w = x.shape
     angle = np.mod(np.asarray(angle, dtype=np.float64), 360.0)
-    turns = np.full(len(angle), -1)
-    for k, degrees in enumerate((0.0, 90.0, 180.0, 270.0)):
-        if k % 2 == 0 or h == w:
-            turns[angle == degrees] = k
-    for k in np.unique(turns):
-        rows = np.flatnonzero(turns == k)
+    quarter = turns(angle, h, w)
+    for k in np.unique(quarter):
+        rows = np.flatnonzero(quarter == k)
         if k < 0:
             matrices = inverse_matrices(angle=-angle[rows])
             x = on_rows(x, rows, lambda s, m=matrices: warp(s, m, mode, fill, edge))

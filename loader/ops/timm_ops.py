@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from loader.ops import tone
-from loader.ops.geometry import from_pil, inverse_matrices, rotate, warp
+from loader.ops.geometry import from_pil, inverse_matrices, rotate, turns, warp
 from loader.ops.layers import by_mode, on_rows
 from loader.ops.upload import on_device
 
@@ -169,13 +169,11 @@ def warps(x: torch.Tensor, names: list, arg: np.ndarray, modes: np.ndarray, choi
     h, w = x.shape[-2:]
     names, modes = np.asarray(names), modes.astype(np.int64)
     matrices = np.zeros((len(x), 6))
-    angle = np.mod(arg, 360.0)
-    turns = (0.0, 180.0) if h != w else (0.0, 90.0, 180.0, 270.0)  # as ``rotate`` takes them
-    exact = (names == "Rotate") & np.isin(angle, turns)
+    exact = (names == "Rotate") & (turns(arg, h, w) >= 0)  # transposed, as ``rotate`` does
     for name in np.unique(names):
         at = np.flatnonzero(names == name)
         if name == "Rotate":
-            matrices[at] = inverse_matrices(angle=-angle[at])
+            matrices[at] = inverse_matrices(angle=-np.mod(arg[at], 360.0))
         else:
             matrices[at] = from_pil(_affine(str(name), arg[at], h, w), h, w)
     general = np.flatnonzero(~exact)
@@ -185,30 +183,10 @@ def warps(x: torch.Tensor, names: list, arg: np.ndarray, modes: np.ndarray, choi
 
     if len(general):
         x = on_rows(x, general, lambda s: by_mode(s, modes[general], choices, run_warp))
-    rows = np.flatnonzero(exact)  # turns by exact right angles: transposed, not warped
+    rows = np.flatnonzero(exact)
     if len(rows):
         x = on_rows(x, rows, lambda s: rotate(s, arg[rows], "nearest", fill, edge="pil"))
     return x
-
-
-def pointwise_luts(names: np.ndarray, arg: np.ndarray) -> np.ndarray:
-    """The LUTs [n, 256] uint8 of pointwise tone ops, made on the host with the float32
-    arithmetic of ``tone``'s ops on the device (``tests/loader/ops``: equal pixels)."""
-    levels = np.arange(256, dtype=np.int64)[None, :]
-    a = arg[:, None]
-    out = np.broadcast_to(levels, (len(names), 256)).copy()
-    name = names[:, None]
-    bits = np.clip(np.nan_to_num(a), 0, 8).astype(np.int64)
-    out = np.where(name == "Invert", 255 - levels, out)
-    out = np.where(name == "Posterize", levels & ((255 << (8 - bits)) & 255), out)
-    threshold = np.nan_to_num(a).astype(np.int64)
-    out = np.where((name == "Solarize") & (levels >= threshold), 255 - levels, out)
-    added = np.minimum(levels + threshold, 255)
-    out = np.where((name == "SolarizeAdd") & (levels < 128), added, out)
-    f = np.nan_to_num(a).astype(np.float32)
-    blended = (levels.astype(np.float32) * f).clip(0, 255).astype(np.int64)  # pil_blend with 0
-    out = np.where(name == "Brightness", blended, out)
-    return out.astype(np.uint8)
 
 
 def lookups(x: torch.Tensor, names: list, arg: np.ndarray) -> torch.Tensor:
@@ -217,7 +195,7 @@ def lookups(x: torch.Tensor, names: list, arg: np.ndarray) -> torch.Tensor:
     once, AutoContrast's, Equalize's and Contrast's from their samples; then one lookup."""
     n, c = x.shape[:2]
     names = np.asarray([_base(str(v)) for v in names])
-    host = np.repeat(pointwise_luts(names, arg)[:, None, :], c, 1)
+    host = np.repeat(tone.host_luts(names, arg)[:, None, :], c, 1)
     luts = on_device(host, x.device)  # [n, c, 256]; the other ops' rows written below
     for name in ("AutoContrast", "Equalize", "Contrast"):
         rows = np.flatnonzero(names == name)

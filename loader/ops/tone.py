@@ -12,6 +12,7 @@ Histograms and LUTs are batched (``scatter_add``, ``cumsum``, ``gather``): no lo
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -59,6 +60,25 @@ def solarize_add(x: torch.Tensor, add: torch.Tensor, threshold: int = 128) -> to
 
 def invert(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_not()
+
+
+def host_luts(kinds: np.ndarray, args: np.ndarray) -> np.ndarray:
+    """The LUTs [n, 256] uint8 of the pointwise ops ``kinds`` with their ``args``: "Invert",
+    "Posterize" (bits), "Solarize" (threshold), "SolarizeAdd" (added below 128),
+    "Brightness" (factor; PIL's and torchvision's blend with 0), any other the identity;
+    made on the host in the float32 arithmetic of the ops above, so that a batch's
+    pointwise ops are one lookup on the device with the same pixels."""
+    levels = np.arange(256, dtype=np.int64)[None, :]
+    kind, a = np.asarray(kinds)[:, None], np.nan_to_num(np.asarray(args, np.float64))[:, None]
+    out = np.where(kind == "Invert", 255 - levels, levels)
+    bits = np.clip(a.astype(np.int64), 0, 8)
+    out = np.where(kind == "Posterize", levels & ((255 << (8 - bits)) & 255), out)
+    threshold = a.astype(np.float32)
+    out = np.where((kind == "Solarize") & (levels >= threshold), 255 - levels, out)
+    added = np.minimum(levels + a.astype(np.int64), 255)
+    out = np.where((kind == "SolarizeAdd") & (levels < 128), added, out)
+    blended = (levels.astype(np.float32) * a.astype(np.float32)).clip(0, 255).astype(np.int64)
+    return np.where(kind == "Brightness", blended, out).astype(np.uint8)
 
 
 def autocontrast(x: torch.Tensor) -> torch.Tensor:
