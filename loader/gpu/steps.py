@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from loader.augment import Transform
-from loader.ops.draws import apply_steps, draw
+from loader.gpu import fused_layers
+from loader.ops.draws import draw
 
 
 class BatchSteps:
@@ -41,7 +42,11 @@ class BatchSteps:
         """The batch ``x`` (uint8 [N, 3, H, W]) of batch seed ``seed``, stepped, normalised
         and cast; a new tensor."""
         draws = draw(self.spec, seed, len(x))
-        x = apply_steps(self.steps, x, draws.params)
+        for step, params in zip(self.steps, draws.params, strict=True):
+            if x.is_cuda and fused_layers.handles(step, x):  # the same pixels, far fewer launches
+                x = fused_layers.apply(step, x, params)
+            else:
+                x = step.apply(x, params)
         if self.dtype.is_floating_point:
             scale, bias = self._on(x.device)
             x = torch.addcmul(bias, x.float(), scale).to(self.dtype)

@@ -93,7 +93,7 @@ GEOMETRIC = ("Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY")
 GEOMETRIC += ("TranslateXRel", "TranslateYRel")
 
 
-def _affine(name: str, arg: np.ndarray, height: int, width: int) -> np.ndarray:
+def affine_data(name: str, arg: np.ndarray, height: int, width: int) -> np.ndarray:
     """timm's ``Image.transform`` AFFINE data of ``name`` with ``arg`` per sample: [n, 6]."""
     one, zero = np.ones_like(arg), np.zeros_like(arg)
     if name == "ShearX":
@@ -115,7 +115,7 @@ def _geometric(x, name, arg, modes, names, fill) -> torch.Tensor:
     def run(s, rows, mode):
         if name == "Rotate":
             return rotate(s, arg[rows], mode, fill, edge="pil")
-        return warp(s, from_pil(_affine(name, arg[rows], h, w), h, w), mode, fill, edge="pil")
+        return warp(s, from_pil(affine_data(name, arg[rows], h, w), h, w), mode, fill, edge="pil")
 
     return by_mode(x, modes, names, run)
 
@@ -144,7 +144,7 @@ def run(x: torch.Tensor, name: str, arg: np.ndarray, modes: np.ndarray, names, f
     interpolation codes ``modes``, indices of ``names``; ``fill``: the warps' fill."""
     if name in GEOMETRIC:
         return _geometric(x, name, arg, modes.astype(np.int64), names, fill)
-    base = name.removesuffix("Increasing").removesuffix("Original")
+    base = base_name(name)
     return _TONE[base](x, arg)
 
 
@@ -154,12 +154,12 @@ POINTWISE = ("Invert", "Posterize", "Solarize", "SolarizeAdd", "Brightness")  # 
 LOOKUPS = (*POINTWISE, "AutoContrast", "Equalize", "Contrast")  # a LUT per sample and channel
 
 
-def _base(name: str) -> str:
+def base_name(name: str) -> str:
     return name.removesuffix("Increasing").removesuffix("Original")
 
 
 def is_lookup(name: str) -> bool:
-    return _base(name) in LOOKUPS
+    return base_name(name) in LOOKUPS
 
 
 def warps(x: torch.Tensor, names: list, arg: np.ndarray, modes: np.ndarray, choices, fill):
@@ -175,7 +175,7 @@ def warps(x: torch.Tensor, names: list, arg: np.ndarray, modes: np.ndarray, choi
         if name == "Rotate":
             matrices[at] = inverse_matrices(angle=-np.mod(arg[at], 360.0))
         else:
-            matrices[at] = from_pil(_affine(str(name), arg[at], h, w), h, w)
+            matrices[at] = from_pil(affine_data(str(name), arg[at], h, w), h, w)
     general = np.flatnonzero(~exact)
 
     def run_warp(s, rows, mode):
@@ -194,7 +194,7 @@ def lookups(x: torch.Tensor, names: list, arg: np.ndarray) -> torch.Tensor:
     LUT of the sample and channel: the pointwise ops' LUTs made on the host and copied at
     once, AutoContrast's, Equalize's and Contrast's from their samples; then one lookup."""
     n, c = x.shape[:2]
-    names = np.asarray([_base(str(v)) for v in names])
+    names = np.asarray([base_name(str(v)) for v in names])
     host = np.repeat(tone.host_luts(names, arg)[:, None, :], c, 1)
     luts = on_device(host, x.device)  # [n, c, 256]; the other ops' rows written below
     for name in ("AutoContrast", "Equalize", "Contrast"):

@@ -1,0 +1,138 @@
+"""timm's RandAugment and AutoAugment on the GPU path: a layer of a batch in three launches.
+
+The torch ops of ``loader.ops.timm_augment`` (the CPU path's, and the reference) cost a few
+kernels per op per layer, and the Python that launches them ran on the stage's thread,
+beside the training loop's, for every batch: about 20 ms of the interpreter a batch. Here a
+layer is one table of a row per sample (its op's kind, factor, interpolation and matrix,
+made on the host from the same draws), one copy to the device and three Triton kernels
+(``layer_kernels``): the statistics the sample's op needs (histograms, extremes, luma),
+the LUTs, then the layer itself, each sample's op from the table. The same pixels as the
+torch ops but for the rounding of a fused multiply-add (tests/loader/gpu/test_fused_layers.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from loader.ops import tone
+from loader.ops.geometry import MODES, from_pil, inverse_matrices, turns
+from loader.ops.timm_augment import TimmAutoAugment, TimmRandAugment
+from loader.ops.timm_ops import GEOMETRIC, POINTWISE, affine_data, base_name
+from loader.ops.upload import on_device
+
+_BLOCK = 1024  # pixels of one sample a program
+_STATS = {"AutoContrast": 6, "Equalize": 7, "Contrast": 8}  # layer_kernels' kinds
+_COPY, _LUT, _COLOR, _SHARP, _WARP, _TURN = range(6)
+
+
+def handles(step, x: torch.Tensor) -> bool:
+    """Whether ``step`` on the batch ``x`` runs here: timm's policies on a uint8 RGB batch."""
+    return (
+        isinstance(step, TimmRandAugment | TimmAutoAugment)
+        and x.dtype == torch.uint8
+        and x.dim() == 4
+        and x.shape[1] == 3
+    )
+
+
+def apply(step, x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
+    """``step.apply(x, params)``, each layer in three launches (a new tensor)."""
+    if isinstance(step, TimmRandAugment):
+        ops, layers = step.ops, step.num_layers
+    else:
+        ops, layers = step._ops()[0], step.layers
+    names = np.asarray([base_name(op.name) for op in ops] + [""])  # [-1]: no op
+    full = np.asarray([op.name for op in ops] + [""])
+    modes = np.asarray([MODES.index(m) for m in step.interpolation])
+    fill = tuple(int(v) for v in step.fill)
+    for j in range(layers):
+        cols = params[:, 3 * j : 3 * j + 3]
+        code = cols[:, 0].astype(np.int64)
+        table, host = layer_table(
+            names[code], full[code], cols[:, 1], modes[cols[:, 2].astype(np.int64)], *x.shape[-2:]
+        )
+        x = run_layer(x, table, host, fill)
+    return x
+
+
+def layer_table(names, full, arg, mode, height: int, width: int):
+    """The kernels' table (float32 [n, COLS]) and the pointwise ops' host LUTs (uint8 [n,
+    256]) of a layer whose samples take the ops ``names`` (timm's base names, "" for none;
+    ``full``: their full names) with their arguments and interpolation codes (of MODES)."""
+    from loader.gpu.layer_kernels import COLS
+
+    n = len(names)
+    table = np.zeros((n, COLS), np.float32)
+    kind = np.full(n, _COPY)
+    factor = np.zeros(n)
+    kind[np.isin(names, POINTWISE)] = _LUT
+    for name, k in _STATS.items():
+        kind[names == name] = k
+    factor[names == "Contrast"] = arg[names == "Contrast"]
+    for name, k in (("Color", _COLOR), ("Sharpness", _SHARP), ("Desaturate", _COLOR)):
+        at = names == name
+        kind[at] = k
+        factor[at] = np.clip(1.0 - arg[at], 0.0, 1.0) if name == "Desaturate" else arg[at]
+    warped = np.isin(full, GEOMETRIC)
+    if warped.any():
+        matrices = np.zeros((n, 6))
+        rotation = full == "Rotate"
+        quarter = np.where(rotation, turns(np.where(rotation, arg, 1.0), height, width), -1)
+        for name in np.unique(full[warped]):
+            at = full == name
+            if name == "Rotate":
+                matrices[at] = inverse_matrices(angle=-np.mod(arg[at], 360.0))
+            else:
+                matrices[at] = from_pil(
+                    affine_data(str(name), arg[at], height, width), height, width
+                )
+        scale = np.array([0.5 * width, 0.5 * height], dtype=np.float32)
+        theta = matrices.astype(np.float32).reshape(-1, 2, 3).transpose(0, 2, 1) / scale
+        table[:, 4:10] = theta.reshape(n, 6)
+        kind[warped] = _WARP
+        kind[quarter > 0] = _TURN
+        kind[quarter == 0] = _COPY
+        table[:, 3] = np.maximum(quarter, 0)
+        table[:, 2] = mode
+    table[:, 0] = kind
+    table[:, 1] = factor.astype(np.float32)
+    host = np.empty((n, 256), np.uint8)
+    host[:] = np.arange(256, dtype=np.uint8)
+    at = kind == _LUT
+    host[at] = tone.host_luts(names[at], arg[at])
+    return table, host
+
+
+def run_layer(x: torch.Tensor, table: np.ndarray, host: np.ndarray, fill: tuple) -> torch.Tensor:
+    """One layer of the batch ``x`` (uint8 [N, 3, H, W], any strides) by ``table``."""
+    from loader.gpu import layer_kernels as k
+
+    n, _, h, w = x.shape
+    kinds = table[:, 0]
+    t = on_device(table, x.device)
+    out = torch.empty((n, 3, h, w), dtype=torch.uint8, device=x.device)
+    options = {"enable_fp_fusion": False} if x.is_cuda else {}  # the blends: torch's roundings
+    tiles = (n, triton_cdiv(h * w, _BLOCK))
+    luts = t  # (a placeholder where no sample takes a LUT)
+    if (kinds == _LUT).any() or (kinds >= k.AUTOCONTRAST).any():
+        stats = torch.zeros(n * 3 * 258, dtype=torch.int32, device=x.device)
+        hist = stats[: n * 3 * 256].view(n * 3, 256)
+        lows, highs = stats[n * 3 * 256 :].view(2, n * 3).unbind()
+        lows.fill_(255)
+        gray = torch.zeros(n, dtype=torch.int64, device=x.device)
+        if (kinds >= k.AUTOCONTRAST).any():
+            k.layer_stats[tiles](
+                x, t, hist, lows, highs, gray, h, w, *x.stride(), BLOCK=_BLOCK, **options
+            )
+        luts = torch.empty((n * 3, 256), dtype=torch.uint8, device=x.device)
+        host_t = on_device(host, x.device)
+        k.layer_luts[(n * 3,)](t, host_t, hist, lows, highs, gray, luts, h * w, **options)
+    k.layer_apply[tiles](
+        x, out, t, luts, h, w, *x.stride(), *fill, GRID64=x.is_cuda, BLOCK=_BLOCK, **options
+    )
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
