@@ -24,6 +24,7 @@ from loader.ops.upload import on_device
 _BLOCK = 1024  # pixels of one sample a program
 _STATS = {"AutoContrast": 6, "Equalize": 7, "Contrast": 8}  # layer_kernels' kinds
 _COPY, _LUT, _COLOR, _SHARP, _WARP, _TURN = range(6)
+_COLS = 12  # layer_kernels.COLS
 
 
 def handles(step, x: torch.Tensor) -> bool:
@@ -60,10 +61,8 @@ def layer_table(names, full, arg, mode, height: int, width: int):
     """The kernels' table (float32 [n, COLS]) and the pointwise ops' host LUTs (uint8 [n,
     256]) of a layer whose samples take the ops ``names`` (timm's base names, "" for none;
     ``full``: their full names) with their arguments and interpolation codes (of MODES)."""
-    from loader.gpu.layer_kernels import COLS
-
     n = len(names)
-    table = np.zeros((n, COLS), np.float32)
+    table = np.zeros((n, _COLS), np.float32)
     kind = np.full(n, _COPY)
     factor = np.zeros(n)
     kind[np.isin(names, POINTWISE)] = _LUT
@@ -114,14 +113,14 @@ def run_layer(x: torch.Tensor, table: np.ndarray, host: np.ndarray, fill: tuple)
     out = torch.empty((n, 3, h, w), dtype=torch.uint8, device=x.device)
     options = {"enable_fp_fusion": False} if x.is_cuda else {}  # the blends: torch's roundings
     tiles = (n, triton_cdiv(h * w, _BLOCK))
-    luts = t  # (a placeholder where no sample takes a LUT)
-    if (kinds == _LUT).any() or (kinds >= k.AUTOCONTRAST).any():
+    luts = torch.empty(1, dtype=torch.uint8, device=x.device)  # where no sample takes a LUT
+    if (kinds == _LUT).any() or (kinds >= _STATS["AutoContrast"]).any():
         stats = torch.zeros(n * 3 * 258, dtype=torch.int32, device=x.device)
         hist = stats[: n * 3 * 256].view(n * 3, 256)
         lows, highs = stats[n * 3 * 256 :].view(2, n * 3).unbind()
         lows.fill_(255)
         gray = torch.zeros(n, dtype=torch.int64, device=x.device)
-        if (kinds >= k.AUTOCONTRAST).any():
+        if (kinds >= _STATS["AutoContrast"]).any():
             k.layer_stats[tiles](
                 x, t, hist, lows, highs, gray, h, w, *x.stride(), BLOCK=_BLOCK, **options
             )

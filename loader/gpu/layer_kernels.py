@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 
 # The op kinds of a table row's first column (``fused_layers`` writes them).
-COPY, LUT, COLOR, SHARP, WARP, TURN, AUTOCONTRAST, EQUALIZE, CONTRAST = range(9)
-COLS = 12  # kind, factor, mode, turns, theta (6: [3, 2] row-major), spare 2
-_A = -0.75  # torch's bicubic
+COPY, LUT, COLOR, SHARP, WARP, TURN = (tl.constexpr(k) for k in range(6))
+AUTOCONTRAST, EQUALIZE, CONTRAST = (tl.constexpr(k) for k in range(6, 9))
+COLS = tl.constexpr(12)  # kind, factor, mode, turns, theta (6: [3, 2] row-major), 2 spare
 
 
 @triton.jit

@@ -1,0 +1,202 @@
+"""Where a timm-style training step's time goes with our loader (CUDA only).
+
+    python3 benchmarks/timm_step_probe.py STORE [alone] [train]   (FEEDS: the train feeds)
+
+``alone``: the loader with timm's recipe (``rand-m9-mstd0.5-inc1``, re_prob 0.25, random
+interpolation) by itself: img/s, a cProfile of the GPU stage's thread, then 10 batches
+under torch's profiler (kernels by name, GPU busy time by stream). ``train``: ResNet-50 in
+a loop written as timm's (fp16 autocast, GradScaler, timm's Mixup and SoftTargetCrossEntropy,
+``loss.item()`` each step), 40 steps after 12, per feed: ``synthetic`` (one batch on the
+GPU), ``recipe`` (timm's recipe), ``crop`` (RandomResizedCrop + flip only), each with
+options joined by "-": ``nvjpeg`` (decoder), ``wN`` (N workers), ``switch`` (a 0.2 ms GIL
+switch interval), ``nosync`` (no ``loss.item()``). Prints img/s, the main thread's CPU
+share, the loader's thread CPU and the step's parts (waiting for the batch, the step up to
+the optimiser, the ``item``). docs/design/augmentations.md cites its output.
+"""
+
+from __future__ import annotations
+
+import collections
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
+
+import timm
+import timm.loss
+import torch
+from timm.data import Mixup, create_transform
+
+import loader
+from loader.gpu import prefetch
+
+BATCH = 256
+RECIPES = {
+    "recipe": {"auto_augment": "rand-m9-mstd0.5-inc1", "re_prob": 0.25},
+    "crop": {"color_jitter": None},
+}
+STAGE = cProfile.Profile()  # the GPU stage thread's calls (one profiler: Python 3.12 allows one)
+_produce_one = prefetch.GpuEpochIterator._produce_one
+
+
+def _profiled(self):
+    STAGE.enable()
+    try:
+        return _produce_one(self)
+    finally:
+        STAGE.disable()
+
+
+def make(store: str, recipe: str, **kw) -> loader.DataLoader:
+    tf = create_transform(224, is_training=True, interpolation="random", **RECIPES[recipe])
+    kw = {"num_workers": 16, **kw}
+    dataset = loader.LMDBDataset(store, transform=tf)
+    return loader.DataLoader(
+        dataset, batch_size=BATCH, shuffle=True, drop_last=True, pin_memory=True, **kw
+    )
+
+
+def kernels(prof, tag: str) -> None:
+    """The profile's CUDA kernels by name: count and time."""
+    total, count = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name[:70]] += e.device_time_total
+            count[e.name[:70]] += 1
+    print(f"[{tag}] kernels {sum(count.values())} total {sum(total.values()) / 1e3:.1f} ms")
+    for name, us in total.most_common(30):
+        print(f"   {us / 1e3:8.2f} ms {count[name]:5d}x {name}")
+
+
+def streams(prof, tag: str) -> None:
+    """The trace's span, the GPU's busy time (kernels' union) and each stream's share."""
+    path = "/tmp/timm_step_probe_trace.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    by, spans = collections.Counter(), sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+    for e in events:
+        by[e["args"].get("stream")] += e["dur"]
+    busy, end = 0.0, -1.0
+    for a, b in spans:
+        if b > end:
+            busy, end = busy + b - max(a, end), b
+    span = (end - spans[0][0]) / 1e3 if spans else 0.0
+    parts = ", ".join(f"{k}: {v / 1e3:.1f}" for k, v in by.most_common())
+    print(f"[{tag}] span {span:.1f} ms busy {busy / 1e3:.1f} ms by stream (ms): {{ {parts} }}")
+
+
+def alone(store: str, batches: int = 40) -> None:
+    prefetch.GpuEpochIterator._produce_one = _profiled
+    dl = make(store, "recipe")
+    it = iter(dl)
+    for _ in range(8):
+        next(it)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    torch.cuda.synchronize()
+    print(f"alone recipe: {batches * BATCH / (time.perf_counter() - t):.0f} img/s")
+    out = io.StringIO()
+    STAGE.create_stats()
+    stats = pstats.Stats(STAGE, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumtime").print_stats(45)
+    print(out.getvalue())
+    prefetch.GpuEpochIterator._produce_one = _produce_one
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            next(it)
+        torch.cuda.synchronize()
+    kernels(prof, "alone recipe, 10 batches")
+    streams(prof, "alone recipe")
+    s = dl.stats()
+    print("stats", {k: s.get(k) for k in ("prefetch_cpu_s", "batches", "way", "decoder")})
+
+
+def _feed(store: str, feed: str):
+    """(batches, the loader or None) of ``feed``."""
+    if feed.startswith("synthetic"):
+        x = torch.randn(BATCH, 3, 224, 224, device="cuda")
+        y = torch.randint(0, 10, (BATCH,), device="cuda")
+        return ((x.clone(), y) for _ in iter(int, 1)), None
+    recipe, *options = feed.split("-")
+    kw = {}
+    for o in options:
+        if o == "nvjpeg":
+            kw["decoder"] = "nvjpeg"
+        elif o.startswith("w"):
+            kw["num_workers"] = int(o[1:])
+        elif o == "switch":
+            sys.setswitchinterval(0.0002)
+    dl = make(store, recipe, **kw)
+    return iter(dl), dl
+
+
+def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, warm: int = 12):
+    model = timm.create_model(model_name).cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    scaler = torch.amp.GradScaler()
+    mix = Mixup(mixup_alpha=0.2, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=1000)
+    loss_fn = timm.loss.SoftTargetCrossEntropy()
+    src, dl = _feed(store, feed)
+    parts, sync = collections.Counter(), "nosync" not in feed
+
+    def step() -> None:
+        t0 = time.perf_counter()
+        x, y = next(src)
+        parts["next"] += time.perf_counter() - t0
+        x, y = mix(x.cuda(non_blocking=True), y.cuda(non_blocking=True))
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = loss_fn(model(x.contiguous(memory_format=torch.channels_last)), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        t1 = time.perf_counter()
+        parts["launch"] += t1 - t0
+        if sync:
+            loss.item()
+        parts["item"] += time.perf_counter() - t1
+
+    for _ in range(warm):
+        step()
+    parts.clear()
+    torch.cuda.synchronize()
+    cpu0, t = time.thread_time(), time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    dt, cpu = time.perf_counter() - t, time.thread_time() - cpu0
+    sys.setswitchinterval(0.005)
+    each = ", ".join(f"{k} {1e3 * v / steps:.1f}" for k, v in parts.items())
+    line = f"train {model_name} {feed}: {steps * BATCH / dt:.0f} img/s"
+    line += f" main-thread cpu {cpu / dt:.2f}"
+    if dl is not None:
+        s = dl.stats()
+        line += f" prefetch_cpu_s={s.get('prefetch_cpu_s'):.2f} batches={s.get('batches')}"
+    print(f"{line} per step ms: {each}")
+
+
+def main() -> None:
+    store, which = sys.argv[1], sys.argv[2:] or ["alone", "train"]
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    if "alone" in which:
+        alone(store)
+    if "train" in which:
+        for feed in os.environ.get("FEEDS", "synthetic recipe crop").split():
+            train(store, feed)
+
+
+if __name__ == "__main__":
+    main()
