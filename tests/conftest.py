@@ -1,12 +1,19 @@
 """Session-wide source trees and stores of the ingest and dataset tests (see fixtures.py),
-and a collector that scans only what the module under test made."""
+a collector that scans only what the module under test made, and (without CUDA) Triton's
+CPU interpreter for the GPU kernels, set before any test imports Triton: a Triton imported
+without it runs kernels that call its library functions (``tl.sum``...) only compiled."""
 
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from fixtures import AWKWARD_OPTIONS, CLEAN_OPTIONS, Tree, make_awkward_tree, make_clean_tree
 
 from ingest.build import build

@@ -4,7 +4,7 @@ The torch ops of ``loader.ops.timm_augment`` (the CPU path's, and the reference)
 kernels per op per layer, and the Python that launches them ran on the stage's thread,
 beside the training loop's, for every batch: about 20 ms of the interpreter a batch. Here a
 layer is one table of a row per sample (its op's kind, factor, interpolation and matrix,
-made on the host from the same draws), one copy to the device and three Triton kernels
+made on the host from the same draws), two copies to the device and three Triton kernels
 (``layer_kernels``): the statistics the sample's op needs (histograms, extremes, luma),
 the LUTs, then the layer itself, each sample's op from the table. The same pixels as the
 torch ops but for the rounding of a fused multiply-add (tests/loader/gpu/test_fused_layers.py).
@@ -25,6 +25,7 @@ _BLOCK = 1024  # pixels of one sample a program
 _STATS = {"AutoContrast": 6, "Equalize": 7, "Contrast": 8}  # layer_kernels' kinds
 _COPY, _LUT, _COLOR, _SHARP, _WARP, _TURN = range(6)
 _COLS = 12  # layer_kernels.COLS
+_KNOWN = {"", *POINTWISE, *_STATS, "Color", "Sharpness", "Desaturate"}
 
 
 def handles(step, x: torch.Tensor) -> bool:
@@ -46,7 +47,7 @@ def apply(step, x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
     names = np.asarray([base_name(op.name) for op in ops] + [""])  # [-1]: no op
     full = np.asarray([op.name for op in ops] + [""])
     modes = np.asarray([MODES.index(m) for m in step.interpolation])
-    fill = tuple(int(v) for v in step.fill)
+    fill = tuple(int(v) for v in np.clip(np.round(step.fill), 0, 255))  # as geometry._fill
     for j in range(layers):
         cols = params[:, 3 * j : 3 * j + 3]
         code = cols[:, 0].astype(np.int64)
@@ -61,6 +62,9 @@ def layer_table(names, full, arg, mode, height: int, width: int):
     """The kernels' table (float32 [n, COLS]) and the pointwise ops' host LUTs (uint8 [n,
     256]) of a layer whose samples take the ops ``names`` (timm's base names, "" for none;
     ``full``: their full names) with their arguments and interpolation codes (of MODES)."""
+    unknown = {str(v) for v in np.unique(names[~np.isin(full, GEOMETRIC)])} - _KNOWN
+    if unknown:  # an op timm_ops gained and the kernels were not taught
+        raise ValueError(f"the fused layers do not know the ops {sorted(unknown)}")
     n = len(names)
     table = np.zeros((n, _COLS), np.float32)
     kind = np.full(n, _COPY)
@@ -112,7 +116,7 @@ def run_layer(x: torch.Tensor, table: np.ndarray, host: np.ndarray, fill: tuple)
     t = on_device(table, x.device)
     out = torch.empty((n, 3, h, w), dtype=torch.uint8, device=x.device)
     options = {"enable_fp_fusion": False} if x.is_cuda else {}  # the blends: torch's roundings
-    tiles = (n, triton_cdiv(h * w, _BLOCK))
+    tiles = (triton_cdiv(h * w, _BLOCK), n)  # (CUDA's second grid axis stops at 65,535)
     luts = torch.empty(1, dtype=torch.uint8, device=x.device)  # where no sample takes a LUT
     if (kinds == _LUT).any() or (kinds >= _STATS["AutoContrast"]).any():
         stats = torch.zeros(n * 3 * 258, dtype=torch.int32, device=x.device)

@@ -1,11 +1,12 @@
 """Triton kernels of ``loader.gpu.fused_layers``: one auto-augmentation layer of a batch.
 
-Each sample's row of the layer table names its one op (``KINDS``) and its arguments; a
+Each sample's row of the layer table names its one op (a kind below) and its arguments; a
 program handles a tile of one sample, so the branch is the same for all its lanes. The
 arithmetic is that of the torch ops the CPU path runs (``loader.ops.tone``,
 ``loader.ops.geometry``): the blends in float32 without fused multiply-adds, the warps'
-taps and weights as torch's CUDA ``grid_sample`` computes them (its accumulations are
-fused multiply-adds). Kept at a module's top level: Triton resolves helpers from globals.
+coordinates, taps and weights as torch's CUDA ``grid_sample`` computes them (nvcc fuses
+its multiply-adds; Triton's interpreter, as the CPU, does not). Kept at a module's top
+level: Triton resolves helpers from globals.
 """
 
 import triton
@@ -26,11 +27,13 @@ def _blend(d, v, f):
 
 @triton.jit
 def _rint(c):
-    # round half to even (std::nearbyint), for grid_sample's nearest taps
-    r = tl.floor(c + 0.5)
-    tie = (r - c) == 0.5
+    # round half to even (std::nearbyint), for grid_sample's nearest taps (c >= 0; the
+    # fraction is exact, where c + 0.5 may round up)
+    r = tl.floor(c)
+    frac = c - r
     odd = (r.to(tl.int32) & 1) == 1
-    return tl.where(tie & odd, r - 1.0, r).to(tl.int32)
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return tl.where(up, r + 1.0, r).to(tl.int32)
 
 
 @triton.jit
@@ -78,10 +81,10 @@ def layer_stats(
 ):  # fmt: skip
     # The statistics of the samples whose op needs them: each channel's histogram, least and
     # greatest value, and the sum of PIL's luma.
-    b = tl.program_id(0)
+    b = tl.program_id(1)
     kind = tl.load(table + b * COLS).to(tl.int32)
     if kind >= AUTOCONTRAST:
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < H * W
         at = src + b.to(tl.int64) * s_n + (offs // W) * s_h + (offs % W) * s_w
         r = tl.load(at, mask=m, other=0).to(tl.int32)
@@ -126,7 +129,7 @@ def layer_luts(table, host, hist, lows, highs, gray, luts, count):
         tl.store(out, tl.where(step > 0, lut, levels).to(tl.uint8))
     elif kind == CONTRAST:
         total = tl.load(gray + b)
-        mean = ((2 * total + count) // (2 * count)).to(tl.float32)
+        mean = ((2 * total + count) // (2 * (total * 0 + count))).to(tl.float32)
         f = tl.load(table + b * COLS + 1)
         tl.store(out, _blend(mean, levels.to(tl.float32), f))
 
@@ -137,8 +140,8 @@ def layer_apply(
     GRID64: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # The layer's output (uint8, contiguous [N, 3, H, W]) of a tile of one sample.
-    b = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    b = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H * W
     i = offs // W
     j = offs % W
@@ -162,8 +165,10 @@ def layer_apply(
             gx = x0 * tl.load(row + 4) + y0 * tl.load(row + 6) + tl.load(row + 8)
             gy = x0 * tl.load(row + 5) + y0 * tl.load(row + 7) + tl.load(row + 9)
         inside = (gx >= -1.0) & (gx < 1.0) & (gy >= -1.0) & (gy < 1.0)
-        ix = ((gx + 1.0) * W - 1.0) / 2.0  # grid_sampler_unnormalize, align_corners=False
-        iy = ((gy + 1.0) * H - 1.0) / 2.0
+        # grid_sampler_unnormalize, align_corners=False: ((g + 1) * size - 1) / 2, its
+        # multiply-add fused as nvcc compiles it (the interpreter rounds twice, as the CPU)
+        ix = tl.fma(gx + 1.0, W * 1.0, -1.0) * 0.5  # (Triton's "/" is approximate)
+        iy = tl.fma(gy + 1.0, H * 1.0, -1.0) * 0.5
         for c in tl.static_range(3):
             plane = base + c * s_c
             fill = fill0 if c == 0 else (fill1 if c == 1 else fill2)

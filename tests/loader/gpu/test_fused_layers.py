@@ -8,6 +8,8 @@ runs the kernels on small batches.
 
 from __future__ import annotations
 
+import dataclasses
+
 import gpu_path_data  # noqa: F401  (before Triton: its interpreter where there is no CUDA)
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ import torch
 from gpu_path_data import CUDA, DEVICE
 from loader_data import photo_batch
 
-from loader.gpu import fused_layers
+from loader.gpu import fused_layers, steps
 from loader.ops.color import ColorJitter
 from loader.ops.timm_augment import auto_augment, rand_augment
 
@@ -81,3 +83,124 @@ def test_only_timms_policies_on_uint8_rgb_batches_are_fused(batch):
     assert not fused_layers.handles(step, batch.float())
     assert not fused_layers.handles(step, batch[:, :1])
     assert not fused_layers.handles(ColorJitter((0.6, 1.4), None, None, None), batch)
+
+
+def test_every_interpolation_tiny_images_and_strided_inputs(batch):
+    step = dataclasses.replace(
+        _step("rand", "rand-m15-n3-mstd101"), interpolation=("nearest", "bilinear", "bicubic")
+    )
+    for x in (batch[:, :, :2, :7], batch[:, :, :5, :1], batch[:, :, :1, :1], batch[:, :, 3:, 5:]):
+        params = step.draw(np.random.default_rng(3), len(x))
+        _within_rounding(fused_layers.apply(step, x, params), step.apply(x.contiguous(), params))
+    wide = torch.zeros((N, 3, H, 2 * W), dtype=torch.uint8, device=DEVICE)
+    wide[..., ::2] = batch  # every other column: a stride of 2
+    params = step.draw(np.random.default_rng(4), N)
+    _within_rounding(fused_layers.apply(step, wide[..., ::2], params), step.apply(batch, params))
+
+
+def test_a_fill_out_of_range_is_rounded_and_clamped_as_the_torch_ops(batch):
+    step = dataclasses.replace(_step("rand", "rand-m15-n3-mstd101"), fill=(300, -5, 128))
+    params = step.draw(np.random.default_rng(5), len(batch))
+    _within_rounding(fused_layers.apply(step, batch, params), step.apply(batch, params))
+
+
+def test_an_op_the_kernels_do_not_know_is_refused():
+    names = np.array(["Rotate", "Blur"])
+    with pytest.raises(ValueError, match="Blur"):
+        fused_layers.layer_table(names, names, np.zeros(2), np.zeros(2), 8, 8)
+
+
+def test_the_tables_layout_is_the_kernels(batch):
+    from loader.gpu import layer_kernels as k
+
+    assert k.COLS.value == fused_layers._COLS
+    kinds = (k.COPY, k.LUT, k.COLOR, k.SHARP, k.WARP, k.TURN)
+    assert [v.value for v in kinds] == [fused_layers._COPY, fused_layers._LUT,
+                                        fused_layers._COLOR, fused_layers._SHARP,
+                                        fused_layers._WARP, fused_layers._TURN]  # fmt: skip
+    assert {n: getattr(k, n.upper()).value for n in fused_layers._STATS} == fused_layers._STATS
+
+
+@pytest.mark.skipif(not CUDA, reason="BatchSteps fuses CUDA batches only")
+def test_batch_steps_take_the_fused_layers_on_cuda(batch, monkeypatch):
+    from loader.augment import Transform
+
+    step = _step("rand", "rand-m9-mstd0.5-inc1")
+    spec = Transform("train", (H, W), steps=(step,))
+    calls = []
+    real = fused_layers.apply
+    monkeypatch.setattr(fused_layers, "apply", lambda *a: calls.append(1) or real(*a))
+    out = steps.BatchSteps(spec, torch.float32, torch.contiguous_format)(batch, 11)
+    assert calls == [1] and out.shape == (N, 3, H, W) and out.is_cuda
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from loader.gpu import layer_kernels as k
+
+for name, sig, consts in json.loads(sys.argv[1]):
+    source = ASTSource(fn=getattr(k, name), signature=sig, constexprs=consts)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+print("compiled")
+"""
+_TYPES = {torch.uint8: "*u8", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
+
+
+def _signatures(batch, monkeypatch) -> list:
+    """Each kernel launch of two layers (one with LUT ops, one without: a placeholder then
+    takes their place) as (kernel, signature, constants), from the arguments given."""
+    from loader.gpu import layer_kernels as k
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                sig, consts = {}, {}
+                for arg, value in zip(self.fn.arg_names, (*args, *kw.values()), strict=False):
+                    if isinstance(value, torch.Tensor):
+                        sig[arg] = _TYPES[value.dtype]
+                    elif arg.isupper() or value == 1:  # constexprs; Triton makes a 1 one
+                        sig[arg], consts[arg] = "constexpr", value
+                    else:
+                        sig[arg] = "i32"
+                launches.append((self.name, sig, consts))
+                return self.fn[grid](*args, **kw)
+
+            return launch
+
+    for name in ("layer_stats", "layer_luts", "layer_apply"):
+        monkeypatch.setattr(k, name, Recorder(name, getattr(k, name)))
+    small = batch[:4, :, :8, :8]
+    n = len(small)
+    for op, arg in (("Equalize", 0.0), ("Color", 1.5)):
+        names = np.array([op] * n)
+        table, host = fused_layers.layer_table(names, names, np.full(n, arg), np.zeros(n), 8, 8)
+        fused_layers.run_layer(small, table, host, (1, 2, 3))
+    return launches
+
+
+def test_the_kernels_compile_for_hopper(batch, monkeypatch, tmp_path):
+    """The interpreter runs kernels a compiler refuses (a branch giving a value of another
+    type): each launch the layers make is compiled here for sm_90, as on the H200, with
+    the argument types it was given, without a GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    launches = _signatures(batch, monkeypatch)
+    assert {name for name, _, _ in launches} == {"layer_stats", "layer_luts", "layer_apply"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE, json.dumps(launches)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-2000:]
