@@ -43,7 +43,7 @@ def apply(step, x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
     if isinstance(step, TimmRandAugment):
         ops, layers = step.ops, step.num_layers
     else:
-        ops, layers = step._ops()[0], step.layers
+        ops, layers = step.flat_ops, step.layers
     names = np.asarray([base_name(op.name) for op in ops] + [""])  # [-1]: no op
     full = np.asarray([op.name for op in ops] + [""])
     modes = np.asarray([MODES.index(m) for m in step.interpolation])

@@ -173,8 +173,13 @@ class TimmAutoAugment:
         cells = _draw_ops(rng, flat, index[sub], len(self.interpolation))
         return np.concatenate([cells, sub[:, None].astype(np.float64)], 1)
 
+    @property
+    def flat_ops(self) -> tuple[TimmOp, ...]:
+        """Every op of the policy in order: what a layer's op index refers to."""
+        return self._ops()[0]
+
     def apply(self, x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
-        return _apply(self, x, params, self._ops()[0], self.layers)
+        return _apply(self, x, params, self.flat_ops, self.layers)
 
     def __repr__(self) -> str:
         return f"TimmAutoAugment({len(self.policy)} sub-policies of up to {self.layers} ops)"
