@@ -12,6 +12,8 @@ torch ops but for the rounding of a fused multiply-add (tests/loader/gpu/test_fu
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -40,14 +42,7 @@ def handles(step, x: torch.Tensor) -> bool:
 
 def apply(step, x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
     """``step.apply(x, params)``, each layer in three launches (a new tensor)."""
-    if isinstance(step, TimmRandAugment):
-        ops, layers = step.ops, step.num_layers
-    else:
-        ops, layers = step.flat_ops, step.layers
-    names = np.asarray([base_name(op.name) for op in ops] + [""])  # [-1]: no op
-    full = np.asarray([op.name for op in ops] + [""])
-    modes = np.asarray([MODES.index(m) for m in step.interpolation])
-    fill = tuple(int(v) for v in np.clip(np.round(step.fill), 0, 255))  # as geometry._fill
+    layers, names, full, modes, fill = _step_tables(step)
     for j in range(layers):
         cols = params[:, 3 * j : 3 * j + 3]
         code = cols[:, 0].astype(np.int64)
@@ -56,6 +51,22 @@ def apply(step, x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
         )
         x = run_layer(x, table, host, fill)
     return x
+
+
+@functools.lru_cache(maxsize=16)
+def _step_tables(step) -> tuple:
+    """What ``apply`` looks up by op index, made once a step: (layers, the ops' base and
+    full names, "" at index -1 for none; the interpolations' codes; the fill, rounded and
+    clamped as ``geometry._fill`` makes it)."""
+    if isinstance(step, TimmRandAugment):
+        ops, layers = step.ops, step.num_layers
+    else:
+        ops, layers = step.flat_ops, step.layers
+    names = np.asarray([base_name(op.name) for op in ops] + [""])
+    full = np.asarray([op.name for op in ops] + [""])
+    modes = np.asarray([MODES.index(m) for m in step.interpolation])
+    fill = tuple(int(v) for v in np.clip(np.round(step.fill), 0, 255))
+    return layers, names, full, modes, fill
 
 
 def layer_table(names, full, arg, mode, height: int, width: int):

@@ -92,7 +92,8 @@ class RandomErasing:
     def _each_box(self, x: torch.Tensor, boxes: np.ndarray, seed: int) -> torch.Tensor:
         """Box by box (noise only where it goes), a new tensor."""
         x = x.clone()
-        const = torch.tensor(self.value, dtype=x.dtype).view(3, 1, 1)
+        const = torch.tensor(self.value, dtype=x.dtype, device=x.device).view(3, 1, 1)
+        zero = torch.zeros(1, dtype=torch.int64, device=x.device)
         rows = np.flatnonzero(boxes[:, 2])
         keys = torch.from_numpy(noise.keys(seed, rows)).to(x.device)
         h_img, w_img = x.shape[2:]
@@ -100,9 +101,8 @@ class RandomErasing:
             top, left, h, w = (int(v) for v in boxes[k])
             box = x[k, :, top : top + h, left : left + w]
             if self.fill == "const":
-                box.copy_(const.to(x.device).expand_as(box))
+                box.copy_(const.expand_as(box))
             elif self.fill == "channel":
-                zero = torch.zeros(1, dtype=torch.int64, device=x.device)
                 box.copy_(noise.normal(key.view(1), 3, zero, zero, (1, 1))[0].expand(3, h, w))
             else:
                 ys = torch.arange(top, top + h, device=x.device)

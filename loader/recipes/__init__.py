@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from loader.augment import Transform
 from loader.recipes.names import NotARecipe, flatten
-from loader.recipes.reader import Reader, _crop_pct
+from loader.recipes.reader import Reader
 
-__all__ = ["NotARecipe", "_crop_pct", "recognise"]
+__all__ = ["NotARecipe", "recognise"]
 
 
 def recognise(transform: Callable) -> Transform:

@@ -17,7 +17,8 @@ from loader_data import make_store
 
 import loader
 from loader import Transform
-from loader.recipes import NotARecipe, _crop_pct, recognise
+from loader.recipes import NotARecipe, recognise
+from loader.recipes.reader import _crop_pct
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 IMAGENET = {"mean": tuple(MEAN), "std": tuple(STD)}
