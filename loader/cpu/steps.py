@@ -2,11 +2,11 @@
 
 The main process draws a batch's parameters (``loader.ops.draws``, as the GPU path does)
 when it plans the batch, and they travel beside each sample's crop row, so a batch split
-over any number of workers gets the same pixels. Each worker runs the same batched torch
-steps on one image at a time (its decoded HWC pixels, seen as a [1, 3, H, W] tensor), where
-they are cheap: the image is still in the worker's cache and the workers are the
-parallelism. RandomErasing acts on normalised pixels, so it stays with the delivered batch
-(``erase``).
+over any number of workers gets the same pixels. Each worker runs the steps on one image
+at a time (its decoded HWC pixels, still in its cache; the workers are the parallelism):
+OpenCV's ops where a step has them, else the batched torch steps on a [1, 3, H, W] view
+(``image_steps``). RandomErasing acts on normalised pixels, so it stays with the delivered
+batch (``erase``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import itertools
 import numpy as np
 import torch
 
-from loader.ops.draws import apply_steps, draw
+from loader.cpu import image_steps
+from loader.ops.draws import draw
 
 
 class WorkerSteps:
@@ -52,10 +53,7 @@ class WorkerSteps:
 
     def apply(self, image: np.ndarray, params: list[np.ndarray], k: int) -> None:
         """Run the steps on ``image`` (uint8 HWC, in place) with row ``k`` of ``params``."""
-        x = torch.from_numpy(image).permute(2, 0, 1).unsqueeze(0)
-        out = apply_steps(self.spec.steps, x, [p[k : k + 1] for p in params])
-        if out.data_ptr() != x.data_ptr():
-            x.copy_(out)
+        image_steps.apply(self.spec.steps, image, [p[k] for p in params])
 
 
 def erase(spec, images: torch.Tensor, seed: int) -> torch.Tensor:

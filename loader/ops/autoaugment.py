@@ -147,13 +147,21 @@ class _Layers:
 
         return [bind(_RUN[name]) if name in _RUN else None for name in OPS]
 
-    def _apply(self, x, params, layers: int, wide: bool, bins: int) -> torch.Tensor:
+    def values(self, params: np.ndarray, height: int, width: int) -> np.ndarray:
+        """[n, 2 * layers] float64: per layer the op (an index of ``OPS``, -1: none) and
+        its signed magnitude, for images of ``height`` x ``width``."""
+        layers, wide, bins = self._space()
         n = len(params)
         cells = params[:, : 3 * layers].reshape(n, layers, 3)
         ops, at = cells[..., 0].astype(np.int64), cells[..., 1].astype(np.int64)
-        table = magnitudes(wide, bins, *x.shape[-2:])
+        table = magnitudes(wide, bins, height, width)
         values = table[np.maximum(ops, 0), at] * cells[..., 2]
-        cols = np.stack([ops, values], -1).reshape(n, -1)
+        return np.stack([ops, values], -1).reshape(n, -1)
+
+    def apply(self, x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
+        """``x`` (uint8 [N, 3, H, W]) through each sample's ops, drawn in ``params``."""
+        layers = self._space()[0]
+        cols = self.values(params, *x.shape[-2:])
         groups = ()
         if len(x) > 1:  # a batch: its warps together, its LUT ops together (the same pixels)
             mode, fill = self.interpolation, self.fill
@@ -196,8 +204,8 @@ class RandAugment(_Layers):
         bins = np.full(ops.shape, self.magnitude)
         return np.stack([ops, bins, self._signs(rng, ops)], -1).reshape(n, -1).astype(np.float64)
 
-    def apply(self, x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
-        return self._apply(x, params, self.num_ops, False, self.num_magnitude_bins)
+    def _space(self) -> tuple[int, bool, int]:  # layers, the wide space, magnitude bins
+        return self.num_ops, False, self.num_magnitude_bins
 
 
 @dataclass(frozen=True)
@@ -218,8 +226,8 @@ class TrivialAugmentWide(_Layers):
         bins = rng.integers(0, self.num_magnitude_bins, size=(n, 1))
         return np.stack([ops, bins, self._signs(rng, ops)], -1).reshape(n, 3).astype(np.float64)
 
-    def apply(self, x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
-        return self._apply(x, params, 1, True, self.num_magnitude_bins)
+    def _space(self) -> tuple[int, bool, int]:
+        return 1, True, self.num_magnitude_bins
 
 
 @dataclass(frozen=True)
@@ -247,5 +255,5 @@ class AutoAugment(_Layers):
         cells = np.stack([ops, bins[sub], self._signs(rng, ops)], -1).reshape(n, 6)
         return np.concatenate([cells, sub[:, None]], 1).astype(np.float64)
 
-    def apply(self, x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
-        return self._apply(x, params, 2, False, 10)
+    def _space(self) -> tuple[int, bool, int]:
+        return 2, False, 10

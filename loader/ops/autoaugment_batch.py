@@ -16,8 +16,8 @@ WARPS = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")
 LUTS = ("Brightness", "Posterize", "Solarize", "Invert", "Equalize")
 
 
-def _matrices(name: str, m: np.ndarray, h: int, w: int) -> np.ndarray:
-    """The centred inverse matrices of ``_RUN``'s warps ``name`` at magnitudes ``m``."""
+def matrices(name: str, m: np.ndarray, h: int, w: int) -> np.ndarray:
+    """The centred inverse matrices of ``autoaugment``'s warps ``name`` at magnitudes ``m``."""
     if name == "Rotate":
         return inverse_matrices(angle=-np.mod(m, 360.0))
     if name.startswith("Shear"):
@@ -34,13 +34,13 @@ def warps(x, names: np.ndarray, m: np.ndarray, mode: str, fill) -> torch.Tensor:
     turns as ``rotate`` takes them)."""
     h, w = x.shape[-2:]
     exact = (names == "Rotate") & (turns(m, h, w) >= 0)
-    matrices = np.zeros((len(x), 6))
+    inverse = np.zeros((len(x), 6))
     for name in np.unique(names):
         at = np.flatnonzero(names == name)
-        matrices[at] = _matrices(str(name), m[at], h, w)
+        inverse[at] = matrices(str(name), m[at], h, w)
     general = np.flatnonzero(~exact)
     if len(general):
-        x = on_rows(x, general, lambda s: warp(s, matrices[general], mode, fill))
+        x = on_rows(x, general, lambda s: warp(s, inverse[general], mode, fill))
     rows = np.flatnonzero(exact)
     return on_rows(x, rows, lambda s: rotate(s, m[rows], mode, fill)) if len(rows) else x
 

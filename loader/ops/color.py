@@ -19,7 +19,7 @@ import torch
 
 from loader.ops.upload import constant, on_device
 
-_GRAY = (0.2989, 0.587, 0.114)  # ITU-R 601-2 luma, as torchvision's rgb_to_grayscale
+GRAY = (0.2989, 0.587, 0.114)  # ITU-R 601-2 luma, as torchvision's rgb_to_grayscale
 
 # Which of (v, q, p, t) each channel takes, by hue sextant (the HSV -> RGB conversion).
 _SEXTANTS = ((0, 3, 2), (1, 0, 2), (2, 0, 3), (2, 1, 0), (3, 2, 0), (0, 2, 1))
@@ -28,7 +28,7 @@ _SEXTANTS = ((0, 3, 2), (1, 0, 2), (2, 0, 3), (2, 1, 0), (3, 2, 0), (0, 2, 1))
 def _gray(x: torch.Tensor) -> torch.Tensor:
     """Luma of a uint8 batch, truncated to uint8 (as torchvision's), [N, 1, H, W]."""
     r, g, b = x.unbind(1)
-    return (_GRAY[0] * r + _GRAY[1] * g + _GRAY[2] * b).to(torch.uint8).unsqueeze(1)
+    return (GRAY[0] * r + GRAY[1] * g + GRAY[2] * b).to(torch.uint8).unsqueeze(1)
 
 
 def _blend(x: torch.Tensor, other: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:

@@ -73,10 +73,31 @@ def _fill(fill: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor
     return value.to(device=device, dtype=dtype).view(1, -1, 1, 1)
 
 
+def _theta(matrices: np.ndarray, height: int, width: int) -> np.ndarray:
+    """[n, 3, 2] float32: the matrices as the base grid's multiplier (torchvision's)."""
+    scale = np.array([0.5 * width, 0.5 * height], dtype=np.float32)
+    return matrices.astype(np.float32).reshape(-1, 2, 3).transpose(0, 2, 1) / scale
+
+
+def nearest_pixels(matrix: np.ndarray, height: int, width: int) -> tuple[np.ndarray, ...]:
+    """(x, y) float32 [H, W]: the input pixel (whole numbers, maybe outside) that each
+    output pixel of a nearest ``warp`` by ``matrix`` [6] takes on the CPU. The grid's
+    float32 steps (``x * t0 + y * t1``, then ``+ t2``, as torch's CPU matmul rounds them)
+    and ``grid_sample``'s (``(g + 1) * size / 2 - 1 / 2``, half to even), in a few numpy
+    passes: the grid is separable. Tested bit for bit against ``grid_sample``."""
+    theta = _theta(np.asarray(matrix)[None], height, width)[0]
+    base = _base_grid(height, width, torch.device("cpu"))[0].numpy()
+    xs, ys = base[:width, 0], base[::width, 1]
+    out = []
+    for k, size in enumerate((width, height)):
+        g = (xs[None, :] * theta[0, k] + ys[:, None] * theta[1, k]) + theta[2, k]
+        out.append(np.rint((g + np.float32(1.0)) * np.float32(0.5 * size) - np.float32(0.5)))
+    return tuple(out)
+
+
 def grid(matrices: np.ndarray, height: int, width: int, device) -> torch.Tensor:
     """The sampling grid [n, H, W, 2] of centred inverse ``matrices`` [n, 6]."""
-    scale = np.array([0.5 * width, 0.5 * height], dtype=np.float32)
-    theta = matrices.astype(np.float32).reshape(-1, 2, 3).transpose(0, 2, 1) / scale
+    theta = _theta(matrices, height, width)
     device = torch.device(device)
     base = _base_grid(height, width, device)
     if device.type == "cuda":  # in float64: cuBLAS would round float32 to TF32 where the

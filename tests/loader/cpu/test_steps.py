@@ -1,7 +1,8 @@
 """The CPU path runs a recipe's steps beyond the crop: in the workers image by image, and
 RandomErasing on the delivered batch, from the same draws as the GPU path's BatchSteps, so
-the two paths' batches agree (the steps run the same torch code; the normalisations round
-alike to within a float32 step) whatever the number of workers, and after a resume."""
+the two paths' batches agree (the steps run the same torch code, or OpenCV's ops with the
+same pixels; the normalisations round alike to within a float32 step) whatever the number
+of workers, and after a resume."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from loader_data import make_store
 import loader
 from loader import Transform
 from loader.gpu.steps import BatchSteps
+from loader.ops.autoaugment import RandAugment, TrivialAugmentWide
 from loader.ops.color import ColorJitter, RandomGrayscale
 from loader.ops.erasing import RandomErasing
 from loader.plan.sampler import batch_seed
@@ -38,9 +40,14 @@ def _cat(batches, k):
     return torch.cat([b[k] for b in batches])
 
 
+@pytest.mark.parametrize(
+    "steps",
+    [STEPS, (RandAugment(2, 9), TrivialAugmentWide(fill=(124, 116, 104)))],
+    ids=["torch-ops", "opencv-ops"],  # image_steps: the steps that keep torch's, and not
+)
 @pytest.mark.parametrize("workers", [0, 2])
-def test_the_cpu_path_makes_the_gpu_paths_stepped_and_erased_batches(store, workers):
-    spec = Transform("train", SIZE, steps=STEPS, erasing=RandomErasing(0.5, fill="pixel"))
+def test_the_cpu_path_makes_the_gpu_paths_stepped_and_erased_batches(store, workers, steps):
+    spec = Transform("train", SIZE, steps=steps, erasing=RandomErasing(0.5, fill="pixel"))
     got = _epoch(store, spec, num_workers=workers)
     plain = _epoch(store, Transform("train", SIZE), dtype=torch.uint8, num_workers=workers)
     assert torch.equal(_cat(got, 2), _cat(plain, 2)) and torch.equal(_cat(got, 1), _cat(plain, 1))
