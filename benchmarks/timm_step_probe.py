@@ -129,17 +129,34 @@ def _feed(store: str, feed: str):
         x = torch.randn(BATCH, 3, 224, 224, device="cuda")
         y = torch.randint(0, 10, (BATCH,), device="cuda")
         return ((x.clone(), y) for _ in iter(int, 1)), None
+    if feed.startswith("dali"):  # DALI's own pipeline from the image folder, the crop only
+        return _dali(store), None
     recipe, *options = feed.split("-")
     kw = {}
     for o in options:
-        if o == "nvjpeg":
-            kw["decoder"] = "nvjpeg"
+        if o in ("nvjpeg", "cpu"):
+            kw["decoder"] = o
+        elif o == "inline":  # no prefetch thread: the loop's next() makes each batch
+            kw["gpu_thread"] = False
         elif o.startswith("w"):
             kw["num_workers"] = int(o[1:])
         elif o == "switch":
             sys.setswitchinterval(0.0002)
     dl = make(store, recipe, **kw)
     return iter(dl), dl
+
+
+def _dali(store: str):
+    """Batches of DALI's file reader + image_random_crop + flip + normalise (imfeed-bench's
+    "dali-crop"), on the store's image folder, epoch after epoch."""
+    from loader.bench.dali import DaliPipeline
+    from loader.bench.settings import Settings
+
+    folder = str(Path(store).parent / Path(store).name.replace("store-", "images-"))
+    s = Settings(folder, None, BATCH, 16, "float16", True, False, "cuda")
+    pipe = DaliPipeline("crop", s)
+    while True:
+        yield from pipe.epoch()
 
 
 def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, warm: int = 12):
@@ -160,6 +177,7 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
             loss = loss_fn(model(x.contiguous(memory_format=torch.channels_last)), y)
         opt.zero_grad()
         scaler.scale(loss).backward()
+        parts["to-backward"] += time.perf_counter() - t0
         scaler.step(opt)
         scaler.update()
         t1 = time.perf_counter()
@@ -185,6 +203,14 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
         s = dl.stats()
         line += f" prefetch_cpu_s={s.get('prefetch_cpu_s'):.2f} batches={s.get('batches')}"
     print(f"{line} per step ms: {each}")
+    if "prof" in feed:  # the GPU's busy time against the span: idle while the host lags
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(6):
+                step()
+            torch.cuda.synchronize()
+        streams(prof, f"train {feed}, 6 steps")
 
 
 def main() -> None:
@@ -195,7 +221,7 @@ def main() -> None:
         alone(store)
     if "train" in which:
         for feed in os.environ.get("FEEDS", "synthetic recipe crop").split():
-            train(store, feed)
+            train(store, feed, steps=int(os.environ.get("STEPS", 40)))
 
 
 if __name__ == "__main__":

@@ -95,6 +95,11 @@ class DataLoader:
         worker_nice: added to the workers' niceness (0 to 19): with more, the training
             process's threads (the training loop, the prefetch thread, DALI's threads) get
             the cores first and the workers take what is left.
+        gpu_thread: on the GPU path, make batches in a thread of the loader's (default),
+            or, with False, in the training loop's own thread at each ``next``: the
+            decoder and the workers still run ahead, and a loop that keeps its thread busy
+            (timm's ``train.py``: a GradScaler, a sync each step) no longer shares Python's
+            GIL with the loader's thread (docs/gpu.md).
         verbose: print which path was taken and why (it is always logged at INFO).
 
     Attributes:
@@ -157,13 +162,13 @@ class DataLoader:
         cache_root: str | os.PathLike | None = None,
         max_pixels: int | None = None,
         worker_nice: int = 0,
+        gpu_thread: bool = True,
         verbose: bool = False,
     ) -> None:
         opt.check_not_for_store(sampler, batch_sampler, collate_fn)
         transform = opt.store_transform(dataset, transform)
         batch_size = opt.check_batch_size(batch_size)
-        if isinstance(drop_last, (str, bytes)) or drop_last not in (True, False):  # "no": True
-            raise ValueError(f"drop_last={drop_last!r} is invalid: pass True or False")
+        drop_last = opt.check_flag("drop_last", drop_last)
         num_workers, prefetch_factor, timeout = opt.check_workers(
             num_workers, prefetch_factor, timeout
         )
@@ -187,9 +192,9 @@ class DataLoader:
         settings = Settings(
             batch_size, num_workers, prefetch_factor, timeout, bool(persistent_workers),
             bool(with_indices), worker_init_fn, opt.check_worker_nice(worker_nice), seed,
-            opt.mp_context(multiprocessing_context),
+            opt.mp_context(multiprocessing_context), opt.check_flag("gpu_thread", gpu_thread),
         )  # fmt: skip
-        self.drop_last = bool(drop_last)
+        self.drop_last = drop_last
         self.pin_memory = self._output.pin
         self._plan = EpochPlan(
             len(self.store), batch_size, seed=seed, drop_last=self.drop_last, **follow
@@ -219,6 +224,7 @@ class DataLoader:
     with_indices = _Setting()
     worker_init_fn = _Setting()
     worker_nice = _Setting()
+    gpu_thread = _Setting()
     seed = _Setting()
 
     # -- the torch-like surface ---------------------------------------------------------

@@ -216,6 +216,13 @@ def check_worker_nice(nice) -> int:
     return int(nice)
 
 
+def check_flag(name: str, value) -> bool:
+    """A True / False argument checked (a string such as "no" is truthy: refused)."""
+    if isinstance(value, (str, bytes)) or value not in (True, False):
+        raise ValueError(f"{name}={value!r} is invalid: pass True or False")
+    return bool(value)
+
+
 def resolve_decoder(name: str, device) -> str:
     """The decoder backend ``decoder=`` asks for on ``device``: "auto" is the GPU path on
     a CUDA device, else "cpu". The GPU path: "dali" (the whole stage in DALI) where NVIDIA
