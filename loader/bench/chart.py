@@ -4,11 +4,14 @@ matplotlib is optional (``pip install 'imfeed[bench]'``)."""
 
 from __future__ import annotations
 
+import math
+import textwrap
 from pathlib import Path
 
 from loader.bench.pipelines import BASELINE
 
 OURS, BASE, PEER = "#e4572e", "#555555", "#b8b8b8"
+LOG_SPAN = 20  # bars spanning more than this many times: a log axis
 
 
 def _colour(name: str, ours: set[str]) -> str:
@@ -36,40 +39,71 @@ def draw(path: Path, results: dict, ours: set[str], title: str, subtitle: str) -
                 key=lambda n: results[n]["img_per_s"])  # fmt: skip
     trained = any(results[n].get("train") for n in ok)
     fig, axes = plt.subplots(
-        1, 2 if trained else 1, figsize=(13 if trained else 9, 1.2 + 0.55 * len(ok)),
+        1, 2 if trained else 1, figsize=(13 if trained else 9, 1.4 + 0.45 * len(ok)),
         squeeze=False, gridspec_kw={"width_ratios": [3, 2]} if trained else None,
     )  # fmt: skip
-    _throughput(axes[0][0], results, ok, ours)
+    labels = _throughput(axes[0][0], results, ok, ours)
     if trained:
         _training(axes[0][1], results, ok, ours)
-    fig.suptitle(f"{title}\n{subtitle}", fontsize=10, x=0.01, ha="left")
+    width = int(fig.get_figwidth() * 15)  # characters of a 10 pt line across the figure
+    lines = [*textwrap.wrap(title, width), *textwrap.wrap(subtitle, width)]
+    fig.suptitle("\n".join(lines), fontsize=10, x=0.01, ha="left")
     fig.tight_layout()
+    _fit(axes[0][0], *labels)  # once the layout has given the axes their width
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _throughput(ax, results: dict, ok: list[str], ours: set[str]) -> None:
+def _throughput(ax, results: dict, ok: list[str], ours: set[str]) -> tuple[list, list, list]:
+    """The bars, whiskers and labels; (bar starts, label anchors, labels) for ``_fit``."""
     rates = [results[n]["img_per_s"] for n in ok]
-    lo = [r - results[n]["spread"][0] for n, r in zip(ok, rates, strict=True)]
-    hi = [results[n]["spread"][1] - r for n, r in zip(ok, rates, strict=True)]
+    low = [results[n]["spread"][0] for n in ok]
+    high = [results[n]["spread"][1] for n in ok]
+    whiskers = [[r - x for r, x in zip(rates, low, strict=True)],
+                [x - r for r, x in zip(rates, high, strict=True)]]  # fmt: skip
     colours = [_colour(n, ours) for n in ok]
-    names = [_name(n, ours) for n in ok]
-    ax.barh(names, rates, color=colours, xerr=[lo, hi], ecolor="#333333", capsize=3)
-    top = max((r + h for r, h in zip(rates, hi, strict=True)), default=1)
+    ax.barh([_name(n, ours) for n in ok], rates, color=colours, xerr=whiskers,
+            ecolor="#333333", capsize=3)  # fmt: skip
+    texts = []
     for i, n in enumerate(ok):
         vs = results[n].get("vs_pil")
         ratio = "   baseline" if n == BASELINE else f"   {vs:.2f}x torch + PIL" if vs else ""
-        label = f" {rates[i]:,.0f} img/s{ratio}"
-        bold = n in ours
-        ax.text(rates[i] + hi[i], i, label, va="center", fontsize=9 if not bold else 10,
-                fontweight="bold" if bold else "normal")  # fmt: skip
-    ax.set_xlim(0, top * 1.6)  # room for the labels right of the whiskers
+        style = {"fontsize": 10, "fontweight": "bold"} if n in ours else {"fontsize": 9}
+        text = ax.text(high[i], i, f" {rates[i]:,.0f} img/s{ratio}", va="center", **style)
+        text.set_in_layout(False)  # ``_fit`` makes room for it inside the axes
+        texts.append(text)
     ax.set_xlabel("images/s delivered (median of timed passes; whiskers: min-max)")
     for tick in ax.get_yticklabels():
         if tick.get_text().startswith("ours: "):
             tick.set_fontweight("bold")
             tick.set_color(OURS)
     ax.spines[["top", "right"]].set_visible(False)
+    return low, high, texts
+
+
+def _fit(ax, starts: list[float], anchors: list[float], texts: list) -> None:
+    """The x axis fitted to the bars: from 0, or on a log scale where they span more than
+    ``LOG_SPAN`` times (the slowest would be a sliver); on the right, just room for each
+    label, which starts at its anchor and is as wide as its text."""
+    top = max(anchors, default=1.0)
+    low = min((x for x in starts if x > 0), default=top)
+    log = top / max(low, 1e-9) > LOG_SPAN
+    left = low / 1.5 if log else 0.0
+    if log:
+        ax.set_xscale("log")
+        ax.set_xlabel(ax.get_xlabel() + "; log scale")
+    renderer = ax.figure.canvas.get_renderer()
+    width = ax.get_window_extent(renderer).width
+
+    def position(x: float) -> float:  # where x falls, as the axis's share of the right end
+        return math.log(x / left) if log else x
+
+    need = max(
+        position(x) / max(0.3, 1 - t.get_window_extent(renderer).width / width)
+        for x, t in zip(anchors, texts, strict=True)
+    ) if texts else 1.0  # fmt: skip
+    right = left * math.exp(need * 1.02) if log else need * 1.02
+    ax.set_xlim(left, right)
 
 
 def _training(ax, results: dict, ok: list[str], ours: set[str]) -> None:

@@ -26,8 +26,8 @@ def parser() -> argparse.ArgumentParser:
         prog="imfeed-bench",
         description="Loader throughput, side by side: torch DataLoader + ImageFolder (PIL), "
         "torch DataLoader + LMDBDataset, loader.DataLoader on every decoder backend, and "
-        "DALI when installed; same images, augmentation, batch size and workers. Writes a "
-        "table, JSON and a PNG chart to --out.",
+        "DALI, FFCV, MosaicML Streaming, LitData and WebDataset when installed; same images, "
+        "augmentation, batch size and workers. Writes a table, JSON and a PNG chart to --out.",
     )
     a = p.add_argument
     a(
@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
         "--workdir",
         type=Path,
         default=_cache_dir(),
-        help="where generated images and stores are kept and reused (default %(default)s)",
+        help="where generated images, stores and the peers' conversions are kept and reused "
+        "(default %(default)s)",
     )
     a("--out", type=Path, default=Path("imfeed-bench-results"), help="results directory")
     a("--name", help="base name of the result files (default: gpu-/cpu-<cores>cpu[-quick])")

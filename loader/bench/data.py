@@ -7,12 +7,14 @@ import hashlib
 import multiprocessing as mp
 import os
 import shutil
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from ingest.cores import usable_cores
 from ingest.format import MANIFEST, read_manifest
+from loader.bench.stores import note_build
 
 CLASSES = 10
 SHORT_SIDE = (300, 450)  # ImageNet's shape; larger makes photos as cameras take them
@@ -158,7 +160,9 @@ def build_store(
         return
     say(f"building the store {store} (once; later runs reuse it) ...")
     options = BuildOptions(max_size=max_size, encoding=encoding)
+    t0 = time.perf_counter()
     build(folder, store, options=options, workers=usable_cores(), progress=False)
+    note_build(store, time.perf_counter() - t0)  # reported beside the peers' conversions
 
 
 def export_store(store: Path, folder: Path, say) -> Path:

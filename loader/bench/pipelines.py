@@ -12,10 +12,44 @@ import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from loader.bench.settings import MEAN, SIZE, STD, Settings
+from loader.bench.augment import deliver, torch_transform
+from loader.bench.settings import Settings
 
 BASELINE = "torch-pil"
 JPEG_TWIN = "@jpeg"  # a name's ending: ours on the JPEG store (``share_variant``)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A peer format: its label, its class in ``loader.bench.peers.<module>`` (given the
+    variant, where it has one), the package it needs and how to install that."""
+
+    label: str
+    module: str
+    cls: str
+    package: str
+    variant: str = ""
+
+
+PEERS = {
+    "ffcv": Peer("FFCV Loader on a .beton of JPEG fields (RandomResizedCropRGBImageDecoder)",
+                 "ffcv", "FfcvPipeline", "ffcv", "jpg"),
+    "ffcv-raw": Peer("FFCV Loader on a .beton of raw pixel fields (the same decoder)",
+                     "ffcv", "FfcvPipeline", "ffcv", "raw"),
+    "mds": Peer("MosaicML Streaming: StreamingImageNet on MDS shards + torch DataLoader",
+                "mds", "MdsPipeline", "streaming"),
+    "litdata": Peer("LitData StreamingDataset on optimize()d chunks + StreamingDataLoader",
+                    "litdata", "LitdataPipeline", "litdata"),
+    "wds": Peer("WebDataset tar shards + WebLoader (shuffled and rebatched across workers)",
+                "wds", "WdsPipeline", "webdataset"),
+}  # fmt: skip
+_INSTALL = {
+    "ffcv": "FFCV is not installed (its build needs libturbojpeg and OpenCV headers: see "
+    "docs/benchmarks.md#peers)",
+    "streaming": "MosaicML Streaming is not installed (pip install 'imfeed[peers]')",
+    "litdata": "LitData is not installed (pip install 'imfeed[peers]')",
+    "webdataset": "WebDataset is not installed (pip install 'imfeed[peers]')",
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +82,7 @@ def specs() -> list[Spec]:
         Spec("dali-crop", "DALI file reader + decoders.image_random_crop", "peer"),
         Spec("dali-ram", "DALI external_source (JPEG bytes in RAM) + image_random_crop", "peer"),
     ]
+    found += [Spec(name, peer.label, "peer") for name, peer in PEERS.items()]
     return found
 
 
@@ -103,6 +138,8 @@ def unavailable(spec: Spec, s: Settings) -> str | None:
         if s.jpeg_store is None:
             return "needs --encoding: it reads the store of JPEGs beside the one that builds"
         return unavailable(dataclasses.replace(spec, name=spec.name.removesuffix(JPEG_TWIN)), s)
+    if spec.name in PEERS:
+        return _peer_unavailable(PEERS[spec.name], s)
     dali = spec.name.startswith("dali-")
     if spec.name.startswith("torch-") and importlib.util.find_spec("torchvision") is None:
         return "torchvision is not installed (pip install torchvision)"
@@ -120,6 +157,16 @@ def unavailable(spec: Spec, s: Settings) -> str | None:
         decoder = spec.name.removeprefix("loader-").partition("-")[0]
         if "cpu" not in delivers_to(decoder):
             return "decodes on a CUDA device, and this run delivers to the CPU"
+    return None
+
+
+def _peer_unavailable(peer: Peer, s: Settings) -> str | None:
+    if importlib.util.find_spec(peer.package) is None:
+        return _INSTALL[peer.package]
+    if s.folder is None:
+        return "needs an image folder: its converter reads the images (give --data a folder)"
+    if peer.variant == "raw" and s.jpeg_store is None:
+        return "needs --encoding raw or mixed:SHARE: the peer of ours on a store of pixels"
     return None
 
 
@@ -153,38 +200,17 @@ def build(name: str, s: Settings):
         from loader.bench import dali
 
         return dali.DaliPipeline(name.removeprefix("dali-"), s)
+    if name in PEERS:
+        peer = PEERS[name]
+        cls = getattr(importlib.import_module(f"loader.bench.peers.{peer.module}"), peer.cls)
+        return cls(s, peer.variant) if peer.variant else cls(s)
     raise ValueError(f"unknown pipeline {name!r}; known: {', '.join(x.name for x in specs())}")
-
-
-def torch_transform(s: Settings):
-    """torchvision's standard transforms for the run: train or eval, float or raw uint8."""
-    import torchvision.transforms as T
-
-    if s.eval:
-        geometry = [T.Resize(int(SIZE / 0.875)), T.CenterCrop(SIZE)]
-    else:
-        geometry = [T.RandomResizedCrop(SIZE), T.RandomHorizontalFlip()]
-        if s.recipe == "randaugment":
-            geometry.append(T.RandAugment(num_ops=2, magnitude=9))
-    if s.dtype == "uint8":
-        return T.Compose([*geometry, T.PILToTensor()])
-    return T.Compose([*geometry, T.ToTensor(), T.Normalize(MEAN, STD)])
 
 
 def _image_folder(s: Settings):
     import torchvision.datasets
 
     return torchvision.datasets.ImageFolder(s.folder, transform=torch_transform(s))
-
-
-def deliver(images, labels, s: Settings):
-    """A batch as the training loop needs it: on the device, in the run's dtype and layout."""
-    import torch
-
-    images = images.to(s.device, non_blocking=True).to(getattr(torch, s.dtype))
-    if s.channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-    return images, labels.to(s.device, non_blocking=True)
 
 
 class TorchPipeline:

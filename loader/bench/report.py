@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 
+from loader.bench import busy
 from loader.bench.pipelines import BASELINE
 
 
@@ -25,6 +26,7 @@ def pipeline_figures(passes: list[dict]) -> dict:
         ),
         "memory_mib": max(p["memory_mib"] for p in passes),
         "gpu_memory_mib": max(gpu) if gpu else None,
+        "other_cores_busy": busy.other_cores(timed),  # other processes, at most
         "passes": passes,
     }
 
@@ -61,8 +63,11 @@ def summarise(results: dict, trained: bool) -> dict:
     out["vs_pil"] = ratio(results, ours, BASELINE) if ours and have_base else None
     out["vs_dali"] = ratio(results, ours, dali) if ours and dali else None
     out["vs_best_peer"] = ratio(results, ours, peer) if ours and peer else None
-    busy = {n: results[n]["cpu_cores_busy"] for n in ok}
-    out["cpu_cores_busy"] = busy | ({"ours": busy[ours]} if ours else {})
+    others = [n for n in ok if side.get(n) in ("peer", "baseline")]
+    out["vs_peers"] = {n: ratio(results, ours, n) for n in others} if ours else {}
+    out["machine_busy"] = busy.busy(results)  # pipelines timed beside other busy processes
+    cores = {n: results[n]["cpu_cores_busy"] for n in ok}
+    out["cpu_cores_busy"] = cores | ({"ours": cores[ours]} if ours else {})
     shares = {n: results[n]["decode_share"] for n in ok if "decode_share" in results[n]}
     if shares:  # which decoder took which share of the samples, per pipeline of ours
         out["decode_share"] = shares
@@ -112,6 +117,8 @@ def table(results: dict, summary: dict, ceiling: dict) -> str:
     """A Markdown table, one row per pipeline (skipped ones last, with the reason)."""
     head = ["pipeline", "img/s (median)", "min-max", "vs PIL", "cores busy", "memory MiB"]
     head += ["GPU MiB"] if any(r.get("gpu_memory_mib") for r in results.values()) else []
+    stored = any(r.get("store") for r in results.values())
+    head += ["data MiB", "made in s"] if stored else []
     models = [m for m in ("resnet18", "resnet50") if m in ceiling]
     head += [f"{m}: % of {ceiling[m]['img_per_s']:.0f} img/s (waiting)" for m in models]
     rows = []
@@ -126,6 +133,9 @@ def table(results: dict, summary: dict, ceiling: dict) -> str:
         row += [_fmt(r.get("vs_pil"), ".2f") + ("x" if r.get("vs_pil") else "")]
         row += [_fmt(r["cpu_cores_busy"], ".2f"), _fmt(r["memory_mib"], ".0f")]
         row += [_fmt(r.get("gpu_memory_mib"), ".0f")] if "GPU MiB" in head else []
+        if stored:
+            store = r.get("store") or {}
+            row += [_fmt(store.get("mib"), ".0f"), _fmt(store.get("convert_seconds"), ".1f")]
         for m in models:
             t = r.get("train", {}).get(m)
             row.append(f"{t['share']:.0%} ({t['wait_share']:.0%})" if t and t.get("share") else "-")
@@ -138,8 +148,16 @@ def table(results: dict, summary: dict, ceiling: dict) -> str:
         if (d := results[n].get("decode_share"))
     ]
     shares = ["", "Decoded (timed passes): " + "; ".join(shares)] if shares else []
+    made = [f"{n}: {r['store']['format']}" for n in ok if (r := results[n]).get("store")]
+    made = ["", "Data read: " + "; ".join(made)] if made else []
+    vs = summary.get("vs_peers") or {}
+    if vs:  # ours against each of the others, in the same run
+        each = ", ".join(f"{x:.2f}x {n}" for n, x in sorted(vs.items(), key=lambda v: v[1]))
+        made += ["", f"Ours ({summary['ours']}) against each: {each}"]
     skipped = [f"- {n}: skipped, {results[n]['reason']}" for n in results if n not in ok]
-    return "\n".join(lines + shares + (["", *skipped] if skipped else []))
+    warn = busy.warning(summary.get("machine_busy") or {})
+    tail = shares + made + (["", *skipped] if skipped else []) + (["", warn] if warn else [])
+    return "\n".join(lines + tail)
 
 
 def headline(summary: dict, results: dict) -> str:

@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict
 
 from loader.bench import report as rep
-from loader.bench import runner
+from loader.bench import runner, stores
 from loader.bench.data import Data
 from loader.bench.machine import fingerprint
 from loader.bench.pipelines import share_variant, specs, unavailable
@@ -30,6 +30,7 @@ def settings(args, data: Data, device: str) -> Settings:
         min_pass_seconds=args.min_pass_seconds,
         jpeg_store=str(data.jpeg_store) if data.jpeg_store else None,
         recipe=args.recipe,
+        workdir=str(args.workdir),
     )
 
 
@@ -65,6 +66,7 @@ def run(args, data: Data, device: str, say) -> dict:
     log_dir = args.logs or args.out / "logs"
     extra = ["synthetic"] if args.train_check else []
     servers, failed = runner.start(names + extra, s, log_dir, say)
+    made = {n: sv.made for n, sv in servers.items()}
     try:
         timed = {n: sv for n, sv in servers.items() if n != "synthetic"}
         passes, failed_passes = runner.rounds(timed, args.passes, say)
@@ -80,6 +82,9 @@ def run(args, data: Data, device: str, say) -> dict:
         runner.stop_all(servers)
         runner.drop_empty_logs(log_dir, names + extra)
     results = _results(known, skipped, failed, passes, trained)
+    for name, r in results.items():
+        if r["status"] == "ok":
+            r["store"] = stores.of(name, asdict(s), made.get(name))
     for name, reason in train_failed.items():
         if name in results:
             results[name]["train_error"] = reason

@@ -19,7 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
-from loader.bench.pipelines import build
+from loader.bench import busy
+from loader.bench.pipelines import PEERS, build
 from loader.bench.settings import Settings
 from loader.bench.train import (
     decoded_between,
@@ -81,6 +82,7 @@ def timed_pass(pipe, s: Settings) -> dict:
     loader's time went, what decoded, the way our DALI stage kept)."""
     memory = PeakMemory().start()
     before, counted = loader_times(pipe), decoded_counts(pipe)
+    machine0 = busy.machine_busy_seconds()
     cpu0, t0, n, epochs = tree_cpu_seconds(), time.perf_counter(), 0, 0
     while not epochs or time.perf_counter() - t0 < s.min_pass_seconds:
         for _images, labels in pipe.epoch():
@@ -94,6 +96,7 @@ def timed_pass(pipe, s: Settings) -> dict:
         torch.cuda.synchronize()  # the last batches are finished, not merely queued
     seconds = time.perf_counter() - t0
     cpu = tree_cpu_seconds() - cpu0
+    others = busy.others(machine0, busy.machine_busy_seconds(), cpu)
     if hasattr(pipe, "rest"):
         pipe.rest()
     if n == 0:
@@ -104,6 +107,7 @@ def timed_pass(pipe, s: Settings) -> dict:
             "epochs": epochs,
             "seconds": round(seconds, 4),
             "cpu_seconds": round(cpu, 3),
+            "other_cpu_seconds": others,  # every other process's, over the same time
             "memory_mib": memory.stop(),
             "gpu_memory_mib": _gpu_memory_mib(),
         }
@@ -122,7 +126,8 @@ def serve(name: str, s: Settings, conn, log: str) -> None:
         traceback.print_exc()
         conn.send({"error": f"{_reason(e)} (see {log})"})
         return
-    conn.send({"ready": True})
+    made = getattr(pipe, "made", None)  # a peer's conversion of the images
+    conn.send({"ready": True} | ({"made": made} if made else {}))
     stream = None
     while (request := conn.recv())[0] != "stop":
         try:
@@ -160,6 +165,7 @@ class Server:
     def __init__(self, name: str, s: Settings, log_dir: Path) -> None:
         ctx = _context()
         self.name, self.log = name, log_dir / f"{name}.log"
+        self.made = None  # a peer's conversion, from its ready message
         self.conn, there = ctx.Pipe()
         # Not a daemon: a daemon may not start the worker processes a loader needs.
         self.proc = ctx.Process(target=serve, args=(name, s, there, str(self.log)))
@@ -214,18 +220,27 @@ def drop_empty_logs(log_dir: Path, names: list[str]) -> None:
 
 
 def start(names: list[str], s: Settings, log_dir: Path, say) -> tuple[dict, dict]:
-    """Start a process per pipeline; return ({name: Server} ready, {name: reason} failed)."""
+    """Start a process per pipeline; return ({name: Server} ready, {name: reason} failed).
+
+    The peers first, one at a time: each converts the images to its format when it starts
+    (once; later runs reuse it), and that conversion is timed alone."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    servers = {name: Server(name, s, log_dir) for name in names}
-    failed = {}
-    for name, server in list(servers.items()):
-        answer = server.ask(None, READY_TIMEOUT)
-        if "error" in answer:
-            failed[name] = answer["error"]
-            server.kill()
-            del servers[name]
-            say(f"  {name}: skipped ({failed[name]})")
-    return servers, failed
+    servers, failed = {}, {}
+    peers = [n for n in names if n in PEERS]
+    for group in [[n] for n in peers] + [[n for n in names if n not in PEERS]]:
+        started = {name: Server(name, s, log_dir) for name in group}
+        for name, server in started.items():
+            answer = server.ask(None, READY_TIMEOUT)
+            if "error" in answer:
+                failed[name] = answer["error"]
+                server.kill()
+                say(f"  {name}: skipped ({failed[name]})")
+                continue
+            server.made, servers[name] = answer.get("made"), server
+            if server.made and not server.made["reused"]:
+                say(f"  {name}: converted in {server.made['convert_seconds']:.1f} s, "
+                    f"{server.made['mib']:.0f} MiB")  # fmt: skip
+    return {n: servers[n] for n in names if n in servers}, failed
 
 
 def rounds(servers: dict, passes: int, say) -> tuple[dict, dict]:
@@ -245,8 +260,17 @@ def rounds(servers: dict, passes: int, say) -> tuple[dict, dict]:
             rate = answer["images"] / answer["seconds"]
             cores = answer["cpu_seconds"] / answer["seconds"]
             tag = "warm-up" if r == 0 else f"pass {r}/{passes}"
-            say(f"  {tag:>10} {name:<14} {rate:9.1f} img/s  {cores:5.2f} cores busy")
+            say(f"  {tag:>10} {name:<14} {rate:9.1f} img/s  {cores:5.2f} cores busy"
+                + _others(answer))  # fmt: skip
     return runs, failed
+
+
+def _others(answer: dict) -> str:
+    """A note for a pass's line where other processes were busy beside it."""
+    other = answer.get("other_cpu_seconds")
+    if other is None or other / answer["seconds"] <= busy.THRESHOLD:
+        return ""
+    return f"  (the machine was busy: other processes {other / answer['seconds']:.2f} cores)"
 
 
 def train(servers: dict, models: tuple[str, ...], say) -> tuple[dict, dict]:

@@ -1,5 +1,6 @@
 """One benchmark run's settings and the augmentation every pipeline shares, apart from the
-pipelines so that each pipeline's module (``dali``, ``train``) imports them, not the registry."""
+pipelines so that each pipeline's module (``dali``, ``train``, ``peers``) imports them, not
+the registry."""
 
 from __future__ import annotations
 
@@ -28,3 +29,4 @@ class Settings:
     min_pass_seconds: float = 0.0  # a pass reads whole epochs until this long has passed
     jpeg_store: str | None = None  # with --encoding: the JPEG store, which ``@jpeg`` read
     recipe: str = "standard"  # train: "randaugment" adds RandAugment(2, 9) after the flip
+    workdir: str | None = None  # where the peers' conversions of the folder are kept

@@ -25,7 +25,15 @@ from loader.bench import chart, machine, report, runner
 from loader.bench import data as bench_data
 from loader.bench.cli import main
 from loader.bench.machine import CoreClock, cores_mhz
-from loader.bench.pipelines import Settings, Spec, build, share_variant, specs, unavailable
+from loader.bench.pipelines import (
+    PEERS,
+    Settings,
+    Spec,
+    build,
+    share_variant,
+    specs,
+    unavailable,
+)
 from loader.bench.run import choose
 from loader.bench.synth import make_image_folder
 from loader.decode import decoders
@@ -84,6 +92,13 @@ def test_every_known_pipeline_is_listed(run):
     assert report["results"]["loader-nvjpeg"]["reason"] == (
         "decodes on a CUDA device, and this run delivers to the CPU"
     )
+    # The peer formats installed here ran on their conversions (ffcv-raw needs --encoding).
+    installed = {n for n, p in PEERS.items() if importlib.util.find_spec(p.package)}
+    assert installed - {"ffcv-raw"} <= ok
+    for name in installed - {"ffcv-raw"}:
+        store = report["results"][name]["store"]
+        assert store["mib"] > 0 and store["convert_seconds"] >= 0 and not store["reused"]
+    assert report["results"]["ffcv-raw"]["status"] == "skipped"
 
 
 def test_each_pass_reads_the_whole_epoch_and_figures_agree(run):
@@ -387,6 +402,7 @@ def test_summary_of_a_training_check(tmp_path):
     assert done["summary"] == {
         "ours": "loader-gpu", "best_dali": "dali-ram", "best_peer": "dali-ram",
         "vs_pil": 8.0, "vs_dali": 0.8, "vs_best_peer": 0.8,
+        "vs_peers": {"torch-pil": 8.0, "dali-ram": 0.8}, "machine_busy": {},
         "cpu_cores_busy": {"torch-pil": 15.0, "loader-cpu": 14.0, "loader-gpu": 3.0,
                            "dali-ram": 5.0, "ours": 3.0},
         "resnet18_share": 0.9, "resnet18_wait_share": 0.05, "resnet18_fed_by": "loader-gpu",

@@ -1,0 +1,136 @@
+"""A peer's one-time conversion of the run's image folder into its own format.
+
+Made once per folder and recipe, then reused: a later run reports the time the conversion
+took when it was made. The data first, the stamp (what was made, from what, how long it
+took, how large it is) last and atomically, so that a conversion cut short never looks
+complete and is made again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from loader.bench.settings import Settings
+
+STAMP = "converted.json"
+MARK = ".made-by-imfeed-bench"  # written first: a folder the bench may delete and make again
+
+
+def samples(folder: str | os.PathLike) -> list[tuple[str, int]]:
+    """``(path, label)`` of every image of ``folder``, with torchvision ImageFolder's labels
+    (those the baseline reads), in a seeded random order: the peers' ImageNet converters
+    write the samples shuffled, so that a shard holds many classes."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+    _, index = find_classes(str(folder))
+    found = make_dataset(str(folder), index, extensions=IMG_EXTENSIONS)
+    random.Random(0).shuffle(found)
+    return found
+
+
+def place(s: Settings, fmt: str) -> Path:
+    """Where the conversion ``fmt`` of ``s.folder`` lives: under ``s.workdir`` (beside the
+    run's generated images and stores), else beside the folder."""
+    folder = Path(s.folder).resolve()
+    key = hashlib.sha1(str(folder).encode()).hexdigest()[:8]
+    root = Path(s.workdir) if s.workdir else folder.parent / ".imfeed-peers"
+    return root / "peers" / f"{folder.name}-{key}" / fmt
+
+
+def size_of(path: Path) -> tuple[int, int]:
+    """(bytes, files) of the regular files under ``path``, the stamp left out."""
+    files = [p for p in path.rglob("*") if p.is_file() and p.name not in (STAMP, MARK)]
+    return sum(p.stat().st_size for p in files), len(files)
+
+
+def _signature(found: list[tuple[str, int]]) -> list[int]:
+    """The folder as a conversion saw it: its images and their bytes (a folder made anew
+    with other images under the same name is converted again)."""
+    return [len(found), sum(os.stat(p).st_size for p, _ in found)]
+
+
+def made(s: Settings, fmt: str, recipe: dict) -> dict | None:
+    """The stamp of a complete conversion ``fmt`` of ``s.folder`` with ``recipe``, or None."""
+    try:
+        stamp = json.loads((place(s, fmt) / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+    if stamp.get("recipe") != recipe or stamp.get("signature") != _signature(samples(s.folder)):
+        return None
+    return stamp
+
+
+def convert(
+    s: Settings, fmt: str, recipe: dict, write: Callable[[list[tuple[str, int]], Path], int]
+) -> dict:
+    """Convert ``s.folder`` into ``fmt`` with ``write(samples, out)`` unless a complete
+    conversion with the same ``recipe`` is there; return its stamp, with ``reused``.
+
+    ``recipe`` says how the format was written (it must be JSON); a change makes it anew.
+    ``write`` returns the samples its output holds, as read back from it (its index).
+
+    Raises:
+        RuntimeError: the output holds another number of samples than the folder.
+    """
+    stamp = made(s, fmt, recipe)
+    if stamp is not None:
+        return stamp | {"reused": True}
+    out = place(s, fmt)
+    _clear(out)
+    found = samples(s.folder)
+    t0 = time.perf_counter()
+    wrote = write(found, out)
+    seconds = time.perf_counter() - t0
+    if wrote != len(found):
+        raise RuntimeError(
+            f"{out}: the {fmt} converter wrote {wrote} samples of the {len(found)} images of "
+            f"{s.folder}; see its output above for why"
+        )
+    size, files = size_of(out)
+    stamp = {
+        "format": fmt,
+        "recipe": recipe,
+        "folder": str(Path(s.folder).resolve()),
+        "signature": _signature(found),
+        "samples": len(found),
+        "seconds": round(seconds, 2),
+        "bytes": size,
+        "files": files,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    part = out / f".{STAMP}.part"
+    part.write_text(json.dumps(stamp, indent=1) + "\n")
+    os.replace(part, out / STAMP)
+    return stamp | {"reused": False}
+
+
+def _clear(out: Path) -> None:
+    """Make ``out`` an empty folder marked as this bench's; what was there goes only where
+    the bench made it (a conversion cut short), never a folder of someone else's."""
+    if out.exists():
+        if not (out / MARK).exists():
+            raise RuntimeError(
+                f"{out} exists and was not made by imfeed-bench: move it away, or pass "
+                "another --workdir"
+            )
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / MARK).touch()
+
+
+def summary(stamp: dict, what: str) -> dict:
+    """A conversion's figures for the results: ``what`` it is, MiB, seconds, files."""
+    return {
+        "format": what,
+        "mib": round(stamp["bytes"] / (1 << 20), 1),
+        "convert_seconds": stamp["seconds"],
+        "files": stamp["files"],
+        "reused": stamp["reused"],
+    }
