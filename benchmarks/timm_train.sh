@@ -2,12 +2,13 @@
 # timm's train.py fed by timm's own loader, by ours (benchmarks/timm_swap.diff: two lines,
 # and --no-prefetcher, since our loader does what timm's PrefetchLoader does), and by one
 # batch kept on the GPU (the ceiling), for ResNet-50 and ResNet-18 with a modern recipe:
-#   benchmarks/timm_train.sh IMAGE_FOLDER STORE   (TIMM_TRAIN: timm's train.py, default
-#   .ab/train_orig.py; huggingface/pytorch-image-models at aa4b5850, with timm 1.0.31)
+#   TIMM_TRAIN=path/to/train.py benchmarks/timm_train.sh IMAGE_FOLDER STORE
+# (train.py of huggingface/pytorch-image-models at aa4b5850, with timm 1.0.31; the GPU
+# machine cannot download it: carry it in.)
 # Prints "timm MODEL LOADER IMG/S" lines: each run's mean of its epochs after the first.
 set -u
 folder=$1 store=$2 train=/tmp/timm_train.py
-cp "${TIMM_TRAIN:-.ab/train_orig.py}" $train && patch -s $train benchmarks/timm_swap.diff || exit 1
+cp "${TIMM_TRAIN:?set TIMM_TRAIN to timm\'s train.py (pytorch-image-models at aa4b5850)}" $train && patch -s $train benchmarks/timm_swap.diff || exit 1
 mkdir -p /tmp/timm_data && ln -sfn "$folder" /tmp/timm_data/train
 recipe="--aa rand-m9-mstd0.5-inc1 --reprob 0.25 --mixup 0.2 --cutmix 1.0 --amp --channels-last"
 for model in ${MODELS:-resnet50 resnet18}; do
