@@ -81,18 +81,16 @@ def _theta(matrices: np.ndarray, height: int, width: int) -> np.ndarray:
 
 def nearest_pixels(matrix: np.ndarray, height: int, width: int) -> tuple[np.ndarray, ...]:
     """(x, y) float32 [H, W]: the input pixel (whole numbers, maybe outside) that each
-    output pixel of a nearest ``warp`` by ``matrix`` [6] takes on the CPU. The grid's
-    float32 steps (``x * t0 + y * t1``, then ``+ t2``, as torch's CPU matmul rounds them)
-    and ``grid_sample``'s (``(g + 1) * size / 2 - 1 / 2``, half to even), in a few numpy
-    passes: the grid is separable. Tested bit for bit against ``grid_sample``."""
-    theta = _theta(np.asarray(matrix)[None], height, width)[0]
-    base = _base_grid(height, width, torch.device("cpu"))[0].numpy()
-    xs, ys = base[:width, 0], base[::width, 1]
-    out = []
-    for k, size in enumerate((width, height)):
-        g = (xs[None, :] * theta[0, k] + ys[:, None] * theta[1, k]) + theta[2, k]
-        out.append(np.rint((g + np.float32(1.0)) * np.float32(0.5 * size) - np.float32(0.5)))
-    return tuple(out)
+    output pixel of a nearest ``warp`` by ``matrix`` [6] takes on the CPU: torch's own
+    grid (``grid``: its CPU matmul, whose rounding depends on the CPU's kernels; an
+    emulation in numpy matched AVX2's, not AVX-512's), then ``grid_sample``'s
+    ``(g + 1) * size / 2 - 1 / 2``, half to even. Tested bit for bit against
+    ``grid_sample``."""
+    at = grid(np.asarray(matrix)[None], height, width, "cpu")[0]
+    return tuple(
+        at[..., k].add(1.0).mul_(0.5 * size).sub_(0.5).round_().numpy()
+        for k, size in enumerate((width, height))
+    )
 
 
 def grid(matrices: np.ndarray, height: int, width: int, device) -> torch.Tensor:

@@ -20,7 +20,7 @@ from pathlib import Path
 from loader.bench.settings import Settings
 
 STAMP = "converted.json"
-MARK = ".made-by-imfeed-bench"  # written first: a folder the bench may delete and make again
+MARK = ".made-by-imfeed-bench"  # ".FMT" + MARK, beside FMT first: the bench may remake FMT
 
 
 def samples(folder: str | os.PathLike) -> list[tuple[str, int]]:
@@ -46,7 +46,7 @@ def place(s: Settings, fmt: str) -> Path:
 
 def size_of(path: Path) -> tuple[int, int]:
     """(bytes, files) of the regular files under ``path``, the stamp left out."""
-    files = [p for p in path.rglob("*") if p.is_file() and p.name not in (STAMP, MARK)]
+    files = [p for p in path.rglob("*") if p.is_file() and p.name != STAMP]
     return sum(p.stat().st_size for p in files), len(files)
 
 
@@ -114,15 +114,17 @@ def convert(
 def _clear(out: Path) -> None:
     """Make ``out`` an empty folder marked as this bench's; what was there goes only where
     the bench made it (a conversion cut short), never a folder of someone else's."""
+    mark = out.parent / f".{out.name}{MARK}"  # beside it: some writers want an empty folder
     if out.exists():
-        if not (out / MARK).exists():
+        if not mark.exists():
             raise RuntimeError(
                 f"{out} exists and was not made by imfeed-bench: move it away, or pass "
                 "another --workdir"
             )
         shutil.rmtree(out)
-    out.mkdir(parents=True)
-    (out / MARK).touch()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    mark.touch()
+    out.mkdir()
 
 
 def summary(stamp: dict, what: str) -> dict:
