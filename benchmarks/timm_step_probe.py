@@ -1,17 +1,19 @@
 """Where a timm-style training step's time goes with our loader (CUDA only).
 
-    python3 benchmarks/timm_step_probe.py STORE [alone] [train]   (FEEDS: the train feeds)
+    python3 benchmarks/timm_step_probe.py STORE [alone] [train]   (FEEDS, STEPS, WARM)
 
 ``alone``: the loader with timm's recipe (``rand-m9-mstd0.5-inc1``, re_prob 0.25, random
 interpolation) by itself: img/s, a cProfile of the GPU stage's thread, then 10 batches
 under torch's profiler (kernels by name, GPU busy time by stream). ``train``: ResNet-50 in
 a loop written as timm's (fp16 autocast, GradScaler, timm's Mixup and SoftTargetCrossEntropy,
-``loss.item()`` each step), 40 steps after 12, per feed: ``synthetic`` (one batch on the
-GPU), ``recipe`` (timm's recipe), ``crop`` (RandomResizedCrop + flip only), each with
-options joined by "-": ``nvjpeg`` (decoder), ``wN`` (N workers), ``switch`` (a 0.2 ms GIL
-switch interval), ``nosync`` (no ``loss.item()``). Prints img/s, the main thread's CPU
-share, the loader's thread CPU and the step's parts (waiting for the batch, the step up to
-the optimiser, the ``item``). docs/design/augmentations.md cites its output.
+``loss.item()`` each step), STEPS steps after WARM, per feed: ``synthetic`` (one batch on
+the GPU), ``recipe`` (timm's recipe), ``crop`` (RandomResizedCrop + flip only), ``dali``
+(DALI's own pipeline on the store's image folder, the crop only), each with options joined
+by "-": ``nvjpeg`` or ``cpu`` (decoder), ``inline`` (``gpu_thread=False``), ``wN`` (N
+workers), ``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no ``loss.item()``),
+``prof`` (then 6 steps under torch's profiler: the GPU's busy time against the span).
+Prints img/s, the main thread's CPU share, the loader's thread CPU and the step's parts.
+docs/design/augmentations.md cites its output.
 """
 
 from __future__ import annotations
@@ -221,7 +223,8 @@ def main() -> None:
         alone(store)
     if "train" in which:
         for feed in os.environ.get("FEEDS", "synthetic recipe crop").split():
-            train(store, feed, steps=int(os.environ.get("STEPS", 40)))
+            steps, warm = int(os.environ.get("STEPS", 40)), int(os.environ.get("WARM", 12))
+            train(store, feed, steps=steps, warm=warm)
 
 
 if __name__ == "__main__":
