@@ -9,11 +9,10 @@ a loop written as timm's (fp16 autocast, GradScaler, timm's Mixup and SoftTarget
 ``loss.item()`` each step), STEPS steps after WARM, per feed: ``synthetic`` (one batch on
 the GPU), ``recipe`` (timm's recipe), ``crop`` (RandomResizedCrop + flip only), ``dali``
 (DALI's own pipeline on the store's image folder, the crop only), each with options joined
-by "-": ``nvjpeg`` or ``cpu`` (decoder), ``inline`` (``gpu_thread=False``), ``wN`` (N
-workers), ``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no ``loss.item()``),
-``prof`` (then 6 steps under torch's profiler: the GPU's busy time against the span).
-Prints img/s, the main thread's CPU share, the loader's thread CPU and the step's parts.
-docs/design/augmentations.md cites its output.
+by "-": ``nvjpeg`` or ``cpu`` (decoder), ``wN`` (N workers), ``switch`` (a 0.2 ms GIL
+switch interval), ``nosync`` (no ``loss.item()``), ``prof`` (then 6 steps under torch's
+profiler: the GPU's busy time against the span). Prints img/s, the main thread's CPU
+share, the loader's thread CPU and the step's parts. docs/design/augmentations.md cites its output.
 """
 
 from __future__ import annotations
@@ -138,8 +137,6 @@ def _feed(store: str, feed: str):
     for o in options:
         if o in ("nvjpeg", "cpu"):
             kw["decoder"] = o
-        elif o == "inline":  # no prefetch thread: the loop's next() makes each batch
-            kw["gpu_thread"] = False
         elif o.startswith("w"):
             kw["num_workers"] = int(o[1:])
         elif o == "switch":
@@ -203,7 +200,7 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
     line += f" main-thread cpu {cpu / dt:.2f}"
     if dl is not None:
         s = dl.stats()
-        line += f" prefetch_cpu_s={s.get('prefetch_cpu_s'):.2f} batches={s.get('batches')}"
+        line += f" prefetch_cpu_s={s.get('prefetch_cpu_s') or 0:.2f} batches={s.get('batches')}"
     print(f"{line} per step ms: {each}")
     if "prof" in feed:  # the GPU's busy time against the span: idle while the host lags
         from torch.profiler import ProfilerActivity, profile

@@ -17,7 +17,6 @@ for model in ${MODELS:-resnet50 resnet18}; do
     case $feed in
       timm) env=() prefetch=() ;;
       ours) env=(IMFEED_STORE=$store) prefetch=(--no-prefetcher) ;;
-      ours-here) env=(IMFEED_STORE=$store IMFEED_GPU_THREAD=0) prefetch=(--no-prefetcher) ;;
       synthetic) env=(IMFEED_SYNTHETIC=1) prefetch=(--no-prefetcher) ;;
     esac
     echo "== $model $feed $(date -u +%T)"

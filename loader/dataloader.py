@@ -95,11 +95,6 @@ class DataLoader:
         worker_nice: added to the workers' niceness (0 to 19): with more, the training
             process's threads (the training loop, the prefetch thread, DALI's threads) get
             the cores first and the workers take what is left.
-        gpu_thread: on the GPU path, make batches in a thread of the loader's (default),
-            or, with False, in the training loop's own thread at each ``next``: the
-            decoder and the workers still run ahead, and a loop that keeps its thread busy
-            (timm's ``train.py``: a GradScaler, a sync each step) no longer shares Python's
-            GIL with the loader's thread (docs/gpu.md).
         verbose: print which path was taken and why (it is always logged at INFO).
 
     Attributes:
@@ -162,7 +157,6 @@ class DataLoader:
         cache_root: str | os.PathLike | None = None,
         max_pixels: int | None = None,
         worker_nice: int = 0,
-        gpu_thread: bool = True,
         verbose: bool = False,
     ) -> None:
         opt.check_not_for_store(sampler, batch_sampler, collate_fn)
@@ -192,7 +186,7 @@ class DataLoader:
         settings = Settings(
             batch_size, num_workers, prefetch_factor, timeout, bool(persistent_workers),
             bool(with_indices), worker_init_fn, opt.check_worker_nice(worker_nice), seed,
-            opt.mp_context(multiprocessing_context), opt.check_flag("gpu_thread", gpu_thread),
+            opt.mp_context(multiprocessing_context),
         )  # fmt: skip
         self.drop_last = drop_last
         self.pin_memory = self._output.pin
@@ -224,7 +218,6 @@ class DataLoader:
     with_indices = _Setting()
     worker_init_fn = _Setting()
     worker_nice = _Setting()
-    gpu_thread = _Setting()
     seed = _Setting()
 
     # -- the torch-like surface ---------------------------------------------------------

@@ -42,7 +42,6 @@ class Settings:
     worker_nice: int
     seed: int
     context: object
-    gpu_thread: bool = True  # the GPU path's stage in a thread of its own (``GpuEpochIterator``)
 
 
 class Workers:

@@ -3,11 +3,10 @@ sample once per epoch, resume mid-epoch, world sizes, determinism, bad-sample re
 
 Executors: the CPU path with 0 and 2 workers; the GPU path with 0 and 2 workers (nvjpeg on
 CUDA; without CUDA a CPU stand-in decoder and Triton's interpreter, see ``gpu_path_data``);
-the DALI decoder where DALI is installed; the last two also with ``gpu_thread=False``. All
-read one store of 23 small images (a PNG, a progressive and a grayscale JPEG among them).
-Orders are compared with ``EpochPlan``'s and indices across executors; pixels bit for bit
-only between runs of one executor or of its other worker count or thread (decoders differ
-within the tolerances the GPU path tests state).
+the DALI decoder where DALI is installed. All read one store of 23 small images (a PNG, a
+progressive and a grayscale JPEG among them). Orders are compared with ``EpochPlan``'s and
+indices across executors; pixels bit for bit only between runs of one executor or of its
+other worker count (decoders differ within the tolerances the GPU path tests state).
 """
 
 from __future__ import annotations
@@ -52,20 +51,9 @@ EXECUTORS = {  # name: the loader's arguments that pick it
     "gpu-0": {"device": DEVICE, "decoder": BACKEND, "num_workers": 0},
     "gpu-2": {"device": DEVICE, "decoder": BACKEND, "num_workers": 2},
     "dali-2": {"device": DEVICE, "decoder": dali_backend(), "num_workers": 2},
-    # The GPU path without its thread: batches made in the loop's own thread.
-    "gpu-2-here": {"device": DEVICE, "decoder": BACKEND, "num_workers": 2, "gpu_thread": False},
-    "dali-2-here": {"device": DEVICE, "decoder": dali_backend(), "num_workers": 2,
-                    "gpu_thread": False},
-}  # fmt: skip
-# Another way to the same batches: the other worker count, or the stage in the other thread.
-OTHER_WORKERS = {
-    "cpu-0": "cpu-2", "cpu-2": "cpu-0", "gpu-0": "gpu-2", "gpu-2": "gpu-0",
-    "gpu-2-here": "gpu-2", "dali-2-here": "dali-2",
-}  # fmt: skip
-MARKS = {
-    "gpu-0": [needs_triton], "gpu-2": [needs_triton], "gpu-2-here": [needs_triton],
-    "dali-2": [needs_triton, needs_dali], "dali-2-here": [needs_triton, needs_dali],
-}  # fmt: skip
+}
+OTHER_WORKERS = {"cpu-0": "cpu-2", "cpu-2": "cpu-0", "gpu-0": "gpu-2", "gpu-2": "gpu-0"}
+MARKS = {"gpu-0": [needs_triton], "gpu-2": [needs_triton], "dali-2": [needs_triton, needs_dali]}
 every_executor = pytest.mark.parametrize(
     "executor", [pytest.param(name, marks=MARKS.get(name, [])) for name in EXECUTORS]
 )

@@ -14,8 +14,6 @@ keeps the iterator; ``loader.session``). Errors in the thread reach the loop, na
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
 import queue
 import threading
 import time
@@ -48,14 +46,6 @@ class GpuEpochIterator(EpochIterator):
         self._queue: queue.Queue = queue.Queue(maxsize=settings.prefetch_factor)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # Without a thread of its own (``gpu_thread=False``), the loop's ``next`` makes each
-        # batch: the decoder and the workers still run ahead, and a busy training thread
-        # does not share the GIL with this one.
-        self._threaded = settings.gpu_thread
-        device = self._stage.device  # the stage's kernels launch on the current device
-        self._on_device = functools.partial(
-            torch.cuda.device if device.type == "cuda" else contextlib.nullcontext, device
-        )
         # One batch queued per decode thread beside the one being finished: the next call
         # already waits inside the decoder (GIL released) when the current one ends, where
         # a single thread one batch ahead first waited for the GIL behind this thread
@@ -72,22 +62,20 @@ class GpuEpochIterator(EpochIterator):
     def _next(self):
         if self._closed:
             return super()._next()  # raises as the CPU path does
-        if self._thread is None and self._threaded:
+        if self._thread is None:
             self._thread = threading.Thread(
                 target=_run,
                 args=(weakref.ref(self), self._queue, self._stop, self._stage.device),
                 name="imfeed-gpu-prefetch", daemon=True,
             )  # fmt: skip
             self._thread.start()
-        t0, cpu0 = time.perf_counter(), time.thread_time()
+        t0 = time.perf_counter()
         try:
-            kind, payload = self._take_finished() if self._threaded else self._make_here()
+            kind, payload = self._take_finished()
         except BaseException:  # Ctrl-C while waiting: stop the thread and the workers now
             self._close(finished=False, failed=True)
             raise
         waited = time.perf_counter() - t0
-        if not self._threaded:  # made here: the loop waited only where this thread blocked
-            waited = max(0.0, waited - (time.thread_time() - cpu0))
         self._stats.add(wait_s=waited)
         if kind == "end":
             self._epoch_over(carrying=payload)  # payload: the thread went on into the next
@@ -144,20 +132,6 @@ class GpuEpochIterator(EpochIterator):
                         f"DataLoader timed out after {timeout} seconds waiting for a batch "
                         f"(timeout={timeout}; the GPU path: the workers or the GPU stage)"
                     )
-
-    def _make_here(self) -> tuple[str, object]:
-        """With ``gpu_thread=False``: the next batch made in the caller's thread, as the
-        thread's ``_run`` would hand it over."""
-        try:
-            with self._on_device():
-                return "batch", self._produce_one()
-        except _EpochEnd:
-            return "end", True
-        except StopIteration:
-            return "end", False
-        except Exception as e:  # as from the thread: the iteration ends, then it is raised
-            self._thread_failed = True
-            return "error", e
 
     def _produce_one(self) -> tuple:
         """Thread side: the next finished batch, or raise StopIteration at the epoch's end."""

@@ -677,8 +677,6 @@ def test_corrupt_record_is_replaced_counted_and_logged_once(store, tmp_path, cap
         ({"sampler": [0, 1]}, r"sampler=list cannot be used when reading a store: .* follows only"),
         ({"prefetch_factor": 0}, r"prefetch_factor=0 is invalid"),
         ({"drop_last": "no"}, r"drop_last='no' is invalid: pass True or False"),  # was True
-        ({"gpu_thread": "no"}, r"gpu_thread='no' is invalid: pass True or False"),
-        ({"gpu_thread": None}, r"gpu_thread=None is invalid: pass True or False"),
         ({"worker_nice": -1}, r"worker_nice=-1 is invalid: it must be an integer >= 0; 0 runs"),
         ({"worker_nice": 20}, r"worker_nice=20 is invalid: it must be at most 19; 0 runs"),
         ({"worker_nice": True}, r"worker_nice=True is invalid: it must be an integer >= 0"),

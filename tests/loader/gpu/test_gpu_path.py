@@ -1763,38 +1763,3 @@ def batch_seeds(n: int) -> list[int]:
     from loader.plan.sampler import batch_seed
 
     return [batch_seed(5, 0, step, rank=0) for step in range(n)]
-
-
-def test_without_its_thread_the_loop_makes_each_batch(store, monkeypatch):
-    # gpu_thread=False: no prefetch thread; persistent workers still carry each epoch into
-    # the next, every sample once an epoch, the same batches as with the thread.
-    threaded = [epoch(dl) for dl in [make(store, persistent_workers=True)] for _ in range(3)]
-    dl = make(store, persistent_workers=True, gpu_thread=False)
-    here = []
-    for _ in range(3):
-        here.append(epoch(dl))
-        names = {t.name for t in threading.enumerate()}
-        assert "imfeed-gpu-prefetch" not in names
-    assert dl.stats()["epochs_carried"] == 2
-    for mine, theirs in zip(here, threaded, strict=True):
-        assert sorted(flat(mine, 2).tolist()) == list(range(NUM_SAMPLES))
-        assert all(torch.equal(a, b) for x, y in zip(mine, theirs, strict=True)
-                   for a, b in zip(x, y, strict=True))  # fmt: skip
-    # A failure while making a batch reaches the loop at that batch; the loader goes on.
-    fill = EncodedBatches.fill
-
-    def failing(self, slot, lo, indices, *args):
-        if 16 in indices.tolist():  # batch 2 of 3, once the others are delivered
-            time.sleep(0.5)
-            raise OSError("disk gone")
-        return fill(self, slot, lo, indices, *args)
-
-    monkeypatch.setattr(EncodedBatches, "fill", failing)
-    dl = make(store, shuffle=False, gpu_thread=False)
-    it = iter(dl)
-    assert flat([next(it), next(it)], 2).tolist() == list(range(16))
-    with pytest.raises(RuntimeError, match=r"worker \d failed on batch 2:[\s\S]*disk gone"):
-        next(it)
-    monkeypatch.setattr(EncodedBatches, "fill", fill)
-    assert flat(epoch(dl), 2).tolist() == list(range(NUM_SAMPLES))
-    dl.close()
