@@ -39,6 +39,16 @@ def tensor_transform(s: Settings):
     return T.Compose([*geometry, T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)])
 
 
+def loader_options(s: Settings) -> dict:
+    """The torch-DataLoader options every pipeline built on one shares: the run's batch
+    size and workers, kept across epochs, pinned for a GPU, whole batches only (one batch
+    shape, as DALI's readers: a new one re-tunes cuDNN)."""
+    return {
+        "batch_size": s.batch_size, "num_workers": s.workers,
+        "persistent_workers": s.workers > 0, "pin_memory": s.device != "cpu", "drop_last": True,
+    }  # fmt: skip
+
+
 def deliver(images, labels, s: Settings):
     """A batch as the training loop needs it: on the device, in the run's dtype and layout,
     labels as int64."""

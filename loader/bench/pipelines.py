@@ -12,7 +12,7 @@ import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from loader.bench.augment import deliver, torch_transform
+from loader.bench.augment import deliver, loader_options, torch_transform
 from loader.bench.settings import Settings
 
 BASELINE = "torch-pil"
@@ -220,15 +220,7 @@ class TorchPipeline:
         import torch.utils.data
 
         self.s = s
-        self.dl = torch.utils.data.DataLoader(
-            dataset,
-            batch_size=s.batch_size,
-            shuffle=True,
-            num_workers=s.workers,
-            persistent_workers=s.workers > 0,
-            pin_memory=s.device != "cpu",
-            drop_last=True,  # as DALI's readers: one batch shape (a new one re-tunes cuDNN)
-        )
+        self.dl = torch.utils.data.DataLoader(dataset, shuffle=True, **loader_options(s))
 
     def epoch(self) -> Iterator:
         for images, labels in self.dl:

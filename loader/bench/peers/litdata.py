@@ -14,7 +14,7 @@ import json
 import multiprocessing as mp
 from collections.abc import Iterator
 
-from loader.bench.augment import deliver, tensor_transform
+from loader.bench.augment import deliver, loader_options, tensor_transform
 from loader.bench.peers import conversion
 from loader.bench.settings import Settings
 
@@ -75,14 +75,7 @@ class LitdataPipeline:
         dataset = StreamingDataset(
             str(conversion.place(s, "litdata")), shuffle=True, transform=_Augment(s)
         )
-        self.dl = StreamingDataLoader(
-            dataset,
-            batch_size=s.batch_size,
-            num_workers=s.workers,
-            persistent_workers=s.workers > 0,
-            pin_memory=s.device != "cpu",
-            drop_last=True,  # as every pipeline: one batch shape
-        )
+        self.dl = StreamingDataLoader(dataset, **loader_options(s))
 
     def epoch(self) -> Iterator:
         for images, labels in self.dl:

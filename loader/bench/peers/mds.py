@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-from loader.bench.augment import deliver, torch_transform
+from loader.bench.augment import deliver, loader_options, torch_transform
 from loader.bench.peers import conversion
 from loader.bench.settings import Settings
 
@@ -58,14 +58,7 @@ class MdsPipeline:
             num_canonical_nodes=1,
             transform=torch_transform(s),
         )
-        self.dl = torch.utils.data.DataLoader(
-            self.dataset,
-            batch_size=s.batch_size,
-            num_workers=s.workers,
-            persistent_workers=s.workers > 0,
-            pin_memory=s.device != "cpu",
-            drop_last=True,  # as every pipeline: one batch shape
-        )
+        self.dl = torch.utils.data.DataLoader(self.dataset, **loader_options(s))
 
     def epoch(self) -> Iterator:
         for images, labels in self.dl:
