@@ -133,6 +133,11 @@ def _feed(store: str, feed: str):
     if feed.startswith("dali"):  # DALI's own pipeline from the image folder, the crop only
         return _dali(store), None
     recipe, *options = feed.split("-")
+    known = {"nvjpeg", "cpu", "switch", "nosync", "prof"}
+    if recipe not in RECIPES or any(
+        o not in known and not (o[0] == "w" and o[1:].isdigit()) for o in options
+    ):
+        raise SystemExit(f"unknown feed {feed!r}: see the module docstring")
     kw = {}
     for o in options:
         if o in ("nvjpeg", "cpu"):
@@ -152,7 +157,8 @@ def _dali(store: str):
     from loader.bench.settings import Settings
 
     folder = str(Path(store).parent / Path(store).name.replace("store-", "images-"))
-    s = Settings(folder, None, BATCH, 16, "float16", True, False, "cuda")
+    s = Settings(folder=folder, store=None, batch_size=BATCH, workers=16, dtype="float16",
+                 channels_last=True, eval=False, device="cuda")  # fmt: skip
     pipe = DaliPipeline("crop", s)
     while True:
         yield from pipe.epoch()
@@ -170,13 +176,14 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
     def step() -> None:
         t0 = time.perf_counter()
         x, y = next(src)
-        parts["next"] += time.perf_counter() - t0
+        t_in = time.perf_counter()
+        parts["next"] += t_in - t0
         x, y = mix(x.cuda(non_blocking=True), y.cuda(non_blocking=True))
         with torch.autocast("cuda", dtype=torch.float16):
             loss = loss_fn(model(x.contiguous(memory_format=torch.channels_last)), y)
         opt.zero_grad()
         scaler.scale(loss).backward()
-        parts["to-backward"] += time.perf_counter() - t0
+        parts["to-backward"] += time.perf_counter() - t_in  # the batch in hand
         scaler.step(opt)
         scaler.update()
         t1 = time.perf_counter()
@@ -202,7 +209,7 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
         s = dl.stats()
         line += f" prefetch_cpu_s={s.get('prefetch_cpu_s') or 0:.2f} batches={s.get('batches')}"
     print(f"{line} per step ms: {each}")
-    if "prof" in feed:  # the GPU's busy time against the span: idle while the host lags
+    if "prof" in feed.split("-"):  # the GPU's busy time against the span: idle while the host lags
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -163,6 +163,9 @@ class DataLoader:
         transform = opt.store_transform(dataset, transform)
         batch_size = opt.check_batch_size(batch_size)
         drop_last = opt.check_flag("drop_last", drop_last)
+        channels_last = opt.check_flag("channels_last", channels_last)
+        persistent_workers = opt.check_flag("persistent_workers", persistent_workers)
+        with_indices = opt.check_flag("with_indices", with_indices)
         num_workers, prefetch_factor, timeout = opt.check_workers(
             num_workers, prefetch_factor, timeout
         )
@@ -172,7 +175,7 @@ class DataLoader:
         cpu_share = opt.check_cpu_share(cpu_share)
         self._stats = LoaderStats()
         self._output = BatchOutput(
-            self.transform, resolve_dtype(dtype), bool(channels_last), self.device, pin_memory,
+            self.transform, resolve_dtype(dtype), channels_last, self.device, pin_memory,
             stats=self._stats,
         )  # fmt: skip
         self.store, self.dataset = opt.open_store(
@@ -184,8 +187,8 @@ class DataLoader:
             seed, generator, follow.pop("seed"), follow["world_size"]
         )
         settings = Settings(
-            batch_size, num_workers, prefetch_factor, timeout, bool(persistent_workers),
-            bool(with_indices), worker_init_fn, opt.check_worker_nice(worker_nice), seed,
+            batch_size, num_workers, prefetch_factor, timeout, persistent_workers,
+            with_indices, worker_init_fn, opt.check_worker_nice(worker_nice), seed,
             opt.mp_context(multiprocessing_context),
         )  # fmt: skip
         self.drop_last = drop_last
@@ -195,7 +198,7 @@ class DataLoader:
         )
         self._producer, self._ring, self._gpu_stage = build_executor(
             self.store, self.transform, self.decoder, self.device, self._output, self._stats,
-            settings, bool(channels_last), cpu_share,
+            settings, channels_last, cpu_share,
         )  # fmt: skip
         self._session = Session(
             store=self.store, plan=self._plan, producer=self._producer, ring=self._ring,

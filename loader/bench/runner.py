@@ -172,13 +172,17 @@ class Server:
         self.proc.start()
         there.close()
 
-    def ask(self, request: tuple | None, timeout: float) -> dict:
+    def ask(self, request: tuple | None, timeout: float | None) -> dict:
         """Send ``request`` (None: only wait for the ready message) and return the answer;
-        ``{"error": ...}`` when the process fails, dies or does not answer in time."""
+        ``{"error": ...}`` when the process fails, dies or does not answer in time (with
+        ``timeout`` None: waits as long as the process lives)."""
         try:
             if request is not None:
                 self.conn.send(request)
-            if not self.conn.poll(timeout):
+            if timeout is None:
+                while not self.conn.poll(1.0) and self.proc.is_alive():
+                    pass
+            elif not self.conn.poll(timeout):
                 self.kill()
                 return {"error": f"no answer in {timeout:.0f} s (see {self.log})"}
             return self.conn.recv()
@@ -230,7 +234,9 @@ def start(names: list[str], s: Settings, log_dir: Path, say) -> tuple[dict, dict
     for group in [[n] for n in peers] + [[n for n in names if n not in PEERS]]:
         started = {name: Server(name, s, log_dir) for name in group}
         for name, server in started.items():
-            answer = server.ask(None, READY_TIMEOUT)
+            # A peer converting a large folder takes as long as it takes (killed midway,
+            # its writer's processes would go on and the conversion never finish).
+            answer = server.ask(None, None if name in PEERS else READY_TIMEOUT)
             if "error" in answer:
                 failed[name] = answer["error"]
                 server.kill()

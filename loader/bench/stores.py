@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
 
+from ingest.format.atomic import write_json_atomic
 from loader.bench.pipelines import BASELINE, JPEG_TWIN, PEERS
 
 FOLDER = "image folder"
@@ -21,9 +21,7 @@ def _note(store: Path) -> Path:
 
 def note_build(store: Path, seconds: float) -> None:
     """Keep the time ``store`` took to build beside it (the store itself is the format's)."""
-    part = _note(store).with_suffix(".part")
-    part.write_text(json.dumps({"seconds": round(seconds, 2)}) + "\n")
-    os.replace(part, _note(store))
+    write_json_atomic(_note(store), {"seconds": round(seconds, 2)})
 
 
 def build_seconds(store: Path) -> float | None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ingest.format.atomic import write_json_atomic
 from loader.bench.settings import Settings
 
 STAMP = "converted.json"
@@ -36,12 +37,13 @@ def samples(folder: str | os.PathLike) -> list[tuple[str, int]]:
 
 
 def place(s: Settings, fmt: str) -> Path:
-    """Where the conversion ``fmt`` of ``s.folder`` lives: under ``s.workdir`` (beside the
-    run's generated images and stores), else beside the folder."""
+    """Where the conversion ``fmt`` of ``s.folder`` lives: under ``s.workdir``, beside the
+    run's generated images and stores."""
+    if not s.workdir:  # never beside the user's images (a read-only mount, a shared set)
+        raise ValueError("a peer's conversion needs Settings.workdir: where to keep it")
     folder = Path(s.folder).resolve()
     key = hashlib.sha1(str(folder).encode()).hexdigest()[:8]
-    root = Path(s.workdir) if s.workdir else folder.parent / ".imfeed-peers"
-    return root / "peers" / f"{folder.name}-{key}" / fmt
+    return Path(s.workdir) / "peers" / f"{folder.name}-{key}" / fmt
 
 
 def size_of(path: Path) -> tuple[int, int]:
@@ -50,10 +52,14 @@ def size_of(path: Path) -> tuple[int, int]:
     return sum(p.stat().st_size for p in files), len(files)
 
 
-def _signature(found: list[tuple[str, int]]) -> list[int]:
-    """The folder as a conversion saw it: its images and their bytes (a folder made anew
-    with other images under the same name is converted again)."""
-    return [len(found), sum(os.stat(p).st_size for p, _ in found)]
+def _signature(found: list[tuple[str, int]]) -> list:
+    """The folder as a conversion saw it: how many images, and a digest of each one's path,
+    label, size and time of change (an image moved, swapped or rewritten: converted again)."""
+    digest = hashlib.sha1()
+    for path, label in found:
+        st = os.stat(path)
+        digest.update(f"{path}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return [len(found), digest.hexdigest()]
 
 
 def made(s: Settings, fmt: str, recipe: dict) -> dict | None:
@@ -105,9 +111,7 @@ def convert(
         "files": files,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    part = out / f".{STAMP}.part"
-    part.write_text(json.dumps(stamp, indent=1) + "\n")
-    os.replace(part, out / STAMP)
+    write_json_atomic(out / STAMP, stamp)
     return stamp | {"reused": False}
 
 

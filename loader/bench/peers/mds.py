@@ -38,17 +38,26 @@ def convert(s: Settings) -> dict:
     return conversion.convert(s, "mds", {"writer": "streaming.MDSWriter", **COLUMNS}, write)
 
 
+class _RGB:
+    """The recipe on an RGB image: Streaming's jpeg column gives the image as stored (grey
+    or CMYK too), where ImageFolder converts to RGB."""
+
+    def __init__(self, transform) -> None:
+        self.transform = transform
+
+    def __call__(self, image):
+        return self.transform(image.convert("RGB"))
+
+
 class MdsPipeline:
     """``StreamingImageNet`` on the shards, in torch's DataLoader, behind ``epoch()``."""
 
     def __init__(self, s: Settings) -> None:
         import torch.utils.data
-        from streaming.base.util import clean_stale_shared_memory
         from streaming.vision import StreamingImageNet
 
         self.s = s
         self.made = conversion.summary(convert(s), "MDS shards, jpeg column")
-        clean_stale_shared_memory()  # a dataset closed in this process leaves its names
         self.dataset = StreamingImageNet(
             local=str(conversion.place(s, "mds")),
             batch_size=s.batch_size,
@@ -56,7 +65,7 @@ class MdsPipeline:
             # one machine: one canonical node, so that an epoch is every sample once (the
             # default, 64, repeats samples where they do not divide evenly among 64)
             num_canonical_nodes=1,
-            transform=torch_transform(s),
+            transform=_RGB(torch_transform(s)),
         )
         self.dl = torch.utils.data.DataLoader(self.dataset, **loader_options(s))
 

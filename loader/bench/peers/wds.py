@@ -78,7 +78,8 @@ class WdsPipeline:
                 batch_size=None,
                 num_workers=s.workers,
                 persistent_workers=s.workers > 0,
-                pin_memory=s.device != "cpu",
+                # not pinned: the batches are made again in this process (a pinned one
+                # would be copied out of the pinned memory at once)
             )
             .unbatched()
             .shuffle(SHUFFLE)

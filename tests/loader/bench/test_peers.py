@@ -18,6 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
+from PIL import Image
 
 from loader.bench import busy, chart, report, runner, stores
 from loader.bench import data as bench_data
@@ -33,9 +34,12 @@ FORMATS = {"ffcv": "ffcv-jpg", "ffcv-raw": "ffcv-raw", "mds": "mds", "litdata": 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> bench_data.Data:
-    """12 images in 3 classes (4 each) and our store of them."""
+    """12 images in 3 classes (4 each), one of them a grey JPEG, and our store of them."""
     root = tmp_path_factory.mktemp("peers")
     make_image_folder(root / "images", 3, 4, seed=5)
+    grey = sorted((root / "images").rglob("*.JPEG"))[0]
+    with Image.open(grey) as image:
+        image.convert("L").save(grey, quality=92)
     return bench_data.prepare(root / "images", 0, root / "work", None, lambda m: None)
 
 
@@ -48,6 +52,10 @@ def settings(small: bench_data.Data, **kw) -> Settings:
 
 def epoch(name: str, s: Settings) -> tuple[list, dict | None]:
     """One epoch of pipeline ``name``: its batches, and what it read (a peer's conversion)."""
+    if name == "mds":  # a dataset closed in this process leaves Streaming's shared memory
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
     pipe = build(name, s)
     try:
         return list(pipe.epoch()), getattr(pipe, "made", None)
