@@ -4,10 +4,16 @@ without importing the registry that imports it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from loader.bench.settings import MEAN, SIZE, STD, Settings
 
+if TYPE_CHECKING:
+    import torch
 
-def torch_transform(s: Settings):
+
+def torch_transform(s: Settings) -> Callable:
     """torchvision's standard transforms for the run: train or eval, float or raw uint8."""
     import torchvision.transforms as T
 
@@ -22,7 +28,7 @@ def torch_transform(s: Settings):
     return T.Compose([*geometry, T.ToTensor(), T.Normalize(MEAN, STD)])
 
 
-def tensor_transform(s: Settings):
+def tensor_transform(s: Settings) -> Callable:
     """The same transforms on a decoded uint8 CHW tensor (torchvision's v2 API): for a
     peer whose reader decodes to tensors rather than PIL images."""
     import torch
@@ -49,7 +55,9 @@ def loader_options(s: Settings) -> dict:
     }  # fmt: skip
 
 
-def deliver(images, labels, s: Settings):
+def deliver(
+    images: torch.Tensor, labels: torch.Tensor, s: Settings
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch as the training loop needs it: on the device, in the run's dtype and layout,
     labels as int64."""
     import torch

@@ -1,4 +1,4 @@
-"""One benchmark run's settings and the augmentation every pipeline shares, apart from the
+"""One benchmark run's settings and the recipe's constants (size, mean, std), apart from the
 pipelines so that each pipeline's module (``dali``, ``train``, ``peers``) imports them, not
 the registry."""
 
