@@ -164,7 +164,6 @@ class DataLoader:
         batch_size = opt.check_batch_size(batch_size)
         drop_last = opt.check_flag("drop_last", drop_last)
         channels_last = opt.check_flag("channels_last", channels_last)
-        persistent_workers = opt.check_flag("persistent_workers", persistent_workers)
         with_indices = opt.check_flag("with_indices", with_indices)
         num_workers, prefetch_factor, timeout = opt.check_workers(
             num_workers, prefetch_factor, timeout
@@ -187,7 +186,7 @@ class DataLoader:
             seed, generator, follow.pop("seed"), follow["world_size"]
         )
         settings = Settings(
-            batch_size, num_workers, prefetch_factor, timeout, persistent_workers,
+            batch_size, num_workers, prefetch_factor, timeout, bool(persistent_workers),
             with_indices, worker_init_fn, opt.check_worker_nice(worker_nice), seed,
             opt.mp_context(multiprocessing_context),
         )  # fmt: skip

@@ -678,7 +678,7 @@ def test_corrupt_record_is_replaced_counted_and_logged_once(store, tmp_path, cap
         ({"prefetch_factor": 0}, r"prefetch_factor=0 is invalid"),
         ({"drop_last": "no"}, r"drop_last='no' is invalid: pass True or False"),  # was True
         ({"channels_last": "no"}, r"channels_last='no' is invalid: pass True or False"),
-        ({"persistent_workers": 1.5}, r"persistent_workers=1.5 is invalid: pass True or False"),
+        ({"with_indices": "yes"}, r"with_indices='yes' is invalid: pass True or False"),
         ({"worker_nice": -1}, r"worker_nice=-1 is invalid: it must be an integer >= 0; 0 runs"),
         ({"worker_nice": 20}, r"worker_nice=20 is invalid: it must be at most 19; 0 runs"),
         ({"worker_nice": True}, r"worker_nice=True is invalid: it must be an integer >= 0"),
