@@ -148,15 +148,15 @@ def table(results: dict, summary: dict, ceiling: dict) -> str:
         if (d := results[n].get("decode_share"))
     ]
     shares = ["", "Decoded (timed passes): " + "; ".join(shares)] if shares else []
-    made = [f"{n}: {r['store']['format']}" for n in ok if (r := results[n]).get("store")]
-    made = ["", "Data read: " + "; ".join(made)] if made else []
+    read = [f"{n}: {r['store']['format']}" for n in ok if (r := results[n]).get("store")]
+    notes = ["", "Data read: " + "; ".join(read)] if read else []
     vs = summary.get("vs_peers") or {}
     if vs:  # ours against each of the others, in the same run
         each = ", ".join(f"{x:.2f}x {n}" for n, x in sorted(vs.items(), key=lambda v: v[1]))
-        made += ["", f"Ours ({summary['ours']}) against each: {each}"]
+        notes += ["", f"Ours ({summary['ours']}) against each: {each}"]
     skipped = [f"- {n}: skipped, {results[n]['reason']}" for n in results if n not in ok]
     warn = busy.warning(summary.get("machine_busy") or {})
-    tail = shares + made + (["", *skipped] if skipped else []) + (["", warn] if warn else [])
+    tail = shares + notes + (["", *skipped] if skipped else []) + (["", warn] if warn else [])
     return "\n".join(lines + tail)
 
 

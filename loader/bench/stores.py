@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from ingest.format.atomic import write_json_atomic
+from loader.bench.peers.conversion import size_of
 from loader.bench.pipelines import BASELINE, JPEG_TWIN, PEERS
 
 FOLDER = "image folder"
@@ -34,8 +35,7 @@ def build_seconds(store: Path) -> float | None:
 
 @functools.lru_cache(maxsize=8)
 def _size(path: str) -> tuple[int, int]:
-    files = [p for p in Path(path).rglob("*") if p.is_file() and not p.name.startswith(".")]
-    return sum(p.stat().st_size for p in files), len(files)
+    return size_of(Path(path))
 
 
 def described(path: str | None, what: str, seconds: float | None) -> dict | None:

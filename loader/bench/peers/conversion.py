@@ -47,8 +47,11 @@ def place(s: Settings, fmt: str) -> Path:
 
 
 def size_of(path: Path) -> tuple[int, int]:
-    """(bytes, files) of the regular files under ``path``, the stamp left out."""
-    files = [p for p in path.rglob("*") if p.is_file() and p.name != STAMP]
+    """(bytes, files) of the regular files under ``path``: what a format holds, its hidden
+    files (locks, notes) and a conversion's stamp left out."""
+    files = [
+        p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".") and p.name != STAMP
+    ]
     return sum(p.stat().st_size for p in files), len(files)
 
 
@@ -62,13 +65,16 @@ def _signature(found: list[tuple[str, int]]) -> list:
     return [len(found), digest.hexdigest()]
 
 
-def made(s: Settings, fmt: str, recipe: dict) -> dict | None:
-    """The stamp of a complete conversion ``fmt`` of ``s.folder`` with ``recipe``, or None."""
+def made(s: Settings, fmt: str, recipe: dict, signature: list | None = None) -> dict | None:
+    """The stamp of a complete conversion ``fmt`` of ``s.folder`` with ``recipe``, or None
+    (``signature``: the folder's, where the caller has it)."""
     try:
         stamp = json.loads((place(s, fmt) / STAMP).read_text())
     except (OSError, ValueError):
         return None
-    if stamp.get("recipe") != recipe or stamp.get("signature") != _signature(samples(s.folder)):
+    if signature is None:
+        signature = _signature(samples(s.folder))
+    if stamp.get("recipe") != recipe or stamp.get("signature") != signature:
         return None
     return stamp
 
@@ -85,12 +91,13 @@ def convert(
     Raises:
         RuntimeError: the output holds another number of samples than the folder.
     """
-    stamp = made(s, fmt, recipe)
+    found = samples(s.folder)
+    signature = _signature(found)
+    stamp = made(s, fmt, recipe, signature)
     if stamp is not None:
         return stamp | {"reused": True}
     out = place(s, fmt)
     _clear(out)
-    found = samples(s.folder)
     t0 = time.perf_counter()
     wrote = write(found, out)
     seconds = time.perf_counter() - t0
@@ -104,7 +111,7 @@ def convert(
         "format": fmt,
         "recipe": recipe,
         "folder": str(Path(s.folder).resolve()),
-        "signature": _signature(found),
+        "signature": signature,
         "samples": len(found),
         "seconds": round(seconds, 2),
         "bytes": size,
