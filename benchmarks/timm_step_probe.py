@@ -7,12 +7,15 @@ interpolation) by itself: img/s, a cProfile of the GPU stage's thread, then 10 b
 under torch's profiler (kernels by name, GPU busy time by stream). ``train``: ResNet-50 in
 a loop written as timm's (fp16 autocast, GradScaler, timm's Mixup and SoftTargetCrossEntropy,
 ``loss.item()`` each step), STEPS steps after WARM, per feed: ``synthetic`` (one batch on
-the GPU), ``recipe`` (timm's recipe), ``crop`` (RandomResizedCrop + flip only), ``dali``
-(DALI's own pipeline on the store's image folder, the crop only), each with options joined
-by "-": ``nvjpeg`` or ``cpu`` (decoder), ``wN`` (N workers), ``switch`` (a 0.2 ms GIL
-switch interval), ``nosync`` (no ``loss.item()``), ``prof`` (then 6 steps under torch's
-profiler: the GPU's busy time against the span). Prints img/s, the main thread's CPU
-share, the loader's thread CPU and the step's parts. docs/design/augmentations.md cites its output.
+the GPU), ``busy`` (the same beside N processes that spin on the CPU, ``wN``, 16 unless
+given: the cores' contention alone), ``recipe`` (timm's recipe), ``crop`` (RandomResizedCrop
++ flip only), ``dali`` (DALI's own pipeline on the store's image folder, the crop only), each
+with options joined by "-": ``nvjpeg`` or ``cpu`` (decoder), ``wN`` (N workers), ``niceN``
+(worker_nice, or the spinners' niceness), ``pin`` (the training thread alone on core 0, the
+workers or spinners on the rest), ``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no
+``loss.item()``), ``prof`` (then 6 steps under torch's profiler: the GPU's busy time against
+the span). Prints img/s, the main thread's CPU share, the cores' mean clock, the loader's
+thread CPU and the step's parts. docs/design/augmentations.md cites its output.
 """
 
 from __future__ import annotations
@@ -124,28 +127,73 @@ def alone(store: str, batches: int = 40) -> None:
     print("stats", {k: s.get(k) for k in ("prefetch_cpu_s", "batches", "way", "decoder")})
 
 
+def _options(feed: str) -> dict:
+    """The feed's options after its name: {"nvjpeg": True, "w": 4, "nice": 19, ...}."""
+    out = {}
+    for o in feed.split("-")[1:]:
+        name = o.rstrip("0123456789")
+        if name not in ("nvjpeg", "cpu", "switch", "nosync", "prof", "pin", "w", "nice"):
+            raise SystemExit(f"unknown option {o!r} in feed {feed!r}: see the module docstring")
+        out[name] = int(o[len(name) :]) if o[len(name) :] else True
+    return out
+
+
+CORES = os.sched_getaffinity(0)  # before any pinning: the workers start from a pinned thread
+
+
+def _others() -> set[int]:
+    """The cores but core 0 (the training thread's own under ``pin``)."""
+    return CORES - {0} or CORES
+
+
+def _pinned_worker(_worker_id: int) -> None:
+    os.sched_setaffinity(0, _others())
+
+
+def _spin(nice: int, pin: bool) -> None:
+    os.nice(nice)
+    if pin:
+        os.sched_setaffinity(0, _others())
+    x = 0
+    while True:
+        x += 1
+
+
+SPINNERS: list = []
+
+
 def _feed(store: str, feed: str):
     """(batches, the loader or None) of ``feed``."""
-    if feed.startswith("synthetic"):
+    opts = _options(feed)
+    if feed.startswith(("synthetic", "busy")):
         x = torch.randn(BATCH, 3, 224, 224, device="cuda")
         y = torch.randint(0, 10, (BATCH,), device="cuda")
+        if feed.startswith("busy"):
+            import multiprocessing as mp
+
+            for _ in range(opts.get("w", 16)):
+                p = mp.get_context("spawn").Process(
+                    target=_spin, args=(opts.get("nice", 0), "pin" in opts), daemon=True
+                )
+                p.start()
+                SPINNERS.append(p)
+            time.sleep(10)  # their interpreters start (each imports this module) before the steps
         return ((x.clone(), y) for _ in iter(int, 1)), None
     if feed.startswith("dali"):  # DALI's own pipeline from the image folder, the crop only
         return _dali(store), None
-    recipe, *options = feed.split("-")
-    known = {"nvjpeg", "cpu", "switch", "nosync", "prof"}
-    if recipe not in RECIPES or any(
-        o not in known and not (o[0] == "w" and o[1:].isdigit()) for o in options
-    ):
+    recipe = feed.split("-")[0]
+    if recipe not in RECIPES:
         raise SystemExit(f"unknown feed {feed!r}: see the module docstring")
-    kw = {}
-    for o in options:
-        if o in ("nvjpeg", "cpu"):
-            kw["decoder"] = o
-        elif o.startswith("w"):
-            kw["num_workers"] = int(o[1:])
-        elif o == "switch":
-            sys.setswitchinterval(0.0002)
+    kw = {"worker_nice": opts.get("nice", 0)}
+    for decoder in ("nvjpeg", "cpu"):
+        if decoder in opts:
+            kw["decoder"] = decoder
+    if "w" in opts:
+        kw["num_workers"] = opts["w"]
+    if "pin" in opts:
+        kw["worker_init_fn"] = _pinned_worker
+    if "switch" in opts:
+        sys.setswitchinterval(0.0002)
     dl = make(store, recipe, **kw)
     return iter(dl), dl
 
@@ -172,6 +220,8 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
     loss_fn = timm.loss.SoftTargetCrossEntropy()
     src, dl = _feed(store, feed)
     parts, sync = collections.Counter(), "nosync" not in feed
+    if "pin" in _options(feed):
+        os.sched_setaffinity(0, {0})  # this thread only (Linux affinity is per thread)
 
     def step() -> None:
         t0 = time.perf_counter()
@@ -201,10 +251,15 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
         step()
     torch.cuda.synchronize()
     dt, cpu = time.perf_counter() - t, time.thread_time() - cpu0
+    mhz = _clock()
     sys.setswitchinterval(0.005)
+    os.sched_setaffinity(0, CORES)
+    for p in SPINNERS:
+        p.kill()
+    SPINNERS.clear()
     each = ", ".join(f"{k} {1e3 * v / steps:.1f}" for k, v in parts.items())
     line = f"train {model_name} {feed}: {steps * BATCH / dt:.0f} img/s"
-    line += f" main-thread cpu {cpu / dt:.2f}"
+    line += f" main-thread cpu {cpu / dt:.2f} clock {mhz}"
     if dl is not None:
         s = dl.stats()
         line += f" prefetch_cpu_s={s.get('prefetch_cpu_s') or 0:.2f} batches={s.get('batches')}"
@@ -217,6 +272,16 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
                 step()
             torch.cuda.synchronize()
         streams(prof, f"train {feed}, 6 steps")
+
+
+def _clock() -> str:
+    """The cores' clock as /proc/cpuinfo tells it now: mean and core 0's MHz."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(v.split(":")[1]) for v in f if v.startswith("cpu MHz")]
+    except OSError:
+        return "?"
+    return f"{sum(mhz) / len(mhz):.0f} MHz (core 0 {mhz[0]:.0f})" if mhz else "?"
 
 
 def main() -> None:

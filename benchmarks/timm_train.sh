@@ -6,9 +6,11 @@
 # (train.py of huggingface/pytorch-image-models at aa4b5850, with timm 1.0.31; the GPU
 # machine cannot download it: carry it in.)
 # Prints "timm MODEL LOADER IMG/S" lines: each run's mean of its epochs after the first.
+# Knobs: MODELS, FEEDS, EPOCHS, EPOCHS_FAST, RUN_S; WORKER_NICE=N adds worker_nice=N to ours.
 set -u
 folder=$1 store=$2 train=/tmp/timm_train.py
 cp "${TIMM_TRAIN:?set TIMM_TRAIN to timm\'s train.py (pytorch-image-models at aa4b5850)}" $train && patch -s $train benchmarks/timm_swap.diff || exit 1
+[ -n "${WORKER_NICE:-}" ] && sed -i "s/verbose=True)/verbose=True, worker_nice=$WORKER_NICE)/" $train
 mkdir -p /tmp/timm_data && ln -sfn "$folder" /tmp/timm_data/train
 recipe="--aa rand-m9-mstd0.5-inc1 --reprob 0.25 --mixup 0.2 --cutmix 1.0 --amp --channels-last"
 for model in ${MODELS:-resnet50 resnet18}; do
@@ -24,7 +26,7 @@ for model in ${MODELS:-resnet50 resnet18}; do
       --model $model -b 256 --epochs $epochs --warmup-epochs 0 --workers 16 --pin-mem $recipe \
       "${prefetch[@]}" --log-interval 10 --eval-metric loss --checkpoint-hist 1 \
       --output /tmp/timm_out --experiment $model-$feed 2>&1 | tee /tmp/timm_run.log
-    python3 - $model $feed <<'PY'
+    python3 - $model $feed "${WORKER_NICE:+ worker_nice=$WORKER_NICE}" <<'PY'
 import re, sys
 last = {}
 for line in open("/tmp/timm_run.log"):
@@ -33,7 +35,7 @@ for line in open("/tmp/timm_run.log"):
         last[int(m.group(1))] = float(m.group(2))
 rates = [r for e, r in sorted(last.items()) if e > 0]
 mean = sum(rates) / len(rates) if rates else float("nan")
-print(f"timm {sys.argv[1]} {sys.argv[2]} {mean:.0f} img/s (epochs 1..{len(rates)}: {rates})")
+print(f"timm {sys.argv[1]} {sys.argv[2]}{sys.argv[3]} {mean:.0f} img/s (epochs 1..{len(rates)}: {rates})")
 PY
   done
 done
