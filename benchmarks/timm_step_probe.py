@@ -272,6 +272,8 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
                 step()
             torch.cuda.synchronize()
         streams(prof, f"train {feed}, 6 steps")
+    if dl is not None:
+        dl.close()  # its workers do not sit beside the next feed's run
 
 
 def _clock() -> str:
