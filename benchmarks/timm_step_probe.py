@@ -11,22 +11,26 @@ the GPU), ``busy`` (the same beside N processes that spin on the CPU, ``wN``, 16
 given: the cores' contention alone), ``recipe`` (timm's recipe), ``crop`` (RandomResizedCrop
 + flip only), ``dali`` (DALI's own pipeline on the store's image folder, the crop only), each
 with options joined by "-": ``nvjpeg`` or ``cpu`` (decoder), ``wN`` (N workers), ``niceN``
-(worker_nice, or the spinners' niceness), ``pin`` (the training thread alone on core 0, the
-workers or spinners on the rest), ``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no
-``loss.item()``), ``prof`` (then 6 steps under torch's profiler: the GPU's busy time against
-the span). Prints img/s, the main thread's CPU share, the cores' mean clock, the loader's
-thread CPU and the step's parts. docs/design/augmentations.md cites its output.
+(worker_nice, or the spinners' niceness), ``pin`` (after the warm-up, the training thread
+alone on the first core; the process's other threads, the workers or the spinners on the
+rest), ``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no ``loss.item()``), ``prof``
+(then 6 steps under torch's profiler: the GPU's busy time against the span). Prints img/s,
+the main thread's CPU share, the cores' clock at the end, the loader's thread CPU and the
+step's parts. docs/design/augmentations.md cites its output.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import cProfile
 import io
 import json
 import os
 import pstats
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -131,56 +135,74 @@ def _options(feed: str) -> dict:
     """The feed's options after its name: {"nvjpeg": True, "w": 4, "nice": 19, ...}."""
     out = {}
     for o in feed.split("-")[1:]:
-        name = o.rstrip("0123456789")
-        if name not in ("nvjpeg", "cpu", "switch", "nosync", "prof", "pin", "w", "nice"):
+        name, number = o.rstrip("0123456789"), o[len(o.rstrip("0123456789")) :]
+        flag = name in ("nvjpeg", "cpu", "switch", "nosync", "prof", "pin") and not number
+        if not (flag or (name in ("w", "nice") and number)):
             raise SystemExit(f"unknown option {o!r} in feed {feed!r}: see the module docstring")
-        out[name] = int(o[len(name) :]) if o[len(name) :] else True
+        out[name] = int(number) if number else True
     return out
 
 
-CORES = os.sched_getaffinity(0)  # before any pinning: the workers start from a pinned thread
+CORES = sorted(os.sched_getaffinity(0))
+OWN = CORES[0]  # the training thread's core under ``pin``
 
 
 def _others() -> set[int]:
-    """The cores but core 0 (the training thread's own under ``pin``)."""
-    return CORES - {0} or CORES
+    """The cores but the training thread's."""
+    return set(CORES[1:]) or set(CORES)
+
+
+def _pin() -> None:
+    """This thread alone on ``OWN``; every other thread of the process (the loader's, DALI's,
+    torch's) on the rest. Linux affinity is per thread, and a thread inherits its creator's:
+    done after the warm-up, when the loader's threads exist."""
+    me = threading.get_native_id()
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != me:
+            with contextlib.suppress(OSError):  # a thread that has just ended
+                os.sched_setaffinity(int(tid), _others())
+    os.sched_setaffinity(0, {OWN})
+
+
+def _unpin() -> None:
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), set(CORES))
 
 
 def _pinned_worker(_worker_id: int) -> None:
     os.sched_setaffinity(0, _others())
 
 
-def _spin(nice: int, pin: bool) -> None:
-    os.nice(nice)
-    if pin:
-        os.sched_setaffinity(0, _others())
-    x = 0
-    while True:
-        x += 1
+_SPIN = """import os, sys
+os.nice(int(sys.argv[1]))
+if sys.argv[2]:
+    os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(",")})
+parent, x = os.getppid(), 0
+while True:  # until killed, or the probe is gone
+    x += 1
+    if x % 10_000_000 == 0 and os.getppid() != parent:
+        break
+"""
 
 
-SPINNERS: list = []
+def _spinners(n: int, nice: int, pin: bool) -> list:
+    cores = ",".join(map(str, sorted(_others()))) if pin else ""
+    return [subprocess.Popen([sys.executable, "-c", _SPIN, str(nice), cores]) for _ in range(n)]
 
 
 def _feed(store: str, feed: str):
-    """(batches, the loader or None) of ``feed``."""
+    """(batches, the loader, or the spinner processes beside synthetic data) of ``feed``."""
     opts = _options(feed)
     if feed.startswith(("synthetic", "busy")):
         x = torch.randn(BATCH, 3, 224, 224, device="cuda")
         y = torch.randint(0, 10, (BATCH,), device="cuda")
+        spin = []
         if feed.startswith("busy"):
-            import multiprocessing as mp
-
-            for _ in range(opts.get("w", 16)):
-                p = mp.get_context("spawn").Process(
-                    target=_spin, args=(opts.get("nice", 0), "pin" in opts), daemon=True
-                )
-                p.start()
-                SPINNERS.append(p)
-            time.sleep(10)  # their interpreters start (each imports this module) before the steps
-        return ((x.clone(), y) for _ in iter(int, 1)), None
+            spin = _spinners(opts.get("w", 16), opts.get("nice", 0), "pin" in opts)
+        return ((x.clone(), y) for _ in iter(int, 1)), spin
     if feed.startswith("dali"):  # DALI's own pipeline from the image folder, the crop only
-        return _dali(store), None
+        return _dali(store), []
     recipe = feed.split("-")[0]
     if recipe not in RECIPES:
         raise SystemExit(f"unknown feed {feed!r}: see the module docstring")
@@ -218,10 +240,9 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
     scaler = torch.amp.GradScaler()
     mix = Mixup(mixup_alpha=0.2, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=1000)
     loss_fn = timm.loss.SoftTargetCrossEntropy()
+    opts = _options(feed)
     src, dl = _feed(store, feed)
-    parts, sync = collections.Counter(), "nosync" not in feed
-    if "pin" in _options(feed):
-        os.sched_setaffinity(0, {0})  # this thread only (Linux affinity is per thread)
+    parts, sync = collections.Counter(), "nosync" not in opts
 
     def step() -> None:
         t0 = time.perf_counter()
@@ -242,48 +263,56 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
             loss.item()
         parts["item"] += time.perf_counter() - t1
 
-    for _ in range(warm):
-        step()
-    parts.clear()
-    torch.cuda.synchronize()
-    cpu0, t = time.thread_time(), time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    dt, cpu = time.perf_counter() - t, time.thread_time() - cpu0
-    mhz = _clock()
-    sys.setswitchinterval(0.005)
-    os.sched_setaffinity(0, CORES)
-    for p in SPINNERS:
-        p.kill()
-    SPINNERS.clear()
-    each = ", ".join(f"{k} {1e3 * v / steps:.1f}" for k, v in parts.items())
-    line = f"train {model_name} {feed}: {steps * BATCH / dt:.0f} img/s"
-    line += f" main-thread cpu {cpu / dt:.2f} clock {mhz}"
-    if dl is not None:
-        s = dl.stats()
-        line += f" prefetch_cpu_s={s.get('prefetch_cpu_s') or 0:.2f} batches={s.get('batches')}"
-    print(f"{line} per step ms: {each}")
-    if "prof" in feed.split("-"):  # the GPU's busy time against the span: idle while the host lags
-        from torch.profiler import ProfilerActivity, profile
+    try:
+        for _ in range(warm):
+            step()
+        if "pin" in opts:
+            _pin()
+        parts.clear()
+        torch.cuda.synchronize()
+        cpu0, t = time.thread_time(), time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        dt, cpu = time.perf_counter() - t, time.thread_time() - cpu0
+        mhz = _clock()
+        each = ", ".join(f"{k} {1e3 * v / steps:.1f}" for k, v in parts.items())
+        line = f"train {model_name} {feed}: {steps * BATCH / dt:.0f} img/s"
+        line += f" main-thread cpu {cpu / dt:.2f} clock now {mhz}"
+        if isinstance(dl, loader.DataLoader):
+            s = dl.stats()
+            line += f" prefetch_cpu_s={s.get('prefetch_cpu_s') or 0:.2f} batches={s.get('batches')}"
+        print(f"{line} per step ms: {each}")
+        if "prof" in opts:  # the GPU's busy time against the span: idle while the host lags
+            from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(6):
-                step()
-            torch.cuda.synchronize()
-        streams(prof, f"train {feed}, 6 steps")
-    if dl is not None:
-        dl.close()  # its workers do not sit beside the next feed's run
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(6):
+                    step()
+                torch.cuda.synchronize()
+            streams(prof, f"train {feed}, 6 steps")
+    finally:
+        sys.setswitchinterval(0.005)
+        _unpin()
+        if isinstance(dl, loader.DataLoader):
+            dl.close()  # its workers do not sit beside the next feed's run
+        else:
+            for p in dl:
+                p.kill()
+                p.wait()
 
 
 def _clock() -> str:
-    """The cores' clock as /proc/cpuinfo tells it now: mean and core 0's MHz."""
+    """The cores' clock as /proc/cpuinfo tells it at this moment (a snapshot; on many virtual
+    machines the nominal clock): the mean over this process's cores, and the training
+    thread's core."""
     try:
         with open("/proc/cpuinfo") as f:
             mhz = [float(v.split(":")[1]) for v in f if v.startswith("cpu MHz")]
     except OSError:
         return "?"
-    return f"{sum(mhz) / len(mhz):.0f} MHz (core 0 {mhz[0]:.0f})" if mhz else "?"
+    ours = [mhz[c] for c in CORES if c < len(mhz)]
+    return f"{sum(ours) / len(ours):.0f} MHz (core {OWN} {mhz[OWN]:.0f})" if ours else "?"
 
 
 def main() -> None:

@@ -10,7 +10,11 @@
 set -u
 folder=$1 store=$2 train=/tmp/timm_train.py
 cp "${TIMM_TRAIN:?set TIMM_TRAIN to timm\'s train.py (pytorch-image-models at aa4b5850)}" $train && patch -s $train benchmarks/timm_swap.diff || exit 1
-[ -n "${WORKER_NICE:-}" ] && sed -i "s/verbose=True)/verbose=True, worker_nice=$WORKER_NICE)/" $train
+if [ -n "${WORKER_NICE:-}" ]; then
+  [[ $WORKER_NICE =~ ^[0-9]+$ ]] || { echo "WORKER_NICE=$WORKER_NICE: give 0 to 19" >&2; exit 1; }
+  sed -i "s/verbose=True)/verbose=True, worker_nice=$WORKER_NICE)/" $train
+  grep -q "worker_nice=$WORKER_NICE" $train || { echo "WORKER_NICE: the swap's line not found" >&2; exit 1; }
+fi
 mkdir -p /tmp/timm_data && ln -sfn "$folder" /tmp/timm_data/train
 recipe="--aa rand-m9-mstd0.5-inc1 --reprob 0.25 --mixup 0.2 --cutmix 1.0 --amp --channels-last"
 for model in ${MODELS:-resnet50 resnet18}; do
@@ -26,7 +30,8 @@ for model in ${MODELS:-resnet50 resnet18}; do
       --model $model -b 256 --epochs $epochs --warmup-epochs 0 --workers 16 --pin-mem $recipe \
       "${prefetch[@]}" --log-interval 10 --eval-metric loss --checkpoint-hist 1 \
       --output /tmp/timm_out --experiment $model-$feed 2>&1 | tee /tmp/timm_run.log
-    python3 - $model $feed "${WORKER_NICE:+ worker_nice=$WORKER_NICE}" <<'PY'
+    label=""; [ $feed = ours ] && label="${WORKER_NICE:+ worker_nice=$WORKER_NICE}"
+    python3 - $model $feed "$label" <<'PY'
 import re, sys
 last = {}
 for line in open("/tmp/timm_run.log"):

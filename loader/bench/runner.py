@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-from loader.bench import busy
+from loader.bench import busy, tracker
 from loader.bench.pipelines import PEERS, build
 from loader.bench.settings import Settings
 from loader.bench.train import (
@@ -156,28 +156,8 @@ def _context():
     of it, and none inherits CUDA state (the server never touches CUDA)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.utils.data", "loader"])
-    _quiet_tracker()
+    tracker.start_quietly()
     return ctx
-
-
-def _quiet_tracker() -> None:
-    """Start multiprocessing's resource tracker (the pipelines' processes share it) without
-    its warning at exit about the shared memory and semaphores the peers leave (Streaming's,
-    LitData's): it removes them then, and the warning, printed after the run, is theirs."""
-    from multiprocessing import resource_tracker
-
-    before = os.environ.get("PYTHONWARNINGS")
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [before, _TRACKER_WARNING]))
-    try:
-        resource_tracker.ensure_running()  # a no-op where it runs already
-    finally:
-        if before is None:
-            del os.environ["PYTHONWARNINGS"]
-        else:
-            os.environ["PYTHONWARNINGS"] = before
-
-
-_TRACKER_WARNING = "ignore:resource_tracker:UserWarning"  # its "leaked ... objects" message
 
 
 class Server:
