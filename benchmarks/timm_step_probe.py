@@ -13,8 +13,9 @@ given: the cores' contention alone), ``recipe`` (timm's recipe), ``crop`` (Rando
 with options joined by "-": ``nvjpeg`` or ``cpu`` (decoder), ``wN`` (N workers), ``niceN``
 (worker_nice, or the spinners' niceness), ``pin`` (after the warm-up, the training thread
 alone on the first core; the process's other threads, the workers or the spinners on the
-rest), ``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no ``loss.item()``), ``prof``
-(then 6 steps under torch's profiler: the GPU's busy time against the span). Prints img/s,
+rest), ``pinloader`` (the same by the loader: ``pin_training_thread=True``),
+``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no ``loss.item()``), ``prof`` (then
+6 steps under torch's profiler: the GPU's busy time against the span). Prints img/s,
 the main thread's CPU share, the cores' clock at the end, the loader's thread CPU and the
 step's parts. docs/design/augmentations.md cites its output.
 """
@@ -136,13 +137,14 @@ def _options(feed: str) -> dict:
     out = {}
     for o in feed.split("-")[1:]:
         name, number = o.rstrip("0123456789"), o[len(o.rstrip("0123456789")) :]
-        flag = name in ("nvjpeg", "cpu", "switch", "nosync", "prof", "pin") and not number
+        flag = name in FLAGS and not number
         if not (flag or (name in ("w", "nice") and number)):
             raise SystemExit(f"unknown option {o!r} in feed {feed!r}: see the module docstring")
         out[name] = int(number) if number else True
     return out
 
 
+FLAGS = ("nvjpeg", "cpu", "switch", "nosync", "prof", "pin", "pinloader")
 CORES = sorted(os.sched_getaffinity(0))
 OWN = CORES[0]  # the training thread's core under ``pin``
 
@@ -214,6 +216,8 @@ def _feed(store: str, feed: str):
         kw["num_workers"] = opts["w"]
     if "pin" in opts:
         kw["worker_init_fn"] = _pinned_worker
+    if "pinloader" in opts:
+        kw["pin_training_thread"] = True
     if "switch" in opts:
         sys.setswitchinterval(0.0002)
     dl = make(store, recipe, **kw)

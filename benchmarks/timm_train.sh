@@ -6,14 +6,16 @@
 # (train.py of huggingface/pytorch-image-models at aa4b5850, with timm 1.0.31; the GPU
 # machine cannot download it: carry it in.)
 # Prints "timm MODEL LOADER IMG/S" lines: each run's mean of its epochs after the first.
-# Knobs: MODELS, FEEDS, EPOCHS, EPOCHS_FAST, RUN_S; WORKER_NICE=N adds worker_nice=N to ours.
+# Knobs: MODELS, FEEDS, EPOCHS, EPOCHS_FAST, RUN_S; OURS_ARGS adds arguments to ours (e.g.
+# OURS_ARGS="pin_training_thread=True, worker_nice=19").
 set -u
 folder=$1 store=$2 train=/tmp/timm_train.py
 cp "${TIMM_TRAIN:?set TIMM_TRAIN to timm\'s train.py (pytorch-image-models at aa4b5850)}" $train && patch -s $train benchmarks/timm_swap.diff || exit 1
-if [ -n "${WORKER_NICE:-}" ]; then
-  [[ $WORKER_NICE =~ ^[0-9]+$ ]] || { echo "WORKER_NICE=$WORKER_NICE: give 0 to 19" >&2; exit 1; }
-  sed -i "s/verbose=True)/verbose=True, worker_nice=$WORKER_NICE)/" $train
-  grep -q "worker_nice=$WORKER_NICE" $train || { echo "WORKER_NICE: the swap's line not found" >&2; exit 1; }
+if [ -n "${OURS_ARGS:-}" ]; then
+  [[ $OURS_ARGS =~ ^[a-z_]+=[A-Za-z0-9.]+(,\ ?[a-z_]+=[A-Za-z0-9.]+)*$ ]] ||
+    { echo "OURS_ARGS=$OURS_ARGS: give name=value, ... (e.g. worker_nice=19)" >&2; exit 1; }
+  sed -i "s/verbose=True)/verbose=True, $OURS_ARGS)/" $train
+  grep -qF "verbose=True, $OURS_ARGS)" $train || { echo "OURS_ARGS: the swap's line not found" >&2; exit 1; }
 fi
 mkdir -p /tmp/timm_data && ln -sfn "$folder" /tmp/timm_data/train
 recipe="--aa rand-m9-mstd0.5-inc1 --reprob 0.25 --mixup 0.2 --cutmix 1.0 --amp --channels-last"
@@ -30,7 +32,7 @@ for model in ${MODELS:-resnet50 resnet18}; do
       --model $model -b 256 --epochs $epochs --warmup-epochs 0 --workers 16 --pin-mem $recipe \
       "${prefetch[@]}" --log-interval 10 --eval-metric loss --checkpoint-hist 1 \
       --output /tmp/timm_out --experiment $model-$feed 2>&1 | tee /tmp/timm_run.log
-    label=""; [ $feed = ours ] && label="${WORKER_NICE:+ worker_nice=$WORKER_NICE}"
+    label=""; [ $feed = ours ] && label="${OURS_ARGS:+ $OURS_ARGS}"
     python3 - $model $feed "$label" <<'PY'
 import re, sys
 last = {}

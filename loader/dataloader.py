@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.utils.data
 
+from loader import affinity
 from loader import options as opt
 from loader.augment import Transform, resolve_transform
 from loader.cpu.output import BatchOutput, resolve_device, resolve_dtype
@@ -95,6 +96,11 @@ class DataLoader:
         worker_nice: added to the workers' niceness (0 to 19): with more, the training
             process's threads (the training loop, the prefetch thread, DALI's threads) get
             the cores first and the workers take what is left.
+        pin_training_thread: the thread that iterates runs alone on the first core of the
+            process's CPU set, and the workers and every other thread of the process (the
+            loader's, DALI's, torch's) on the others, from the iteration's start on (Linux;
+            at least 2 cores): the loader's threads then never share the training loop's
+            core.
         verbose: print which path was taken and why (it is always logged at INFO).
 
     Attributes:
@@ -157,6 +163,7 @@ class DataLoader:
         cache_root: str | os.PathLike | None = None,
         max_pixels: int | None = None,
         worker_nice: int = 0,
+        pin_training_thread: bool = False,
         verbose: bool = False,
     ) -> None:
         opt.check_not_for_store(sampler, batch_sampler, collate_fn)
@@ -189,6 +196,7 @@ class DataLoader:
             batch_size, num_workers, prefetch_factor, timeout, bool(persistent_workers),
             with_indices, worker_init_fn, opt.check_worker_nice(worker_nice), seed,
             opt.mp_context(multiprocessing_context),
+            affinity.plan(opt.check_flag("pin_training_thread", pin_training_thread)),
         )  # fmt: skip
         self.drop_last = drop_last
         self.pin_memory = self._output.pin
@@ -221,6 +229,11 @@ class DataLoader:
     worker_init_fn = _Setting()
     worker_nice = _Setting()
     seed = _Setting()
+
+    @property
+    def pin_training_thread(self) -> bool:
+        """Whether the iterating thread keeps a core to itself (``loader.affinity``)."""
+        return self._session.settings.cores is not None
 
     # -- the torch-like surface ---------------------------------------------------------
 

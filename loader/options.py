@@ -41,6 +41,7 @@ STORE_ONLY = (
     "cache_limit",
     "cache_root",
     "max_pixels",
+    "pin_training_thread",
 )
 
 

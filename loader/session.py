@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from loader.affinity import Cores, take
 from loader.delivery import Delivery
 from loader.epoch import EpochIterator
 from loader.gpu.prefetch import GpuEpochIterator
@@ -42,6 +43,7 @@ class Settings:
     worker_nice: int
     seed: int
     context: object
+    cores: Cores | None = None  # pin_training_thread's split (loader.affinity)
 
 
 class Workers:
@@ -122,16 +124,18 @@ class Session:
                 self.carry = None
                 carry.carry_on(self.plan)
                 self._active = weakref.ref(carry)
+                take(self.settings.cores)
                 return carry
             self.drop_carry()  # its batches are of an epoch this loop does not read now
             s = self.settings
             if s.num_workers and self.workers.pool is None:
                 self.workers.pool = WorkerPool(
                     self.producer, self.ring, s.num_workers, s.context, s.worker_init_fn,
-                    nice=s.worker_nice,
+                    nice=s.worker_nice, cores=s.cores,
                 )  # fmt: skip
             it = EpochIterator(self) if self.gpu_stage is None else GpuEpochIterator(self)
             self._active = weakref.ref(it)
+            take(s.cores)
             return it
 
     def _follow_sampler_epoch(self) -> None:
