@@ -96,11 +96,11 @@ class DataLoader:
         worker_nice: added to the workers' niceness (0 to 19): with more, the training
             process's threads (the training loop, the prefetch thread, DALI's threads) get
             the cores first and the workers take what is left.
-        pin_training_thread: the thread that iterates runs alone on the first core of the
-            process's CPU set, and the workers and every other thread of the process (the
-            loader's, DALI's, torch's) on the others, from the iteration's start on (Linux;
-            at least 2 cores): the loader's threads then never share the training loop's
-            core.
+        pin_training_thread: while an iteration runs, the thread that iterates runs alone
+            on the first CPU of the process's set, and the workers and every other thread
+            of the process (the loader's, DALI's, torch's) on the others; all get the whole
+            set back when the epoch ends (Linux; at least 2 CPUs): the loader's threads
+            then never share the training loop's CPU (``loader.affinity``).
         verbose: print which path was taken and why (it is always logged at INFO).
 
     Attributes:

@@ -22,7 +22,7 @@ import time
 import weakref
 
 from ingest import format as fmt
-from loader.affinity import SWEEPS, take
+from loader.affinity import SWEEPS, release, take
 from loader.cpu.batches import BatchReport
 from loader.plan.sampler import EpochPlan
 from loader.plan.tasks import EpochTasks, chunk_size
@@ -119,6 +119,7 @@ class EpochIterator:
     def _epoch_over(self, carrying: bool) -> None:
         """The loop read the epoch to its end: kept by the session for the next iteration
         where the next epoch's first batches are under way (``carrying``), else closed."""
+        release(self._cores)  # pin_training_thread: between epochs, every CPU for everyone
         if carrying and self._session.park(self):
             self._parked = self._closed = True  # in this order: see ``_dispatching``
             self._held = None  # the session holds it (``__init__``)

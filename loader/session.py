@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from loader.affinity import Cores, take
+from loader.affinity import Cores, release, take
 from loader.delivery import Delivery
 from loader.epoch import EpochIterator
 from loader.gpu.prefetch import GpuEpochIterator
@@ -204,6 +204,7 @@ class Session:
         if self._foreign_iteration() is not None:  # its thread may be waiting on them:
             self.workers.stop(graceful=False)  # it is told so, and nothing is drained
         self._end_active("close()", stopping=True)
+        release(self.settings.cores)
         self.drop_carry()
         self.workers.stop()
         self.output.close()
@@ -238,6 +239,7 @@ class Session:
             self.plan.end_epoch()
         if active:
             self._active = None
+            release(self.settings.cores)
         # After an error (a dead or failed worker, a timeout, Ctrl-C) batches in flight may
         # never come: stop the workers at once rather than wait for them.
         keep = self.settings.persistent_workers and not failed and (drained or it.drain(30.0))

@@ -210,6 +210,7 @@ class WorkerPool:
                 args=(wid, producer, ring.tensors, there, worker_init_fn, os.getpid(), nice, cores),
             )
             proc.start()
+            leave(cores, proc.pid)  # at once: not the training thread's CPU while it imports
             there.close()
             self._procs.append(proc)
             self._sentinels[proc.sentinel] = wid
