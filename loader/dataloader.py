@@ -96,11 +96,8 @@ class DataLoader:
         worker_nice: added to the workers' niceness (0 to 19): with more, the training
             process's threads (the training loop, the prefetch thread, DALI's threads) get
             the cores first and the workers take what is left.
-        pin_training_thread: while an iteration runs, the thread that iterates runs alone
-            on the first CPU of the process's set, and the workers and every other thread
-            of the process (the loader's, DALI's, torch's) on the others; all get the whole
-            set back when the epoch ends (Linux; at least 2 CPUs): the loader's threads
-            then never share the training loop's CPU (``loader.affinity``).
+        pin_training_thread: while an iteration runs, the thread that iterates alone on a
+            CPU, every other thread and the workers on the rest (``loader.affinity``).
         verbose: print which path was taken and why (it is always logged at INFO).
 
     Attributes:
@@ -229,11 +226,6 @@ class DataLoader:
     worker_init_fn = _Setting()
     worker_nice = _Setting()
     seed = _Setting()
-
-    @property
-    def pin_training_thread(self) -> bool:
-        """Whether the iterating thread keeps a core to itself (``loader.affinity``)."""
-        return self._session.settings.cores is not None
 
     # -- the torch-like surface ---------------------------------------------------------
 

@@ -63,7 +63,6 @@ def test_while_iterating_the_thread_keeps_its_cpu_and_gives_all_back_after(store
             for (x, y), (wx, wy) in zip(got, want, strict=True):
                 assert torch.equal(x, wx) and torch.equal(y, wy)
             dl.set_epoch(0)  # the same order again, to compare with the same batches
-        assert dl.pin_training_thread is True
     finally:
         idle.set()
         other.join()
@@ -88,7 +87,7 @@ def test_off_by_default_and_nothing_moves(store):
     before = os.sched_getaffinity(0)
     dl = make(store, num_workers=1)
     try:
-        assert sum(len(y) for _, y in dl) > 0 and dl.pin_training_thread is False
+        assert sum(len(y) for _, y in dl) > 0
         assert os.sched_getaffinity(0) == before
     finally:
         dl.close()
