@@ -23,7 +23,6 @@ step's parts. docs/design/augmentations.md cites its output.
 from __future__ import annotations
 
 import collections
-import contextlib
 import cProfile
 import io
 import json
@@ -31,7 +30,6 @@ import os
 import pstats
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -43,6 +41,7 @@ import torch
 from timm.data import Mixup, create_transform
 
 import loader
+from loader import affinity
 from loader.gpu import prefetch
 
 BATCH = 256
@@ -147,33 +146,13 @@ def _options(feed: str) -> dict:
 FLAGS = ("nvjpeg", "cpu", "switch", "nosync", "prof", "pin", "pinloader")
 CORES = sorted(os.sched_getaffinity(0))
 OWN = CORES[0]  # the training thread's core under ``pin``
-
-
-def _others() -> set[int]:
-    """The cores but the training thread's."""
-    return set(CORES[1:]) or set(CORES)
-
-
-def _pin() -> None:
-    """This thread alone on ``OWN``; every other thread of the process (the loader's, DALI's,
-    torch's) on the rest. Linux affinity is per thread, and a thread inherits its creator's:
-    done after the warm-up, when the loader's threads exist."""
-    me = threading.get_native_id()
-    for tid in os.listdir("/proc/self/task"):
-        if int(tid) != me:
-            with contextlib.suppress(OSError):  # a thread that has just ended
-                os.sched_setaffinity(int(tid), _others())
-    os.sched_setaffinity(0, {OWN})
-
-
-def _unpin() -> None:
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(int(tid), set(CORES))
+# ``pin`` by hand, with the loader's own placement (what ``pinloader`` asks the loader for),
+# but after the warm-up, with the workers placed by worker_init_fn, spinners by their start.
+SPLIT = affinity.Cores(OWN, frozenset(CORES[1:] or CORES))
 
 
 def _pinned_worker(_worker_id: int) -> None:
-    os.sched_setaffinity(0, _others())
+    affinity.leave(SPLIT)
 
 
 _SPIN = """import os, sys
@@ -189,7 +168,7 @@ while True:  # until killed, or the probe is gone
 
 
 def _spinners(n: int, nice: int, pin: bool) -> list:
-    cores = ",".join(map(str, sorted(_others()))) if pin else ""
+    cores = ",".join(map(str, sorted(SPLIT.rest))) if pin else ""
     return [subprocess.Popen([sys.executable, "-c", _SPIN, str(nice), cores]) for _ in range(n)]
 
 
@@ -271,7 +250,7 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
         for _ in range(warm):
             step()
         if "pin" in opts:
-            _pin()
+            affinity.take(SPLIT)
         parts.clear()
         torch.cuda.synchronize()
         cpu0, t = time.thread_time(), time.perf_counter()
@@ -297,7 +276,7 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
             streams(prof, f"train {feed}, 6 steps")
     finally:
         sys.setswitchinterval(0.005)
-        _unpin()
+        affinity.release(SPLIT)
         if isinstance(dl, loader.DataLoader):
             dl.close()  # its workers do not sit beside the next feed's run
         else:

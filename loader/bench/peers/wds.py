@@ -30,19 +30,22 @@ def _per_shard(samples: int, workers: int) -> int:
 
 def convert(s: Settings) -> dict:
     """The folder as tar shards (made once); its stamp."""
-    per_shard = _per_shard(len(conversion.samples(s.folder)), s.workers)
+    workers = max(1, s.workers)
 
     def write(found: list[tuple[str, int]], out) -> int:
         import webdataset as wds
 
         pattern = str(out / "shard-%06d.tar")
-        with wds.ShardWriter(pattern, maxcount=per_shard, verbose=0) as sink:
+        maxcount = _per_shard(len(found), workers)
+        with wds.ShardWriter(pattern, maxcount=maxcount, verbose=0) as sink:
             for i, (path, label) in enumerate(found):
                 with open(path, "rb") as f:
                     sink.write({"__key__": f"{i:08d}", "jpg": f.read(), "cls": label})
         return _count(out)
 
-    recipe = {"writer": "webdataset.ShardWriter", "maxcount": per_shard}
+    # the shard size follows from the images (the stamp's signature) and the workers
+    recipe = {"writer": "webdataset.ShardWriter", "max_per_shard": MAX_PER_SHARD,
+              "workers": workers}  # fmt: skip
     return conversion.convert(s, "wds", recipe, write)
 
 
