@@ -83,10 +83,11 @@ def timed_pass(pipe, s: Settings) -> dict:
     memory = PeakMemory().start()
     before, counted = loader_times(pipe), decoded_counts(pipe)
     machine0 = busy.machine_busy_seconds()
-    cpu0, t0, n, epochs = tree_cpu_seconds(), time.perf_counter(), 0, 0
+    cpu0, t0, n, epochs, first = tree_cpu_seconds(), time.perf_counter(), 0, 0, None
     while not epochs or time.perf_counter() - t0 < s.min_pass_seconds:
         for _images, labels in pipe.epoch():
             n += int(labels.shape[0])
+            first = first or time.perf_counter() - t0
         epochs += 1
         if n == 0:
             break
@@ -106,6 +107,7 @@ def timed_pass(pipe, s: Settings) -> dict:
             "images": n,
             "epochs": epochs,
             "seconds": round(seconds, 4),
+            "first_batch_seconds": round(first or seconds, 4),  # a start's cost shows here
             "cpu_seconds": round(cpu, 3),
             "other_cpu_seconds": others,  # every other process's, over the same time
             "memory_mib": memory.stop(),
@@ -267,7 +269,8 @@ def rounds(servers: dict, passes: int, say) -> tuple[dict, dict]:
             rate = answer["images"] / answer["seconds"]
             cores = answer["cpu_seconds"] / answer["seconds"]
             tag = "warm-up" if r == 0 else f"pass {r}/{passes}"
-            say(f"  {tag:>10} {name:<14} {rate:9.1f} img/s  {cores:5.2f} cores busy"
+            start = f", first batch in {answer['first_batch_seconds']:.1f} s" if r == 0 else ""
+            say(f"  {tag:>10} {name:<14} {rate:9.1f} img/s  {cores:5.2f} cores busy{start}"
                 + _others(answer))  # fmt: skip
     return runs, failed
 
