@@ -7,12 +7,13 @@
 # machine cannot download it: carry it in.)
 # Prints "timm MODEL LOADER IMG/S" lines: each run's mean of its epochs after the first.
 # Knobs: MODELS, FEEDS, EPOCHS, EPOCHS_FAST, RUN_S; OURS_ARGS adds arguments to ours (e.g.
-# OURS_ARGS="pin_training_thread=True, worker_nice=19").
+# OURS_ARGS="pin_training_thread=True, decoder='cpu'").
 set -u
 folder=$1 store=$2 train=/tmp/timm_train.py
 cp "${TIMM_TRAIN:?set TIMM_TRAIN to timm\'s train.py (pytorch-image-models at aa4b5850)}" $train && patch -s $train benchmarks/timm_swap.diff || exit 1
 if [ -n "${OURS_ARGS:-}" ]; then
-  [[ $OURS_ARGS =~ ^[a-z_]+=[A-Za-z0-9.]+(,\ ?[a-z_]+=[A-Za-z0-9.]+)*$ ]] ||
+  value="[A-Za-z0-9.']+"
+  [[ $OURS_ARGS =~ ^[a-z_]+=$value(,\ ?[a-z_]+=$value)*$ ]] ||
     { echo "OURS_ARGS=$OURS_ARGS: give name=value, ... (e.g. worker_nice=19)" >&2; exit 1; }
   sed -i "s/verbose=True)/verbose=True, $OURS_ARGS)/" $train
   grep -qF "verbose=True, $OURS_ARGS)" $train || { echo "OURS_ARGS: the swap's line not found" >&2; exit 1; }
