@@ -1,7 +1,9 @@
 """Whether the machine was quiet while a pipeline was timed: the CPU time every other process
 took during the pass, that is the whole machine's busy time (/proc/stat) less the
-pipeline's own process tree's. Figures measured beside another busy process say more about
-that process than about the pipeline, so the run warns where it saw one.
+pipeline's own process tree's, with the time a hypervisor gave to other virtual machines
+(a cloud machine's neighbours take its cores that way, unseen by its processes). Figures
+measured beside either say more about them than about the pipeline, so the run warns
+where it saw one.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def busy_seconds(stat: str) -> float | None:
-    """CPU seconds all cores spent busy (user, nice, system, irq, softirq) since boot, from
-    the text of /proc/stat; None where it has no "cpu" line. Idle, I/O wait and time
-    stolen by a hypervisor are left out: none of them is another process at work."""
+    """CPU seconds all cores spent busy (user, nice, system, irq, softirq) or stolen by a
+    hypervisor (steal) since boot, from the text of /proc/stat; None where it has no "cpu"
+    line. Idle and I/O wait are left out: neither is someone else at work."""
     for line in stat.splitlines():
         fields = line.split()
         if fields and fields[0] == "cpu":
             user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[1:8])
-            return (user + nice + system + irq + softirq) / _TICK
+            steal = int(fields[8]) if len(fields) > 8 else 0  # Linux 2.6.11 on
+            return (user + nice + system + irq + softirq + steal) / _TICK
     return None
 
 
@@ -63,7 +66,8 @@ def warning(seen: dict, threshold: float = THRESHOLD) -> str | None:
         return None
     worst = ", ".join(f"{n} ({c:.2f})" for n, c in sorted(seen.items(), key=lambda x: -x[1]))
     return (
-        f"Warning: the machine was busy: other processes kept more than {threshold:.2f} cores "
+        f"Warning: the machine was busy: other processes (or a hypervisor's other machines) "
+        f"kept more than {threshold:.2f} cores "
         f"busy during the timed passes of {worst}; absolute figures mean little, run it "
         "again on a quiet machine"
     )

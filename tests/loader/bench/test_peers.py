@@ -220,7 +220,8 @@ def test_each_pipeline_says_what_it_reads(small):
 def test_the_machine_busy_time_of_other_processes():
     stat = "cpu  100 20 30 5000 40 5 5 7 0 0\ncpu0 50 10 15 2500 20 2 3 3 0 0\n"
     tick = os.sysconf("SC_CLK_TCK")
-    assert busy.busy_seconds(stat) == 160 / tick  # user, nice, system, irq, softirq
+    assert busy.busy_seconds(stat) == 167 / tick  # user, nice, system, irq, softirq, steal
+    assert busy.busy_seconds("cpu  100 20 30 5000 40 5 5\n") == 160 / tick  # no steal field
     assert busy.busy_seconds("intr 5\n") is None
     assert busy.others(10.0, 13.0, 1.25) == 1.75 and busy.others(10.0, 10.5, 1.0) == 0.0
     assert busy.others(None, 3.0, 1.0) is None
@@ -232,7 +233,8 @@ def test_the_machine_busy_time_of_other_processes():
     assert busy.busy(results) == {"a": 0.75}
     assert busy.warning({}) is None
     assert busy.warning({"a": 0.75, "b": 1.5}) == (
-        "Warning: the machine was busy: other processes kept more than 0.25 cores busy during "
+        "Warning: the machine was busy: other processes (or a hypervisor's other machines) "
+        "kept more than 0.25 cores busy during "
         "the timed passes of b (1.50), a (0.75); absolute figures mean little, run it again "
         "on a quiet machine"
     )
