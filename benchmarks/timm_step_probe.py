@@ -11,13 +11,11 @@ the GPU), ``busy`` (the same beside N processes that spin on the CPU, ``wN``, 16
 given: the cores' contention alone), ``recipe`` (timm's recipe), ``crop`` (RandomResizedCrop
 + flip only), ``dali`` (DALI's own pipeline on the store's image folder, the crop only), each
 with options joined by "-": ``nvjpeg`` or ``cpu`` (decoder), ``wN`` (N workers), ``niceN``
-(worker_nice, or the spinners' niceness), ``pin`` (after the warm-up, the training thread
-alone on the first core; the process's other threads, the workers or the spinners on the
-rest), ``pinloader`` (the same by the loader: ``pin_training_thread=True``),
-``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no ``loss.item()``), ``prof`` (then
-6 steps under torch's profiler: the GPU's busy time against the span). Prints img/s,
-the main thread's CPU share, the cores' clock at the end, the loader's thread CPU and the
-step's parts. docs/design/augmentations.md cites its output.
+(worker_nice, or the spinners' niceness), ``switch`` (a 0.2 ms GIL switch interval),
+``nosync`` (no ``loss.item()``), ``prof`` (then 6 steps under torch's profiler: the GPU's
+busy time against the span). Prints img/s, the main thread's CPU share, the cores' clock
+at the end, the loader's thread CPU and the step's parts. docs/design/augmentations.md
+cites its output.
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ import torch
 from timm.data import Mixup, create_transform
 
 import loader
-from loader import affinity
 from loader.gpu import prefetch
 
 BATCH = 256
@@ -83,11 +80,21 @@ def kernels(prof, tag: str) -> None:
 
 
 def streams(prof, tag: str) -> None:
-    """The trace's span, the GPU's busy time (kernels' union) and each stream's share."""
+    """The trace's span, the GPU's busy time (kernels' union) and each stream's share; then
+    the CUDA runtime and driver calls that took the most time, by thread (a cudaFree or
+    cudaHostAlloc in the loader's threads waits for the whole device, training included)."""
     path = "/tmp/timm_step_probe_trace.json"
     prof.export_chrome_trace(path)
     with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+        trace = json.load(f)["traceEvents"]
+    events = [e for e in trace if e.get("cat") == "kernel"]
+    took, count = collections.Counter(), collections.Counter()
+    for e in trace:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            took[e.get("tid"), e["name"]] += e.get("dur", 0)
+            count[e.get("tid"), e["name"]] += 1
+    for (tid, name), us in took.most_common(15):
+        print(f"   thread {tid}: {us / 1e3:8.2f} ms {count[tid, name]:5d}x {name}")
     by, spans = collections.Counter(), sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
     for e in events:
         by[e["args"].get("stream")] += e["dur"]
@@ -143,22 +150,12 @@ def _options(feed: str) -> dict:
     return out
 
 
-FLAGS = ("nvjpeg", "cpu", "switch", "nosync", "prof", "pin", "pinloader")
+FLAGS = ("nvjpeg", "cpu", "switch", "nosync", "prof")
 CORES = sorted(os.sched_getaffinity(0))
-OWN = CORES[0]  # the training thread's core under ``pin``
-# ``pin`` by hand, with the loader's own placement (what ``pinloader`` asks the loader for),
-# but after the warm-up, with the workers placed by worker_init_fn, spinners by their start.
-SPLIT = affinity.Cores(OWN, frozenset(CORES[1:] or CORES))
-
-
-def _pinned_worker(_worker_id: int) -> None:
-    affinity.leave(SPLIT)
 
 
 _SPIN = """import os, sys
 os.nice(int(sys.argv[1]))
-if sys.argv[2]:
-    os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(",")})
 parent, x = os.getppid(), 0
 while True:  # until killed, or the probe is gone
     x += 1
@@ -167,9 +164,8 @@ while True:  # until killed, or the probe is gone
 """
 
 
-def _spinners(n: int, nice: int, pin: bool) -> list:
-    cores = ",".join(map(str, sorted(SPLIT.rest))) if pin else ""
-    return [subprocess.Popen([sys.executable, "-c", _SPIN, str(nice), cores]) for _ in range(n)]
+def _spinners(n: int, nice: int) -> list:
+    return [subprocess.Popen([sys.executable, "-c", _SPIN, str(nice)]) for _ in range(n)]
 
 
 def _feed(store: str, feed: str):
@@ -180,7 +176,7 @@ def _feed(store: str, feed: str):
         y = torch.randint(0, 10, (BATCH,), device="cuda")
         spin = []
         if feed.startswith("busy"):
-            spin = _spinners(opts.get("w", 16), opts.get("nice", 0), "pin" in opts)
+            spin = _spinners(opts.get("w", 16), opts.get("nice", 0))
         return ((x.clone(), y) for _ in iter(int, 1)), spin
     if feed.startswith("dali"):  # DALI's own pipeline from the image folder, the crop only
         return _dali(store), []
@@ -193,10 +189,6 @@ def _feed(store: str, feed: str):
             kw["decoder"] = decoder
     if "w" in opts:
         kw["num_workers"] = opts["w"]
-    if "pin" in opts:
-        kw["worker_init_fn"] = _pinned_worker
-    if "pinloader" in opts:
-        kw["pin_training_thread"] = True
     if "switch" in opts:
         sys.setswitchinterval(0.0002)
     dl = make(store, recipe, **kw)
@@ -249,8 +241,6 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
     try:
         for _ in range(warm):
             step()
-        if "pin" in opts:
-            affinity.take(SPLIT)
         parts.clear()
         torch.cuda.synchronize()
         cpu0, t = time.thread_time(), time.perf_counter()
@@ -276,7 +266,6 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
             streams(prof, f"train {feed}, 6 steps")
     finally:
         sys.setswitchinterval(0.005)
-        affinity.release(SPLIT)
         if isinstance(dl, loader.DataLoader):
             dl.close()  # its workers do not sit beside the next feed's run
         else:
@@ -295,7 +284,8 @@ def _clock() -> str:
     except OSError:
         return "?"
     ours = [mhz[c] for c in CORES if c < len(mhz)]
-    return f"{sum(ours) / len(ours):.0f} MHz (core {OWN} {mhz[OWN]:.0f})" if ours else "?"
+    own = CORES[0]
+    return f"{sum(ours) / len(ours):.0f} MHz (core {own} {mhz[own]:.0f})" if ours else "?"
 
 
 def main() -> None:

@@ -7,7 +7,7 @@
 # machine cannot download it: carry it in.)
 # Prints "timm MODEL LOADER IMG/S" lines: each run's mean of its epochs after the first.
 # Knobs: MODELS, FEEDS, EPOCHS, EPOCHS_FAST, RUN_S; OURS_ARGS adds arguments to ours (e.g.
-# OURS_ARGS="pin_training_thread=True, decoder='cpu'").
+# OURS_ARGS="persistent_workers=False, decoder='cpu'").
 set -u
 folder=$1 store=$2 train=/tmp/timm_train.py
 cp "${TIMM_TRAIN:?set TIMM_TRAIN to timm\'s train.py (pytorch-image-models at aa4b5850)}" $train && patch -s $train benchmarks/timm_swap.diff || exit 1

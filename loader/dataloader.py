@@ -15,7 +15,6 @@ import sys
 import torch
 import torch.utils.data
 
-from loader import affinity
 from loader import options as opt
 from loader.augment import Transform, resolve_transform
 from loader.cpu.output import BatchOutput, resolve_device, resolve_dtype
@@ -96,8 +95,6 @@ class DataLoader:
         worker_nice: added to the workers' niceness (0 to 19): with more, the training
             process's threads (the training loop, the prefetch thread, DALI's threads) get
             the cores first and the workers take what is left.
-        pin_training_thread: while an iteration runs, the thread that iterates alone on a
-            CPU, every other thread and the workers on the rest (``loader.affinity``).
         verbose: print which path was taken and why (it is always logged at INFO).
 
     Attributes:
@@ -160,7 +157,6 @@ class DataLoader:
         cache_root: str | os.PathLike | None = None,
         max_pixels: int | None = None,
         worker_nice: int = 0,
-        pin_training_thread: bool = False,
         verbose: bool = False,
     ) -> None:
         opt.check_not_for_store(sampler, batch_sampler, collate_fn)
@@ -193,7 +189,6 @@ class DataLoader:
             batch_size, num_workers, prefetch_factor, timeout, bool(persistent_workers),
             with_indices, worker_init_fn, opt.check_worker_nice(worker_nice), seed,
             opt.mp_context(multiprocessing_context),
-            affinity.plan(opt.check_flag("pin_training_thread", pin_training_thread)),
         )  # fmt: skip
         self.drop_last = drop_last
         self.pin_memory = self._output.pin

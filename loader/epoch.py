@@ -22,7 +22,6 @@ import time
 import weakref
 
 from ingest import format as fmt
-from loader.affinity import SWEEPS, release, take
 from loader.cpu.batches import BatchReport
 from loader.plan.sampler import EpochPlan
 from loader.plan.tasks import EpochTasks, chunk_size
@@ -58,7 +57,6 @@ class EpochIterator:
         self._ring, self.pool = session.ring, session.pool
         self._producer = session.producer
         self._chunk = chunk_size(settings.batch_size, settings.num_workers)
-        self._cores, self._sweeps = settings.cores, 0  # pin_training_thread
         self._free = list(range(self._ring.slots - 1, -1, -1))
         self._pending: dict[int, list] = {}  # step -> [slot, chunks out, merged report]
         self._ready: dict[int, tuple[int, BatchReport]] = {}  # step -> (slot, report)
@@ -119,7 +117,6 @@ class EpochIterator:
     def _epoch_over(self, carrying: bool) -> None:
         """The loop read the epoch to its end: kept by the session for the next iteration
         where the next epoch's first batches are under way (``carrying``), else closed."""
-        release(self._cores)  # pin_training_thread: between epochs, every CPU for everyone
         if carrying and self._session.park(self):
             self._parked = self._closed = True  # in this order: see ``_dispatching``
             self._held = None  # the session holds it (``__init__``)
@@ -188,10 +185,7 @@ class EpochIterator:
     def _delivered(self) -> None:
         """A batch is out: where it was its epoch's last, going on into the next, the loader
         holds this iterator until it is ended, and this iterator lets go of it
-        (``__init__``). With ``pin_training_thread``, the threads started since go apart."""
-        if self._sweeps < SWEEPS:
-            self._sweeps += 1
-            take(self._cores)
+        (``__init__``)."""
         if self._carries and self._session.hold_if_read(self):
             self._held = None
 

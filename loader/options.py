@@ -41,7 +41,6 @@ STORE_ONLY = (
     "cache_limit",
     "cache_root",
     "max_pixels",
-    "pin_training_thread",
 )
 
 

@@ -19,7 +19,6 @@ import weakref
 
 import torch
 
-from loader.affinity import Cores, release, take
 from loader.delivery import Delivery
 from loader.epoch import EpochIterator
 from loader.gpu.prefetch import GpuEpochIterator
@@ -43,7 +42,6 @@ class Settings:
     worker_nice: int
     seed: int
     context: object
-    cores: Cores | None = None  # pin_training_thread's split (loader.affinity)
 
 
 class Workers:
@@ -124,18 +122,16 @@ class Session:
                 self.carry = None
                 carry.carry_on(self.plan)
                 self._active = weakref.ref(carry)
-                take(self.settings.cores)
                 return carry
             self.drop_carry()  # its batches are of an epoch this loop does not read now
             s = self.settings
             if s.num_workers and self.workers.pool is None:
                 self.workers.pool = WorkerPool(
                     self.producer, self.ring, s.num_workers, s.context, s.worker_init_fn,
-                    nice=s.worker_nice, cores=s.cores,
+                    nice=s.worker_nice,
                 )  # fmt: skip
             it = EpochIterator(self) if self.gpu_stage is None else GpuEpochIterator(self)
             self._active = weakref.ref(it)
-            take(s.cores)
             return it
 
     def _follow_sampler_epoch(self) -> None:
@@ -204,7 +200,6 @@ class Session:
         if self._foreign_iteration() is not None:  # its thread may be waiting on them:
             self.workers.stop(graceful=False)  # it is told so, and nothing is drained
         self._end_active("close()", stopping=True)
-        release(self.settings.cores)
         self.drop_carry()
         self.workers.stop()
         self.output.close()
@@ -239,7 +234,6 @@ class Session:
             self.plan.end_epoch()
         if active:
             self._active = None
-            release(self.settings.cores)
         # After an error (a dead or failed worker, a timeout, Ctrl-C) batches in flight may
         # never come: stop the workers at once rather than wait for them.
         keep = self.settings.persistent_workers and not failed and (drained or it.drain(30.0))

@@ -23,7 +23,6 @@ import torch
 
 from ingest import format as fmt
 from ingest.parallel import freeze_inherited, inherited_objects_frozen
-from loader.affinity import Cores, leave
 from loader.decode import mark_worker_process
 
 _PARENT_CHECK_S = 2.0  # how often an idle worker checks that the main process still exists
@@ -87,21 +86,13 @@ def check_shared_memory(need: int) -> None:
 
 
 def _worker_loop(
-    wid: int,
-    producer,
-    tensors: dict,
-    conn,
-    init_fn,
-    parent: int,
-    nice: int = 0,
-    cores: Cores | None = None,
+    wid: int, producer, tensors: dict, conn, init_fn, parent: int, nice: int = 0
 ) -> None:
     """Body of worker ``wid``: run tasks from ``conn`` until told to stop or orphaned."""
     freeze_inherited()  # never finalise the training process's objects (CUDA ones abort)
     if nice:  # the training process's threads first; the workers take the cores left
         with contextlib.suppress(OSError):  # a sandbox that forbids it: as it was
             os.nice(nice)
-    leave(cores)  # pin_training_thread: off the training thread's core
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     mark_worker_process()
     torch.set_num_threads(1)  # the workers are the parallelism
@@ -171,7 +162,6 @@ class WorkerPool:
         context: a multiprocessing context ("fork" or "spawn" style).
         worker_init_fn: called with the worker id in each worker, as in torch.
         nice: added to each worker's niceness (``os.nice``) as it starts.
-        cores: with ``pin_training_thread``, the split whose ``rest`` the workers take.
     """
 
     def __init__(
@@ -182,7 +172,6 @@ class WorkerPool:
         context,
         worker_init_fn: Callable[[int], None] | None = None,
         nice: int = 0,
-        cores: Cores | None = None,
     ) -> None:
         self._procs: list[mp.process.BaseProcess] = []
         self._sentinels: dict[int, int] = {}  # a worker's process sentinel -> its number
@@ -192,25 +181,23 @@ class WorkerPool:
         self._stopping = False  # close() began: what fails from now on is its doing
         try:
             with inherited_objects_frozen():  # a forked worker must not free CUDA objects
-                self._start(producer, ring, num_workers, context, worker_init_fn, nice, cores)
+                self._start(producer, ring, num_workers, context, worker_init_fn, nice)
         except BaseException:
             self.close(graceful=False)
             raise
 
     def _start(
-        self, producer, ring: Ring, num_workers: int, context, worker_init_fn, nice: int,
-        cores: Cores | None,
-    ) -> None:  # fmt: skip
+        self, producer, ring: Ring, num_workers: int, context, worker_init_fn, nice: int
+    ) -> None:
         for wid in range(num_workers):
             here, there = context.Pipe(duplex=True)
             proc = context.Process(
                 target=_worker_loop,
                 name=f"imfeed-worker-{wid}",
                 daemon=True,
-                args=(wid, producer, ring.tensors, there, worker_init_fn, os.getpid(), nice, cores),
+                args=(wid, producer, ring.tensors, there, worker_init_fn, os.getpid(), nice),
             )
             proc.start()
-            leave(cores, proc.pid)  # at once: not the training thread's CPU while it imports
             there.close()
             self._procs.append(proc)
             self._sentinels[proc.sentinel] = wid
