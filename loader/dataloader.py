@@ -115,6 +115,10 @@ class DataLoader:
         given = dict(zip(names, args, strict=False)) | kwargs
         fast, why = opt.route(dataset, given)
         _say(f"loader.DataLoader: {'fast path' if fast else 'torch DataLoader'}: {why}", verbose)
+        if fast and (given.get("num_workers") or 0) > 0 and not given.get("persistent_workers"):
+            _say("loader.DataLoader: persistent_workers=False: the workers start again each "
+                 "epoch (persistent_workers=True keeps them and starts each epoch during the "
+                 "last)", verbose)  # fmt: skip
         if fast:
             return super().__new__(cls)
         return torch.utils.data.DataLoader(dataset, *args, **opt.ignore_store_only(kwargs, why))

@@ -174,6 +174,24 @@ def test_a_recipe_dataset_takes_the_fast_path(store, caplog):
     assert ((ours[0] - ref).abs() * std * 255).mean() < 0.75
 
 
+def test_verbose_says_when_the_workers_start_again_each_epoch(store, capsys):
+    hint = (
+        "loader.DataLoader: persistent_workers=False: the workers start again each epoch "
+        "(persistent_workers=True keeps them and starts each epoch during the last)"
+    )
+    common = {"batch_size": 4, "transform": "eval", "device": "cpu", "verbose": True}
+    loader.DataLoader(store, num_workers=1, **common).close()
+    assert capsys.readouterr().err.splitlines() == [
+        "loader.DataLoader: fast path: a store path",
+        hint,
+    ]
+    for kw in ({"num_workers": 1, "persistent_workers": True}, {"num_workers": 0}):
+        loader.DataLoader(store, **common, **kw).close()
+        assert capsys.readouterr().err.splitlines() == [
+            "loader.DataLoader: fast path: a store path"
+        ]
+
+
 def test_an_unrecognised_transform_gets_torchs_and_says_why(store, caplog, capsys):
     tf = T.Compose([T.Resize(40), T.CenterCrop(32), T.Grayscale(3), T.ToTensor()])
     ds = loader.LMDBDataset(store, transform=tf)
