@@ -7,7 +7,7 @@
 # machine cannot download it: carry it in.)
 # Prints "timm MODEL LOADER IMG/S" lines: each run's mean of its epochs after the first.
 # Knobs: MODELS, FEEDS, EPOCHS, EPOCHS_FAST, RUN_S; OURS_ARGS adds arguments to ours (e.g.
-# OURS_ARGS="persistent_workers=False, decoder='cpu'").
+# OURS_ARGS="persistent_workers=False, decoder='cpu'": a name the swap passes takes the new value).
 set -u
 folder=$1 store=$2 train=/tmp/timm_train.py
 cp "${TIMM_TRAIN:?set TIMM_TRAIN to timm\'s train.py (pytorch-image-models at aa4b5850)}" $train && patch -s $train benchmarks/timm_swap.diff || exit 1
@@ -15,8 +15,22 @@ if [ -n "${OURS_ARGS:-}" ]; then
   value="[A-Za-z0-9.']+"
   [[ $OURS_ARGS =~ ^[a-z_]+=$value(,\ ?[a-z_]+=$value)*$ ]] ||
     { echo "OURS_ARGS=$OURS_ARGS: give name=value, ... (e.g. worker_nice=19)" >&2; exit 1; }
-  sed -i "s/verbose=True)/verbose=True, $OURS_ARGS)/" $train
-  grep -qF "verbose=True, $OURS_ARGS)" $train || { echo "OURS_ARGS: the swap's line not found" >&2; exit 1; }
+  # each name=value replaces the swap's own value for that name, or is added to its call
+  python3 - "$train" "$OURS_ARGS" <<'PY' || exit 1
+import re, sys
+path, args = sys.argv[1], sys.argv[2]
+text = open(path).read()
+line = next((x for x in text.splitlines() if "imfeed.DataLoader(" in x), None)
+if line is None:
+    sys.exit("OURS_ARGS: the swap's line not found")
+new = line
+for name, value in (a.strip().split("=", 1) for a in args.split(",")):
+    if re.search(rf"\b{name}=", new):
+        new = re.sub(rf"\b{name}=[^,)]+", f"{name}={value}", new)
+    else:
+        new = new.replace("verbose=True)", f"verbose=True, {name}={value})")
+open(path, "w").write(text.replace(line, new))
+PY
 fi
 mkdir -p /tmp/timm_data && ln -sfn "$folder" /tmp/timm_data/train
 recipe="--aa rand-m9-mstd0.5-inc1 --reprob 0.25 --mixup 0.2 --cutmix 1.0 --amp --channels-last"

@@ -95,7 +95,8 @@ class DataLoader:
         worker_nice: added to the workers' niceness (0 to 19): with more, the training
             process's threads (the training loop, the prefetch thread, DALI's threads) get
             the cores first and the workers take what is left.
-        verbose: print which path was taken and why (it is always logged at INFO).
+        verbose: print which path was taken and why, and whether the workers start again
+            each epoch (both are always logged at INFO).
 
     Attributes:
         dataset: the ``LMDBDataset`` read.
@@ -115,10 +116,6 @@ class DataLoader:
         given = dict(zip(names, args, strict=False)) | kwargs
         fast, why = opt.route(dataset, given)
         _say(f"loader.DataLoader: {'fast path' if fast else 'torch DataLoader'}: {why}", verbose)
-        if fast and (given.get("num_workers") or 0) > 0 and not given.get("persistent_workers"):
-            _say("loader.DataLoader: persistent_workers=False: the workers start again each "
-                 "epoch (persistent_workers=True keeps them and starts each epoch during the "
-                 "last)", verbose)  # fmt: skip
         if fast:
             return super().__new__(cls)
         return torch.utils.data.DataLoader(dataset, *args, **opt.ignore_store_only(kwargs, why))
@@ -194,6 +191,8 @@ class DataLoader:
             with_indices, worker_init_fn, opt.check_worker_nice(worker_nice), seed,
             opt.mp_context(multiprocessing_context),
         )  # fmt: skip
+        if num_workers and not persistent_workers:
+            _say(opt.RESTARTED_WORKERS, verbose)
         self.drop_last = drop_last
         self.pin_memory = self._output.pin
         self._plan = EpochPlan(

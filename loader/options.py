@@ -195,6 +195,12 @@ def check_batch_size(batch_size) -> int:
     return check_int("batch_size", batch_size, 1, "pass the number of samples per batch")
 
 
+RESTARTED_WORKERS = (
+    "loader.DataLoader: persistent_workers=False: the workers start again each epoch "
+    "(persistent_workers=True keeps them and starts each epoch during the last)"
+)
+
+
 def check_workers(num_workers, prefetch_factor, timeout) -> tuple[int, int, float]:
     """(num_workers, prefetch_factor, timeout) checked; prefetch_factor defaults to 2."""
     check_int("num_workers", num_workers, 0, "use num_workers=0 to decode in the main process")

@@ -37,8 +37,9 @@ def machine_busy_seconds() -> float | None:
 
 
 def others(before: float | None, after: float | None, own: float) -> float | None:
-    """CPU seconds of the other processes between two ``machine_busy_seconds``, given the
-    pipeline's ``own`` over the same time (never below 0: the two clocks tick apart)."""
+    """CPU seconds of the other processes (and of other virtual machines: steal) between
+    two ``machine_busy_seconds``, given the pipeline's ``own`` over the same time (never
+    below 0: the two clocks tick apart)."""
     if before is None or after is None:
         return None
     return round(max(0.0, after - before - own), 3)

@@ -109,7 +109,7 @@ def timed_pass(pipe, s: Settings) -> dict:
             "seconds": round(seconds, 4),
             "first_batch_seconds": round(first or seconds, 4),  # a start's cost shows here
             "cpu_seconds": round(cpu, 3),
-            "other_cpu_seconds": others,  # every other process's, over the same time
+            "other_cpu_seconds": others,  # other processes' and VMs' (steal), same time
             "memory_mib": memory.stop(),
             "gpu_memory_mib": _gpu_memory_mib(),
         }
@@ -135,10 +135,11 @@ def serve(name: str, s: Settings, conn, log: str) -> None:
         try:
             if request[0] == "warm-up":  # passes until a trial of our ways is not under way
                 answer = timed_pass(pipe, s)
+                first = answer["first_batch_seconds"]  # the pipeline's start, in pass 0
                 for _ in range(WARMUP_PASSES - 1):
                     if not settling(getattr(pipe, "dl", None)):
                         break
-                    answer = timed_pass(pipe, s)
+                    answer = timed_pass(pipe, s) | {"first_batch_seconds": first}
             elif request[0] == "pass":
                 answer = timed_pass(pipe, s)
             else:  # ("train", model)
@@ -280,7 +281,7 @@ def _others(answer: dict) -> str:
     other = answer.get("other_cpu_seconds")
     if other is None or other / answer["seconds"] <= busy.THRESHOLD:
         return ""
-    return f"  (the machine was busy: other processes {other / answer['seconds']:.2f} cores)"
+    return f"  (the machine was busy: others took {other / answer['seconds']:.2f} cores)"
 
 
 def train(servers: dict, models: tuple[str, ...], say) -> tuple[dict, dict]:

@@ -17,6 +17,7 @@ from loader_data import make_store
 
 import loader
 from loader import Transform
+from loader.options import RESTARTED_WORKERS
 from loader.recipes import NotARecipe, recognise
 from loader.recipes.reader import _crop_pct
 
@@ -175,21 +176,23 @@ def test_a_recipe_dataset_takes_the_fast_path(store, caplog):
 
 
 def test_verbose_says_when_the_workers_start_again_each_epoch(store, capsys):
-    hint = (
-        "loader.DataLoader: persistent_workers=False: the workers start again each epoch "
-        "(persistent_workers=True keeps them and starts each epoch during the last)"
-    )
+    fast = "loader.DataLoader: fast path: a store path"
     common = {"batch_size": 4, "transform": "eval", "device": "cpu", "verbose": True}
     loader.DataLoader(store, num_workers=1, **common).close()
-    assert capsys.readouterr().err.splitlines() == [
-        "loader.DataLoader: fast path: a store path",
-        hint,
-    ]
+    assert capsys.readouterr().err.splitlines() == [fast, RESTARTED_WORKERS]
     for kw in ({"num_workers": 1, "persistent_workers": True}, {"num_workers": 0}):
         loader.DataLoader(store, **common, **kw).close()
-        assert capsys.readouterr().err.splitlines() == [
-            "loader.DataLoader: fast path: a store path"
-        ]
+        assert capsys.readouterr().err.splitlines() == [fast]
+    # num_workers given positionally, on a dataset of the store; torch's loader says nothing
+    tf = T.Compose([T.Resize(40), T.CenterCrop(32), T.ToTensor()])
+    loader.DataLoader(loader.LMDBDataset(store, transform=tf), 4, False, None, None, 1,
+                      device="cpu", verbose=True).close()  # fmt: skip
+    assert capsys.readouterr().err.splitlines()[-1] == RESTARTED_WORKERS
+    tf = T.Compose([T.Resize(40), T.CenterCrop(32), T.Grayscale(3), T.ToTensor()])
+    dl = loader.DataLoader(loader.LMDBDataset(store, transform=tf), 4, False, None, None, 1,
+                           verbose=True)  # fmt: skip
+    assert type(dl) is torch.utils.data.DataLoader
+    assert RESTARTED_WORKERS not in capsys.readouterr().err
 
 
 def test_an_unrecognised_transform_gets_torchs_and_says_why(store, caplog, capsys):

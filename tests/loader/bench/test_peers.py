@@ -260,7 +260,7 @@ def test_a_pass_counts_what_other_processes_took_beside_it():
         os.kill(pid, signal.SIGKILL)
     assert answer["images"] == 4 and answer["cpu_seconds"] < 0.5
     assert answer["other_cpu_seconds"] >= 0.6 * answer["seconds"]  # about a core, or more
-    assert runner._others(answer).startswith("  (the machine was busy: other processes ")
+    assert runner._others(answer).startswith("  (the machine was busy: others took ")
 
 
 def _result(name: str, side: str, rate: float, store: dict | None) -> dict:
