@@ -12,13 +12,12 @@ set -u
 folder=$1 store=$2 train=/tmp/timm_train.py
 cp "${TIMM_TRAIN:?set TIMM_TRAIN to timm\'s train.py (pytorch-image-models at aa4b5850)}" $train && patch -s $train benchmarks/timm_swap.diff || exit 1
 if [ -n "${OURS_ARGS:-}" ]; then
-  value="[A-Za-z0-9.']+"
-  [[ $OURS_ARGS =~ ^[a-z_]+=$value(,\ ?[a-z_]+=$value)*$ ]] ||
-    { echo "OURS_ARGS=$OURS_ARGS: give name=value, ... (e.g. worker_nice=19)" >&2; exit 1; }
   # each name=value replaces the swap's own value for that name, or is added to its call
   python3 - "$train" "$OURS_ARGS" <<'PY' || exit 1
 import re, sys
 path, args = sys.argv[1], sys.argv[2]
+if not re.fullmatch(r"[a-z_]+=[A-Za-z0-9.']+(, ?[a-z_]+=[A-Za-z0-9.']+)*", args):
+    sys.exit(f"OURS_ARGS={args}: give name=value, ... (e.g. worker_nice=19)")
 text = open(path).read()
 line = next((x for x in text.splitlines() if "imfeed.DataLoader(" in x), None)
 if line is None:
