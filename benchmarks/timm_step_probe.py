@@ -10,7 +10,7 @@ a loop written as timm's (fp16 autocast, GradScaler, timm's Mixup and SoftTarget
 the GPU), ``busy`` (the same beside N processes that spin on the CPU, ``wN``, 16 unless
 given: the cores' contention alone), ``recipe`` (timm's recipe), ``crop`` (RandomResizedCrop
 + flip only), ``dali`` (DALI's own pipeline on the store's image folder, the crop only), each
-with options joined by "-": ``nvjpeg`` or ``cpu`` (decoder), ``wN`` (N workers), ``niceN``
+with options joined by "-": ``nvjpeg``, ``cpu`` or ``dali`` (decoder), ``wN`` (N workers), ``niceN``
 (worker_nice, or the spinners' niceness), ``switch`` (a 0.2 ms GIL switch interval),
 ``nosync`` (no ``loss.item()``), ``prof`` (then 6 steps under torch's profiler: the GPU's
 busy time against the span). Prints img/s, the main thread's CPU share, the cores' clock
@@ -150,7 +150,7 @@ def _options(feed: str) -> dict:
     return out
 
 
-FLAGS = ("nvjpeg", "cpu", "switch", "nosync", "prof")
+FLAGS = ("nvjpeg", "cpu", "dali", "switch", "nosync", "prof")
 CORES = sorted(os.sched_getaffinity(0))
 
 
@@ -184,7 +184,7 @@ def _feed(store: str, feed: str):
     if recipe not in RECIPES:
         raise SystemExit(f"unknown feed {feed!r}: see the module docstring")
     kw = {"worker_nice": opts.get("nice", 0)}
-    for decoder in ("nvjpeg", "cpu"):
+    for decoder in ("nvjpeg", "cpu", "dali"):
         if decoder in opts:
             kw["decoder"] = decoder
     if "w" in opts:
@@ -192,7 +192,7 @@ def _feed(store: str, feed: str):
     if "switch" in opts:
         sys.setswitchinterval(0.0002)
     dl = make(store, recipe, **kw)
-    return iter(dl), dl
+    return (b for _ in iter(int, 1) for b in dl), dl  # epoch after epoch
 
 
 def _dali(store: str):

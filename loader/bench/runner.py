@@ -122,6 +122,10 @@ def timed_pass(pipe, s: Settings) -> dict:
 def serve(name: str, s: Settings, conn, log: str) -> None:
     """In a process of its own: build pipeline ``name``, then answer requests until "stop"."""
     _to_log(log)
+    # A child of the fork server inherits its start method, and a torch DataLoader's workers
+    # would each start through it, importing their modules anew (up to 2 minutes' first
+    # batch with 16 workers): back to the platform's default, as in a user's script.
+    mp.set_start_method(None, force=True)
     try:
         pipe = build(name, s)
     except Exception as e:

@@ -284,6 +284,27 @@ def test_a_pipeline_that_fails_to_start_is_skipped_with_the_reason(tmp_path):
     assert "ValueError: unknown pipeline 'no-such'" in (tmp_path / "no-such.log").read_text()
 
 
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="forkserver is Python's default there")
+def test_a_torch_dataloader_in_a_pipeline_process_forks_its_workers_there(small, tmp_path):
+    """The pipeline's process is a child of the bench's fork server: its torch DataLoader
+    started each worker through that server (importing its modules anew; a first batch of
+    up to 2 minutes with 16 workers) until the process took back the platform's default."""
+    from loader.telemetry.proctree import descendants
+
+    s = Settings(folder=str(small.folder), store=str(small.store), batch_size=5, workers=2,
+                 dtype="float32", channels_last=False, eval=False, device="cpu")  # fmt: skip
+    servers, failed = runner.start(["torch-pil"], s, tmp_path, lambda m: None)
+    assert failed == {}
+    server = servers["torch-pil"]
+    try:
+        answer = server.ask(("warm-up",), 120)
+        assert answer["images"] == 10  # 12 images, batches of 5, whole batches only
+        # persistent workers, alive after the pass: forked by the pipeline's process
+        assert len(descendants(server.proc.pid)) == 2
+    finally:
+        runner.stop_all(servers)
+
+
 def test_a_worker_error_is_told_by_its_last_line():
     """A torch DataLoader worker's error is its traceback under "Caught ... in DataLoader
     worker process 1.": the bench showed only that first line."""
