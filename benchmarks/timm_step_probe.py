@@ -10,11 +10,12 @@ a loop written as timm's (fp16 autocast, GradScaler, timm's Mixup and SoftTarget
 the GPU), ``busy`` (the same beside N processes that spin on the CPU, ``wN``, 16 unless
 given: the cores' contention alone), ``recipe`` (timm's recipe), ``crop`` (RandomResizedCrop
 + flip only), ``dali`` (DALI's own pipeline on the store's image folder, the crop only), each
-with options joined by "-": ``nvjpeg``, ``cpu`` or ``dali`` (decoder), ``wN`` (N workers), ``niceN``
-(worker_nice, or the spinners' niceness), ``switch`` (a 0.2 ms GIL switch interval),
-``nosync`` (no ``loss.item()``), ``prof`` (then 6 steps under torch's profiler: the GPU's
-busy time against the span). Prints img/s, the main thread's CPU share, the cores' clock
-at the end, the loader's thread CPU and the step's parts. docs/design/augmentations.md
+with options joined by "-": ``nvjpeg``, ``cpu`` or ``dali`` (decoder), ``wN`` (N workers),
+``cN`` (N nvJPEG decode threads), ``niceN`` (worker_nice, or the spinners' niceness),
+``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no ``loss.item()``), ``prof`` (then 6
+steps under torch's profiler: the GPU's busy time against the span). Prints img/s, the main
+thread's CPU share, the cores' clock at the end, the loader's thread CPU and the step's
+parts. docs/design/augmentations.md
 cites its output.
 """
 
@@ -144,7 +145,7 @@ def _options(feed: str) -> dict:
     for o in feed.split("-")[1:]:
         name, number = o.rstrip("0123456789"), o[len(o.rstrip("0123456789")) :]
         flag = name in FLAGS and not number
-        if not (flag or (name in ("w", "nice") and number)):
+        if not (flag or (name in ("w", "nice", "c") and number)):
             raise SystemExit(f"unknown option {o!r} in feed {feed!r}: see the module docstring")
         out[name] = int(number) if number else True
     return out
@@ -189,6 +190,9 @@ def _feed(store: str, feed: str):
             kw["decoder"] = decoder
     if "w" in opts:
         kw["num_workers"] = opts["w"]
+    from loader.gpu.nvjpeg import NvjpegDecoder
+
+    NvjpegDecoder.concurrent_calls = opts.get("c", 2)  # its decode threads
     if "switch" in opts:
         sys.setswitchinterval(0.0002)
     dl = make(store, recipe, **kw)
