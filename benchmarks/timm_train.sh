@@ -7,7 +7,8 @@
 # machine cannot download it: carry it in.)
 # Prints "timm MODEL LOADER IMG/S" lines: each run's mean of its epochs after the first.
 # Knobs: MODELS, FEEDS, EPOCHS, EPOCHS_FAST, RUN_S; OURS_ARGS adds arguments to ours (e.g.
-# OURS_ARGS="persistent_workers=False, decoder='cpu'": a name the swap passes takes the new value).
+# OURS_ARGS="persistent_workers=False, decoder='cpu'": a name the swap passes takes the new value);
+# TRAIN_ARGS adds train.py options to every run (e.g. TRAIN_ARGS="--torchcompile inductor").
 set -u
 folder=$1 store=$2 train=/tmp/timm_train.py
 cp "${TIMM_TRAIN:?set TIMM_TRAIN to timm\'s train.py (pytorch-image-models at aa4b5850)}" $train && patch -s $train benchmarks/timm_swap.diff || exit 1
@@ -44,9 +45,9 @@ for model in ${MODELS:-resnet50 resnet18}; do
     echo "== $model $feed $(date -u +%T)"
     env "${env[@]}" timeout ${RUN_S:-200} python3 $train --data-dir /tmp/timm_data --val-split '' \
       --model $model -b 256 --epochs $epochs --warmup-epochs 0 --workers 16 --pin-mem $recipe \
-      "${prefetch[@]}" --log-interval 10 --eval-metric loss --checkpoint-hist 1 \
+      "${prefetch[@]}" ${TRAIN_ARGS:-} --log-interval 10 --eval-metric loss --checkpoint-hist 1 \
       --output /tmp/timm_out --experiment $model-$feed 2>&1 | tee /tmp/timm_run.log
-    label=""; [ $feed = ours ] && label="${OURS_ARGS:+ $OURS_ARGS}"
+    label="${TRAIN_ARGS:+ $TRAIN_ARGS}"; [ $feed = ours ] && label="$label${OURS_ARGS:+ $OURS_ARGS}"
     python3 - $model $feed "$label" <<'PY'
 import re, sys
 last = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -177,10 +178,21 @@ def main(argv: list[str] | None = None) -> int:
         say(f"ready: {data.images} images in {data.folder}, store {data.store}")
         return 0
     t0 = time.time()
-    report = run(args, data, device, say)
+    before = signal.signal(signal.SIGTERM, _stop)  # ``timeout``, a scheduler: as Ctrl-C
+    try:
+        report = run(args, data, device, say)
+    except KeyboardInterrupt:
+        say("imfeed-bench: stopped before a timed pass was done; nothing written")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, before)
     report["wall_seconds"] = round(time.time() - t0, 1)
     print(_write(args, report, device, say))
-    return 0
+    return 130 if report.get("stopped") else 0
+
+
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _write(args, report: dict, device: str, say) -> str:

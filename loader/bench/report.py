@@ -190,5 +190,7 @@ def finish(report: dict) -> dict:
     summary = summarise(results, trained)
     report["summary"] = summary
     report["table"] = table(results, summary, ceiling)
+    if report.get("stopped"):  # cut short: the passes it finished, said as such
+        report["table"] += f"\n\nThe run was {report['stopped']}: these are their figures."
     report["headline"] = headline(summary, results)
     return report

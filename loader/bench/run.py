@@ -67,16 +67,23 @@ def run(args, data: Data, device: str, say) -> dict:
     extra = ["synthetic"] if args.train_check else []
     servers, failed = runner.start(names + extra, s, log_dir, say)
     made = {n: sv.made for n, sv in servers.items()}
+    trained, ceiling, train_failed, stopped = {}, {}, {}, None
     try:
         timed = {n: sv for n, sv in servers.items() if n != "synthetic"}
-        passes, failed_passes = runner.rounds(timed, args.passes, say)
+        passes, failed_passes, done = runner.rounds(timed, args.passes, say)
         failed |= failed_passes
-        trained, ceiling, train_failed = {}, {}, {}
-        if args.train_check:
+        if done == 0:
+            raise KeyboardInterrupt  # stopped before a timed pass was done: nothing to show
+        if done < args.passes:
+            stopped = f"stopped after {done} of {args.passes} timed passes"
+        elif args.train_check:
             alive = {n: sv for n, sv in servers.items() if n not in failed}
-            trained, train_failed = runner.train(alive, MODELS, say)
+            try:
+                trained, train_failed = runner.train(alive, MODELS, say)
+            except KeyboardInterrupt:
+                trained, train_failed, stopped = {}, {}, "stopped during the training checks"
             ceiling = trained.pop("synthetic", {})
-            if "synthetic" in train_failed or "synthetic" in failed:
+            if not stopped and ("synthetic" in train_failed or "synthetic" in failed):
                 say("  no synthetic ceiling: the training shares cannot be computed")
     finally:
         runner.stop_all(servers)
@@ -103,6 +110,7 @@ def run(args, data: Data, device: str, say) -> dict:
         },
         "results": results,
         "train_ceiling": ceiling or None,
+        "stopped": stopped,  # a run cut short keeps the passes it finished
     }
     return rep.finish(report)
 

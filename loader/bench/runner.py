@@ -257,27 +257,40 @@ def start(names: list[str], s: Settings, log_dir: Path, say) -> tuple[dict, dict
     return {n: servers[n] for n in names if n in servers}, failed
 
 
-def rounds(servers: dict, passes: int, say) -> tuple[dict, dict]:
-    """Round 0 (warm-up) then ``passes`` timed rounds; ({name: [pass, ...]}, {name: reason})."""
+def rounds(servers: dict, passes: int, say) -> tuple[dict, dict, int]:
+    """Round 0 (warm-up) then ``passes`` timed rounds; ({name: [pass, ...]}, {name: reason},
+    the timed rounds done). Stopped (Ctrl-C, or SIGTERM as ``cli`` turns it), the rounds done
+    are kept and the one under way is dropped, its failures with it: those are the stop's."""
     runs = {name: [] for name in servers}
-    failed = {}
-    for r in range(passes + 1):
-        names = [n for n in servers if n not in failed]
-        k = r % len(names) if names else 0
-        for name in names[k:] + names[:k]:
-            answer = servers[name].ask(("pass",) if r else ("warm-up",), PASS_TIMEOUT)
-            if "error" in answer:
-                failed[name] = f"failed in pass {r}: {answer['error']}"
-                say(f"  {name}: {failed[name]}")
-                continue
-            runs[name].append(answer)
-            rate = answer["images"] / answer["seconds"]
-            cores = answer["cpu_seconds"] / answer["seconds"]
-            tag = "warm-up" if r == 0 else f"pass {r}/{passes}"
-            start = f", first batch in {answer['first_batch_seconds']:.1f} s" if r == 0 else ""
-            say(f"  {tag:>10} {name:<14} {rate:9.1f} img/s  {cores:5.2f} cores busy{start}"
-                + _others(answer))  # fmt: skip
-    return runs, failed
+    failed, before, done = {}, {}, 0
+    try:
+        for r in range(passes + 1):
+            before = dict(failed)
+            _round(servers, r, passes, runs, failed, say)
+            done = r
+    except KeyboardInterrupt:
+        failed = before
+        runs = {name: answers[: done + 1] for name, answers in runs.items()}
+        say(f"  stopped: {done} of {passes} timed passes done")
+    return runs, failed, done
+
+
+def _round(servers: dict, r: int, passes: int, runs: dict, failed: dict, say) -> None:
+    names = [n for n in servers if n not in failed]
+    k = r % len(names) if names else 0
+    for name in names[k:] + names[:k]:
+        answer = servers[name].ask(("pass",) if r else ("warm-up",), PASS_TIMEOUT)
+        if "error" in answer:
+            failed[name] = f"failed in pass {r}: {answer['error']}"
+            say(f"  {name}: {failed[name]}")
+            continue
+        runs[name].append(answer)
+        rate = answer["images"] / answer["seconds"]
+        cores = answer["cpu_seconds"] / answer["seconds"]
+        tag = "warm-up" if r == 0 else f"pass {r}/{passes}"
+        start = f", first batch in {answer['first_batch_seconds']:.1f} s" if r == 0 else ""
+        say(f"  {tag:>10} {name:<14} {rate:9.1f} img/s  {cores:5.2f} cores busy{start}"
+            + _others(answer))  # fmt: skip
 
 
 def _others(answer: dict) -> str:
