@@ -15,8 +15,7 @@ with options joined by "-": ``nvjpeg``, ``cpu`` or ``dali`` (decoder), ``wN`` (N
 ``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no ``loss.item()``), ``prof`` (then 6
 steps under torch's profiler: the GPU's busy time against the span). Prints img/s, the main
 thread's CPU share, the cores' clock at the end, the loader's thread CPU and the step's
-parts. docs/design/augmentations.md
-cites its output.
+parts. docs/design/augmentations.md cites its output.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from __future__ import annotations
 import collections
 import cProfile
 import io
+import itertools
 import json
 import os
 import pstats
@@ -41,8 +41,10 @@ from timm.data import Mixup, create_transform
 
 import loader
 from loader.gpu import prefetch
+from loader.gpu.nvjpeg import NvjpegDecoder
 
 BATCH = 256
+NVJPEG_CALLS = NvjpegDecoder.concurrent_calls  # the loader's own, before an option's
 RECIPES = {
     "recipe": {"auto_augment": "rand-m9-mstd0.5-inc1", "re_prob": 0.25},
     "crop": {"color_jitter": None},
@@ -178,7 +180,7 @@ def _feed(store: str, feed: str):
         spin = []
         if feed.startswith("busy"):
             spin = _spinners(opts.get("w", 16), opts.get("nice", 0))
-        return ((x.clone(), y) for _ in iter(int, 1)), spin
+        return ((x.clone(), y) for _ in itertools.count()), spin
     if feed.startswith("dali"):  # DALI's own pipeline from the image folder, the crop only
         return _dali(store), []
     recipe = feed.split("-")[0]
@@ -190,13 +192,22 @@ def _feed(store: str, feed: str):
             kw["decoder"] = decoder
     if "w" in opts:
         kw["num_workers"] = opts["w"]
-    from loader.gpu.nvjpeg import NvjpegDecoder
-
-    NvjpegDecoder.concurrent_calls = opts.get("c", 2)  # its decode threads
+    NvjpegDecoder.concurrent_calls = opts.get("c", NVJPEG_CALLS)  # its decode threads
     if "switch" in opts:
         sys.setswitchinterval(0.0002)
     dl = make(store, recipe, **kw)
-    return (b for _ in iter(int, 1) for b in dl), dl  # epoch after epoch
+    return _epochs(dl), dl
+
+
+def _epochs(dl):
+    """The loader's batches, epoch after epoch."""
+    while True:
+        empty = True
+        for batch in dl:
+            empty = False
+            yield batch
+        if empty:
+            raise SystemExit("the loader gave an empty epoch")
 
 
 def _dali(store: str):

@@ -182,10 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run(args, data, device, say)
     except KeyboardInterrupt:
-        say("imfeed-bench: stopped before a timed pass was done; nothing written")
-        return 130
+        report = None
     finally:
         signal.signal(signal.SIGTERM, before)
+    if report is None:
+        say("imfeed-bench: stopped before a timed pass was done; nothing written")
+        return 130
     report["wall_seconds"] = round(time.time() - t0, 1)
     print(_write(args, report, device, say))
     return 130 if report.get("stopped") else 0
@@ -221,7 +223,17 @@ def subtitle(report: dict) -> str:
         f"batch {s['batch_size']}, {s['workers']} workers, {s['dtype']}"
         f"{', channels_last' if s['channels_last'] else ''}, "
         f"{'eval' if s['eval'] else _recipe(s)} augmentation, on {s['device']}; {report['date']}"
+        + _stopped(report)
     )
+
+
+def _stopped(report: dict) -> str:
+    stop = report.get("stopped")
+    if not stop:
+        return ""
+    if stop["in_training"]:
+        return "; stopped during the training checks"
+    return f"; stopped after {stop['timed_passes']} of {report['settings']['passes']} passes"
 
 
 def _recipe(settings: dict) -> str:

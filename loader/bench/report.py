@@ -160,6 +160,14 @@ def table(results: dict, summary: dict, ceiling: dict) -> str:
     return "\n".join(lines + tail)
 
 
+def stopped_note(report: dict) -> str:
+    """What a run stopped midway holds, in a sentence."""
+    done, asked = report["stopped"]["timed_passes"], report["settings"]["passes"]
+    if report["stopped"]["in_training"]:
+        return f"Stopped during the training checks: {done} timed passes done, no training figures."
+    return f"Stopped after {done} of {asked} timed passes: these are the figures of those done."
+
+
 def headline(summary: dict, results: dict) -> str:
     """One sentence: how much faster ours is than the baseline and the best peer."""
     ours = summary.get("ours")
@@ -190,7 +198,7 @@ def finish(report: dict) -> dict:
     summary = summarise(results, trained)
     report["summary"] = summary
     report["table"] = table(results, summary, ceiling)
-    if report.get("stopped"):  # cut short: the passes it finished, said as such
-        report["table"] += f"\n\nThe run was {report['stopped']}: these are their figures."
+    if report.get("stopped"):  # cut short: what it finished, said as such
+        report["table"] += "\n\n" + stopped_note(report)
     report["headline"] = headline(summary, results)
     return report

@@ -11,6 +11,7 @@ from loader.bench import runner, stores
 from loader.bench.data import Data
 from loader.bench.machine import fingerprint
 from loader.bench.pipelines import share_variant, specs, unavailable
+from loader.bench.rounds import rounds
 from loader.bench.settings import Settings
 from loader.bench.train import MODELS
 
@@ -56,8 +57,9 @@ def choose(args, s: Settings) -> tuple[list, dict]:
     return known, skipped
 
 
-def run(args, data: Data, device: str, say) -> dict:
-    """Run every available pipeline; return the report (figures, summary, table)."""
+def run(args, data: Data, device: str, say) -> dict | None:
+    """Run every available pipeline; return the report (figures, summary, table), or None
+    when stopped before a timed pass was done."""
     s = settings(args, data, device)
     known, skipped = choose(args, s)
     names = [k.name for k in known if k.name not in skipped]
@@ -65,29 +67,31 @@ def run(args, data: Data, device: str, say) -> dict:
         f"{s.workers} workers, {s.dtype} on {device}; starting {', '.join(names)} ...")  # fmt: skip
     log_dir = args.logs or args.out / "logs"
     extra = ["synthetic"] if args.train_check else []
-    servers, failed = runner.start(names + extra, s, log_dir, say)
-    made = {n: sv.made for n, sv in servers.items()}
+    servers, failed, passes, done = {}, {}, {}, 0
     trained, ceiling, train_failed, stopped = {}, {}, {}, None
     try:
+        servers, failed = runner.start(names + extra, s, log_dir, say)
         timed = {n: sv for n, sv in servers.items() if n != "synthetic"}
-        passes, failed_passes, done = runner.rounds(timed, args.passes, say)
+        passes, failed_passes, done = rounds(timed, args.passes, say)
         failed |= failed_passes
-        if done == 0:
-            raise KeyboardInterrupt  # stopped before a timed pass was done: nothing to show
-        if done < args.passes:
-            stopped = f"stopped after {done} of {args.passes} timed passes"
-        elif args.train_check:
+        if 0 < done < args.passes:
+            stopped = {"timed_passes": done, "in_training": False}
+        elif done and args.train_check:
             alive = {n: sv for n, sv in servers.items() if n not in failed}
             try:
                 trained, train_failed = runner.train(alive, MODELS, say)
             except KeyboardInterrupt:
-                trained, train_failed, stopped = {}, {}, "stopped during the training checks"
+                trained, stopped = {}, {"timed_passes": done, "in_training": True}
             ceiling = trained.pop("synthetic", {})
             if not stopped and ("synthetic" in train_failed or "synthetic" in failed):
                 say("  no synthetic ceiling: the training shares cannot be computed")
     finally:
-        runner.stop_all(servers)
+        # stopped: the passes under way are dropped, their processes need not finish them
+        runner.stop_all(servers, patience=5.0 if stopped or done < args.passes else 60.0)
         runner.drop_empty_logs(log_dir, names + extra)
+    if done == 0:
+        return None  # stopped before a timed pass was done: nothing to show
+    made = {n: sv.made for n, sv in servers.items()}
     results = _results(known, skipped, failed, passes, trained)
     for name, r in results.items():
         if r["status"] == "ok":
@@ -110,7 +114,7 @@ def run(args, data: Data, device: str, say) -> dict:
         },
         "results": results,
         "train_ceiling": ceiling or None,
-        "stopped": stopped,  # a run cut short keeps the passes it finished
+        "stopped": stopped,  # a run cut short: the timed passes it finished
     }
     return rep.finish(report)
 

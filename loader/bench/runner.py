@@ -1,12 +1,11 @@
 """Each pipeline in a process of its own, serving timed passes on request.
 
-Passes run in rounds: in each round every pipeline reads whole epochs (one, or more until
-``min_pass_seconds`` have passed), alone, in an order that rotates from round to round, so
-that a change of machine speed during the run touches all of them alike; round 0 is the
+A pass reads whole epochs (one, or more until ``min_pass_seconds`` have passed); the
 warm-up (workers start, caches fill; our DALI stage's first trial of its ways, over up to
-``WARMUP_PASSES`` passes). Processes are forks of a fork server, so that none inherits
-CUDA state. Whatever a pipeline's libraries print goes to its log file, never to the
-terminal; a pipeline that fails or dies is reported with the reason and the others go on.
+``WARMUP_PASSES`` passes) comes first (``rounds`` orders them). Processes are forks of a
+fork server, so that none inherits CUDA state. Whatever a pipeline's libraries print goes
+to its log file, never to the terminal; a pipeline that fails or dies is reported with the
+reason and the others go on.
 """
 
 from __future__ import annotations
@@ -122,10 +121,15 @@ def timed_pass(pipe, s: Settings) -> dict:
 def serve(name: str, s: Settings, conn, log: str) -> None:
     """In a process of its own: build pipeline ``name``, then answer requests until "stop"."""
     _to_log(log)
-    # A child of the fork server inherits its start method, and a torch DataLoader's workers
-    # would each start through it, importing their modules anew (up to 2 minutes' first
-    # batch with 16 workers): back to the platform's default, as in a user's script.
+    # A child of the fork server inherits its start method: a torch DataLoader would start a
+    # fork server of its own, with nothing imported, for its workers. The platform's default
+    # instead, as in a user's script.
     mp.set_start_method(None, force=True)
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C reaches the whole group: the run says it
+        _serve(name, s, conn, log)
+
+
+def _serve(name: str, s: Settings, conn, log: str) -> None:
     try:
         pipe = build(name, s)
     except Exception as e:
@@ -198,12 +202,12 @@ class Server:
             self.proc.join(5)
             return {"error": f"its process died (exit code {self.proc.exitcode}; see {self.log})"}
 
-    def stop(self, wait: bool = True) -> None:
-        """Ask the process to finish; with ``wait``, join it (killed after a minute)."""
+    def stop(self, wait: bool = True, patience: float = 60.0) -> None:
+        """Ask the process to finish; with ``wait``, join it (killed after ``patience`` s)."""
         with contextlib.suppress(OSError):  # already gone: nothing to stop
             self.conn.send(("stop",))
         if wait:
-            self.proc.join(60)
+            self.proc.join(patience)
             self.kill()
 
     def kill(self) -> None:
@@ -212,12 +216,17 @@ class Server:
             self.proc.join(5)
 
 
-def stop_all(servers: dict) -> None:
-    """Stop every server, all at once (each closes its pipeline meanwhile)."""
-    for server in servers.values():
-        server.stop(wait=False)
-    for server in servers.values():
-        server.stop()
+def stop_all(servers: dict, patience: float = 60.0) -> None:
+    """Stop every server, all at once (each closes its pipeline meanwhile; one that does not
+    finish in ``patience`` s is killed, as all are on a second Ctrl-C)."""
+    try:
+        for server in servers.values():
+            server.stop(wait=False)
+        for server in servers.values():
+            server.stop(patience=patience)
+    except KeyboardInterrupt:
+        for server in servers.values():
+            server.kill()
 
 
 def drop_empty_logs(log_dir: Path, names: list[str]) -> None:
@@ -237,10 +246,22 @@ def start(names: list[str], s: Settings, log_dir: Path, say) -> tuple[dict, dict
     The peers first, one at a time: each converts the images to its format when it starts
     (once; later runs reuse it), and that conversion is timed alone."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    servers, failed = {}, {}
+    servers, failed, started = {}, {}, {}
+    try:
+        _start(names, s, log_dir, say, servers, failed, started)
+    except BaseException:  # stopped (Ctrl-C) or failed: no process of it goes on
+        for server in [*servers.values(), *started.values()]:
+            server.kill()
+        raise
+    return {n: servers[n] for n in names if n in servers}, failed
+
+
+def _start(names, s: Settings, log_dir: Path, say, servers, failed, started) -> None:
     peers = [n for n in names if n in PEERS]
     for group in [[n] for n in peers] + [[n for n in names if n not in PEERS]]:
-        started = {name: Server(name, s, log_dir) for name in group}
+        started.clear()
+        for name in group:
+            started[name] = Server(name, s, log_dir)
         for name, server in started.items():
             # A peer converting a large folder takes as long as it takes (killed midway,
             # its writer's processes would go on and the conversion never finish).
@@ -254,51 +275,6 @@ def start(names: list[str], s: Settings, log_dir: Path, say) -> tuple[dict, dict
             if server.made and not server.made["reused"]:
                 say(f"  {name}: converted in {server.made['convert_seconds']:.1f} s, "
                     f"{server.made['mib']:.0f} MiB")  # fmt: skip
-    return {n: servers[n] for n in names if n in servers}, failed
-
-
-def rounds(servers: dict, passes: int, say) -> tuple[dict, dict, int]:
-    """Round 0 (warm-up) then ``passes`` timed rounds; ({name: [pass, ...]}, {name: reason},
-    the timed rounds done). Stopped (Ctrl-C, or SIGTERM as ``cli`` turns it), the rounds done
-    are kept and the one under way is dropped, its failures with it: those are the stop's."""
-    runs = {name: [] for name in servers}
-    failed, before, done = {}, {}, 0
-    try:
-        for r in range(passes + 1):
-            before = dict(failed)
-            _round(servers, r, passes, runs, failed, say)
-            done = r
-    except KeyboardInterrupt:
-        failed = before
-        runs = {name: answers[: done + 1] for name, answers in runs.items()}
-        say(f"  stopped: {done} of {passes} timed passes done")
-    return runs, failed, done
-
-
-def _round(servers: dict, r: int, passes: int, runs: dict, failed: dict, say) -> None:
-    names = [n for n in servers if n not in failed]
-    k = r % len(names) if names else 0
-    for name in names[k:] + names[:k]:
-        answer = servers[name].ask(("pass",) if r else ("warm-up",), PASS_TIMEOUT)
-        if "error" in answer:
-            failed[name] = f"failed in pass {r}: {answer['error']}"
-            say(f"  {name}: {failed[name]}")
-            continue
-        runs[name].append(answer)
-        rate = answer["images"] / answer["seconds"]
-        cores = answer["cpu_seconds"] / answer["seconds"]
-        tag = "warm-up" if r == 0 else f"pass {r}/{passes}"
-        start = f", first batch in {answer['first_batch_seconds']:.1f} s" if r == 0 else ""
-        say(f"  {tag:>10} {name:<14} {rate:9.1f} img/s  {cores:5.2f} cores busy{start}"
-            + _others(answer))  # fmt: skip
-
-
-def _others(answer: dict) -> str:
-    """A note for a pass's line where other processes were busy beside it."""
-    other = answer.get("other_cpu_seconds")
-    if other is None or other / answer["seconds"] <= busy.THRESHOLD:
-        return ""
-    return f"  (the machine was busy: others took {other / answer['seconds']:.2f} cores)"
 
 
 def train(servers: dict, models: tuple[str, ...], say) -> tuple[dict, dict]:

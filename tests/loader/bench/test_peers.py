@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from loader.bench import busy, chart, report, runner, stores
+from loader.bench import busy, chart, report, rounds, runner, stores
 from loader.bench import data as bench_data
 from loader.bench.peers import conversion
 from loader.bench.pipelines import PEERS, Settings, build, specs, unavailable
@@ -260,7 +260,7 @@ def test_a_pass_counts_what_other_processes_took_beside_it():
         os.kill(pid, signal.SIGKILL)
     assert answer["images"] == 4 and answer["cpu_seconds"] < 0.5
     assert answer["other_cpu_seconds"] >= 0.6 * answer["seconds"]  # about a core, or more
-    assert runner._others(answer).startswith("  (the machine was busy: others took ")
+    assert rounds._others(answer).startswith("  (the machine was busy: others took ")
 
 
 def _result(name: str, side: str, rate: float, store: dict | None) -> dict:
