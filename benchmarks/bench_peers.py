@@ -2,7 +2,7 @@
 (``../shared/photos`` when the checkout sits beside it), data under ``bench-data/peers``,
 results into ``benchmarks/results``. Any option of ``imfeed-bench`` may follow, e.g.
 
-    python3 benchmarks/bench_peers.py --name cpu-2cpu
+    python3 benchmarks/bench_peers.py --name cpu-2cpu-peers
     python3 benchmarks/bench_peers.py --images 20000 --batch-size 256 --workers 16 \\
         --dtype float16 --channels-last --train-check --name gpu-h200
 """
