@@ -80,7 +80,7 @@ def upload(device: torch.device, *arrays: np.ndarray | Rows, stats=None) -> list
     """
     if device.type != "cuda":
         return [torch.from_numpy(np.ascontiguousarray(_host(a))) for a in arrays]
-    sizes = [-(-a.nbytes // 8) * 8 for a in arrays]  # 8-byte aligned slots
+    sizes = slot_sizes(arrays)
     host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
     flat, at = host.numpy(), 0
     for a, size in zip(arrays, sizes, strict=True):
@@ -94,6 +94,13 @@ def upload(device: torch.device, *arrays: np.ndarray | Rows, stats=None) -> list
     if stats is not None:
         stats.add(h2d_bytes=host.nbytes)
     return unpack(dev, arrays, sizes)
+
+
+def slot_sizes(arrays) -> list[int]:
+    """Bytes of each array's slot in ``upload``'s buffer: its own, rounded up to 16, so that
+    a kernel's pointer arguments keep one alignment from batch to batch (Triton compiles a
+    kernel again for a pointer's alignment)."""
+    return [-(-a.nbytes // 16) * 16 for a in arrays]
 
 
 def unpack(flat: torch.Tensor, arrays, sizes: list[int]) -> list[torch.Tensor]:

@@ -47,7 +47,10 @@ def tap_weight(src, centre, fscale, use, cubic, antialias: tl.constexpr, CUBIC: 
     return tl.where(use, wgt, 0.0)
 
 
-@triton.jit
+# An int argument that varies from batch to batch (``n_rows``, ``taps``: bounds, not
+# strides) is not specialised: Triton would compile the kernel again, on the prefetch thread
+# and in the middle of a run, the first time such a value is 1 or a multiple of 16.
+@triton.jit(do_not_specialize=["n_rows", "taps"])
 def resample_rows(
     images, crop_info, row_image, scratch, n_rows, out_w, taps,
     ANTIALIAS: tl.constexpr, CUBIC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -96,7 +99,7 @@ def resample_rows(
     tl.store(base + 2 * out_w, r2, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["taps"])
 def resample_cols(
     scratch, crop_info, out, out_h, out_w, taps,
     s_n, s_c, s_h, s_w,

@@ -1682,7 +1682,7 @@ def test_cutting_spans_out_of_a_slot_matches_slicing(starts, lengths):
 
 
 def test_one_copy_unpacks_into_arrays_of_their_shapes_and_dtypes():
-    from loader.gpu.augment import Rows, unpack
+    from loader.gpu.augment import Rows, slot_sizes, unpack
 
     pixels = np.arange(2 * 3 * 2 * 3, dtype=np.uint8).reshape(2, 3, 2, 3)
     arrays = [
@@ -1691,7 +1691,8 @@ def test_one_copy_unpacks_into_arrays_of_their_shapes_and_dtypes():
         Rows(pixels, np.array([1])),
         np.array([5, 6, 7], dtype=np.uint8),
     ]
-    sizes = [-(-a.nbytes // 8) * 8 for a in arrays]
+    sizes = slot_sizes(arrays)
+    assert sizes == [32, 128, 32, 16]  # each slot starts 16-byte aligned
     flat = np.zeros(sum(sizes), dtype=np.uint8)
     at = 0
     for a, size in zip(arrays, sizes, strict=True):
