@@ -95,6 +95,14 @@ def _redirected(limit: int | None) -> Iterator[list[bytes]]:
 
 
 @contextlib.contextmanager
+def still() -> Iterator[set[int]]:
+    """No redirection begins or ends in the body; yields the descriptors that one in flight
+    holds meanwhile (the saved stderr, or none), for an exact count of the process's."""
+    with _LOCK:
+        yield {_STATE["saved"]} if _STATE["inside"] else set()
+
+
+@contextlib.contextmanager
 def captured() -> Iterator[list[str]]:
     """Run the body with fd 2 redirected; the yielded list then holds what was written
     (one string, stripped; empty list when nothing was)."""

@@ -414,11 +414,17 @@ def held_resources() -> tuple[int, int, int]:
 
 
 def _our_descriptors() -> list[str]:
-    """What this process's descriptors open, but the CUDA driver's device nodes."""
+    """What this process's descriptors open, but the CUDA driver's device nodes and the
+    stderr that a C call in flight in another thread has saved aside (``ingest.cstderr``:
+    a decode thread of the next epoch may be inside one)."""
+    from ingest import cstderr
+
     targets = []
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own among them)
-            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+    with cstderr.still() as saved:
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # closed meanwhile (the listing's own among them)
+                if int(fd) not in saved:
+                    targets.append(os.readlink(f"/proc/self/fd/{fd}"))
     return [t for t in targets if not t.startswith("/dev/nvidia")]
 
 

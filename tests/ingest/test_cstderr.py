@@ -119,3 +119,23 @@ def test_a_process_forked_mid_redirection_writes_to_the_real_stderr():
         os.waitpid(pid, 0)
         """)
     assert got.stderr == "from the child\n"
+
+
+def test_still_names_the_stderr_a_call_in_flight_saved_aside():
+    """A count of the process's descriptors while another thread is inside a C call's
+    redirection sees one more: the real stderr, saved aside; ``still`` names it."""
+    done = run("""
+        import os
+        from ingest import cstderr
+        real = os.readlink("/proc/self/fd/2")
+        with cstderr.still() as saved:
+            assert saved == set()
+        with cstderr.captured(), cstderr.still() as saved:
+            (fd,) = saved
+            assert os.readlink(f"/proc/self/fd/{fd}") == real
+            assert os.readlink("/proc/self/fd/2") != real
+        with cstderr.still() as saved:
+            assert saved == set() and os.readlink("/proc/self/fd/2") == real
+        print("ok")
+    """)
+    assert done.stdout == "ok\n"
