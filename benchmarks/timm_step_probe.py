@@ -12,8 +12,10 @@ given: the cores' contention alone), ``recipe`` (timm's recipe), ``crop`` (Rando
 + flip only), ``dali`` (DALI's own pipeline on the store's image folder, the crop only), each
 with options joined by "-": ``nvjpeg``, ``cpu`` or ``dali`` (decoder), ``wN`` (N workers),
 ``cN`` (N nvJPEG decode threads), ``niceN`` (worker_nice, or the spinners' niceness),
-``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no ``loss.item()``), ``prof`` (then 6
-steps under torch's profiler: the GPU's busy time against the span). Prints img/s, the main
+``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no ``loss.item()``), ``compile`` or
+``graphs`` (the model under ``torch.compile``, its default mode or "reduce-overhead": fewer
+launches a step; WARM must cover the compile), ``prof`` (then 6 steps under torch's
+profiler: the GPU's busy time against the span). Prints img/s, the main
 thread's CPU share, the cores' clock at the end, the loader's thread CPU and the step's
 parts. docs/design/augmentations.md cites its output.
 """
@@ -153,7 +155,7 @@ def _options(feed: str) -> dict:
     return out
 
 
-FLAGS = ("nvjpeg", "cpu", "dali", "switch", "nosync", "prof")
+FLAGS = ("nvjpeg", "cpu", "dali", "switch", "nosync", "prof", "compile", "graphs")
 CORES = sorted(os.sched_getaffinity(0))
 
 
@@ -227,10 +229,12 @@ def _dali(store: str):
 def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, warm: int = 12):
     model = timm.create_model(model_name).cuda().to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    opts = _options(feed)
+    if "compile" in opts or "graphs" in opts:
+        model = torch.compile(model, mode="reduce-overhead" if "graphs" in opts else None)
     scaler = torch.amp.GradScaler()
     mix = Mixup(mixup_alpha=0.2, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=1000)
     loss_fn = timm.loss.SoftTargetCrossEntropy()
-    opts = _options(feed)
     src, dl = _feed(store, feed)
     parts, sync = collections.Counter(), "nosync" not in opts
 
