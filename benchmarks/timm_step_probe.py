@@ -15,9 +15,9 @@ with options joined by "-": ``nvjpeg``, ``cpu`` or ``dali`` (decoder), ``wN`` (N
 ``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no ``loss.item()``), ``compile`` or
 ``graphs`` (the model under ``torch.compile``, its default mode or "reduce-overhead": fewer
 launches a step; WARM must cover the compile), ``prof`` (then 6 steps under torch's
-profiler: the GPU's busy time against the span). Prints img/s, the main
-thread's CPU share, the cores' clock at the end, the loader's thread CPU and the step's
-parts. docs/design/augmentations.md cites its output.
+profiler: the GPU's busy time against the span). Prints img/s, the main thread's CPU share,
+the cores' clock at the end, the loader's thread CPU and the step's parts.
+docs/design/augmentations.md cites its output.
 """
 
 from __future__ import annotations
@@ -198,18 +198,7 @@ def _feed(store: str, feed: str):
     if "switch" in opts:
         sys.setswitchinterval(0.0002)
     dl = make(store, recipe, **kw)
-    return _epochs(dl), dl
-
-
-def _epochs(dl):
-    """The loader's batches, epoch after epoch."""
-    while True:
-        empty = True
-        for batch in dl:
-            empty = False
-            yield batch
-        if empty:
-            raise SystemExit("the loader gave an empty epoch")
+    return itertools.chain.from_iterable(itertools.repeat(dl)), dl  # epoch after epoch
 
 
 def _dali(store: str):

@@ -215,6 +215,8 @@ def _write(args, report: dict, device: str, say) -> str:
 
 def subtitle(report: dict) -> str:
     """The machine and the settings of a run, in one line."""
+    from loader.bench.report import stopped_words
+
     m, s, d = report["machine"], report["settings"], report["data"]
     kept = d.get("kept")  # reports before it have none
     kept = f" ({kept} kept in the store)" if kept not in (None, d["images"]) else ""
@@ -223,17 +225,8 @@ def subtitle(report: dict) -> str:
         f"batch {s['batch_size']}, {s['workers']} workers, {s['dtype']}"
         f"{', channels_last' if s['channels_last'] else ''}, "
         f"{'eval' if s['eval'] else _recipe(s)} augmentation, on {s['device']}; {report['date']}"
-        + _stopped(report)
+        + (f"; {words}" if (words := stopped_words(report)) else "")
     )
-
-
-def _stopped(report: dict) -> str:
-    stop = report.get("stopped")
-    if not stop:
-        return ""
-    if stop["in_training"]:
-        return "; stopped during the training checks"
-    return f"; stopped after {stop['timed_passes']} of {report['settings']['passes']} passes"
 
 
 def _recipe(settings: dict) -> str:

@@ -160,12 +160,20 @@ def table(results: dict, summary: dict, ceiling: dict) -> str:
     return "\n".join(lines + tail)
 
 
+def stopped_words(report: dict) -> str:
+    """How a run stopped midway ended, in a few words; "" for a whole run."""
+    stop = report.get("stopped")
+    if not stop:
+        return ""
+    if stop["in_training"]:
+        return "stopped during the training checks"
+    return f"stopped after {stop['timed_passes']} of {report['settings']['passes']} timed passes"
+
+
 def stopped_note(report: dict) -> str:
     """What a run stopped midway holds, in a sentence."""
-    done, asked = report["stopped"]["timed_passes"], report["settings"]["passes"]
-    if report["stopped"]["in_training"]:
-        return f"Stopped during the training checks: {done} timed passes done, no training figures."
-    return f"Stopped after {done} of {asked} timed passes: these are the figures of those done."
+    held = "no training figures" if report["stopped"]["in_training"] else "the figures of those"
+    return f"{stopped_words(report).capitalize()}: {held}."
 
 
 def headline(summary: dict, results: dict) -> str:

@@ -247,34 +247,30 @@ def start(names: list[str], s: Settings, log_dir: Path, say) -> tuple[dict, dict
     (once; later runs reuse it), and that conversion is timed alone."""
     log_dir.mkdir(parents=True, exist_ok=True)
     servers, failed, started = {}, {}, {}
+    peers = [n for n in names if n in PEERS]
     try:
-        _start(names, s, log_dir, say, servers, failed, started)
+        for group in [[n] for n in peers] + [[n for n in names if n not in PEERS]]:
+            started = {}
+            for name in group:
+                started[name] = Server(name, s, log_dir)
+            for name, server in started.items():
+                # A peer converting a large folder takes as long as it takes (killed midway,
+                # its writer's processes would go on and the conversion never finish).
+                answer = server.ask(None, None if name in PEERS else READY_TIMEOUT)
+                if "error" in answer:
+                    failed[name] = answer["error"]
+                    server.kill()
+                    say(f"  {name}: skipped ({failed[name]})")
+                    continue
+                server.made, servers[name] = answer.get("made"), server
+                if server.made and not server.made["reused"]:
+                    say(f"  {name}: converted in {server.made['convert_seconds']:.1f} s, "
+                        f"{server.made['mib']:.0f} MiB")  # fmt: skip
     except BaseException:  # stopped (Ctrl-C) or failed: no process of it goes on
         for server in [*servers.values(), *started.values()]:
             server.kill()
         raise
     return {n: servers[n] for n in names if n in servers}, failed
-
-
-def _start(names, s: Settings, log_dir: Path, say, servers, failed, started) -> None:
-    peers = [n for n in names if n in PEERS]
-    for group in [[n] for n in peers] + [[n for n in names if n not in PEERS]]:
-        started.clear()
-        for name in group:
-            started[name] = Server(name, s, log_dir)
-        for name, server in started.items():
-            # A peer converting a large folder takes as long as it takes (killed midway,
-            # its writer's processes would go on and the conversion never finish).
-            answer = server.ask(None, None if name in PEERS else READY_TIMEOUT)
-            if "error" in answer:
-                failed[name] = answer["error"]
-                server.kill()
-                say(f"  {name}: skipped ({failed[name]})")
-                continue
-            server.made, servers[name] = answer.get("made"), server
-            if server.made and not server.made["reused"]:
-                say(f"  {name}: converted in {server.made['convert_seconds']:.1f} s, "
-                    f"{server.made['mib']:.0f} MiB")  # fmt: skip
 
 
 def train(servers: dict, models: tuple[str, ...], say) -> tuple[dict, dict]:

@@ -76,9 +76,9 @@ def test_a_run_stopped_after_a_pass_writes_the_passes_done(images, tmp_path, gro
         assert len(results[name]["rates"]) == done  # the round under way dropped
         assert all(p["images"] % 12 == 0 for p in results[name]["passes"])  # whole epochs
     md = (tmp_path / "out" / "t.md").read_text()
-    note = f"Stopped after {done} of 3 timed passes: these are the figures of those done."
+    note = f"Stopped after {done} of 3 timed passes: the figures of those."
     assert note in md
-    assert f"stopped after {done} of 3 passes" in md.splitlines()[0]
+    assert md.splitlines()[0].endswith(f"; stopped after {done} of 3 timed passes")
     assert not list((tmp_path / "out" / "logs").glob("*.log"))  # no traceback left in them
 
 
