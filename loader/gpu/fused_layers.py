@@ -130,9 +130,12 @@ def run_layer(x: torch.Tensor, table: np.ndarray, host: np.ndarray, fill: tuple)
     tiles = (triton_cdiv(h * w, _BLOCK), n)  # (CUDA's second grid axis stops at 65,535)
     luts = torch.empty(1, dtype=torch.uint8, device=x.device)  # where no sample takes a LUT
     if (kinds == _LUT).any() or (kinds >= _STATS["AutoContrast"]).any():
-        stats = torch.zeros(n * 3 * 258, dtype=torch.int32, device=x.device)
+        # lows and highs each start 16-byte aligned whatever n is: Triton compiles a kernel
+        # again for a pointer of another alignment (a batch of n % 4 != 0, mid-run).
+        m = -(-n * 3 // 4) * 4
+        stats = torch.zeros(n * 3 * 256 + 2 * m, dtype=torch.int32, device=x.device)
         hist = stats[: n * 3 * 256].view(n * 3, 256)
-        lows, highs = stats[n * 3 * 256 :].view(2, n * 3).unbind()
+        lows, highs = stats[n * 3 * 256 :].view(2, m)[:, : n * 3].unbind()
         lows.fill_(255)
         gray = torch.zeros(n, dtype=torch.int64, device=x.device)
         if (kinds >= _STATS["AutoContrast"]).any():
