@@ -1,22 +1,24 @@
 """Where a timm-style training step's time goes with our loader (CUDA only).
 
-    python3 benchmarks/timm_step_probe.py STORE [alone] [train]   (FEEDS, STEPS, WARM)
+python3 benchmarks/timm_step_probe.py STORE [alone] [train] (FEEDS, STEPS, WARM)
 
 ``alone``: the loader with timm's recipe (``rand-m9-mstd0.5-inc1``, re_prob 0.25, random
-interpolation) by itself: img/s, a cProfile of the GPU stage's thread, then 10 batches
-under torch's profiler (kernels by name, GPU busy time by stream). ``train``: ResNet-50 in
-a loop written as timm's (fp16 autocast, GradScaler, timm's Mixup and SoftTargetCrossEntropy,
+interpolation) by itself: img/s, a cProfile of the GPU stage's thread, then 10 batches under
+torch's profiler (kernels by name, GPU busy time by stream). ``train``: ResNet-50 in a loop
+written as timm's (fp16 autocast, GradScaler, timm's Mixup and SoftTargetCrossEntropy,
 ``loss.item()`` each step), STEPS steps after WARM, per feed: ``synthetic`` (one batch on
 the GPU), ``busy`` (the same beside N processes that spin on the CPU, ``wN``, 16 unless
-given: the cores' contention alone), ``recipe`` (timm's recipe), ``crop`` (RandomResizedCrop
-+ flip only), ``dali`` (DALI's own pipeline on the store's image folder, the crop only), each
-with options joined by "-": ``nvjpeg``, ``cpu`` or ``dali`` (decoder), ``wN`` (N workers),
-``cN`` (N nvJPEG decode threads), ``niceN`` (worker_nice, or the spinners' niceness),
-``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no ``loss.item()``), ``compile`` or
-``graphs`` (the model under ``torch.compile``, its default mode or "reduce-overhead": fewer
-launches a step; WARM must cover the compile), ``prof`` (then 6 steps under torch's
-profiler: the GPU's busy time against the span). Prints img/s, the main thread's CPU share,
-the cores' clock at the end, the loader's thread CPU and the step's parts.
+given: the cores' contention alone), ``ghost`` (the same beside a thread that makes ``oN``
+small CUDA ops and spins ``pN`` ms in the interpreter a step), ``recipe`` (timm's recipe),
+``crop`` (RandomResizedCrop + flip only), ``dali`` (DALI's own pipeline on the store's image
+folder, the crop only), each with options joined by "-": ``nvjpeg``, ``cpu`` or ``dali``
+(decoder), ``wN`` (N workers), ``cN`` (N nvJPEG decode threads), ``niceN`` (worker_nice, or
+the spinners' niceness), ``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no
+``loss.item()``), ``compile`` or ``graphs`` (the model under ``torch.compile``, its default
+mode or "reduce-overhead": fewer launches a step; WARM must cover the compile), ``prof``
+(then 6 steps under torch's profiler: the GPU's busy time against the span). Prints img/s,
+the main thread's CPU share, the cores' clock at the end, the loader's thread CPU and the
+step's parts.
 docs/design/augmentations.md cites its output.
 """
 
@@ -149,7 +151,7 @@ def _options(feed: str) -> dict:
     for o in feed.split("-")[1:]:
         name, number = o.rstrip("0123456789"), o[len(o.rstrip("0123456789")) :]
         flag = name in FLAGS and not number
-        if not (flag or (name in ("w", "nice", "c") and number)):
+        if not (flag or (name in ("w", "nice", "c", "o", "p") and number)):
             raise SystemExit(f"unknown option {o!r} in feed {feed!r}: see the module docstring")
         out[name] = int(number) if number else True
     return out
@@ -176,6 +178,10 @@ def _spinners(n: int, nice: int) -> list:
 def _feed(store: str, feed: str):
     """(batches, the loader, or the spinner processes beside synthetic data) of ``feed``."""
     opts = _options(feed)
+    if "switch" in opts:
+        sys.setswitchinterval(0.0002)
+    if feed.startswith("ghost"):  # synthetic data beside a thread that acts a stage's part
+        return _ghost(opts.get("o", 0), opts.get("p", 0)), []
     if feed.startswith(("synthetic", "busy")):
         x = torch.randn(BATCH, 3, 224, 224, device="cuda")
         y = torch.randint(0, 10, (BATCH,), device="cuda")
@@ -195,10 +201,36 @@ def _feed(store: str, feed: str):
     if "w" in opts:
         kw["num_workers"] = opts["w"]
     NvjpegDecoder.concurrent_calls = opts.get("c", NVJPEG_CALLS)  # its decode threads
-    if "switch" in opts:
-        sys.setswitchinterval(0.0002)
     dl = make(store, recipe, **kw)
     return itertools.chain.from_iterable(itertools.repeat(dl)), dl  # epoch after epoch
+
+
+def _ghost(ops: int, python_ms: int):
+    """Synthetic batches; for each, a thread makes ``ops`` small CUDA ops on a stream of its
+    own (each lets the GIL go and takes it back) and spins ``python_ms`` in the interpreter
+    (holding it): what a stage's launches and host Python alone cost the training thread."""
+    x = torch.randn(BATCH, 3, 224, 224, device="cuda")
+    y = torch.randint(0, 10, (BATCH,), device="cuda")
+    turn, stop = __import__("threading").Semaphore(0), __import__("threading").Event()
+
+    def work() -> None:
+        a = torch.zeros(1024, device="cuda")
+        with torch.cuda.stream(torch.cuda.Stream()):
+            while turn.acquire() and not stop.is_set():
+                for _ in range(ops):
+                    a.add_(1.0)
+                end = time.perf_counter() + python_ms / 1e3
+                while time.perf_counter() < end:
+                    pass
+
+    __import__("threading").Thread(target=work, daemon=True).start()
+    try:
+        while True:
+            turn.release()
+            yield x.clone(), y
+    finally:
+        stop.set()
+        turn.release()
 
 
 def _dali(store: str):
@@ -263,6 +295,12 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
         if isinstance(dl, loader.DataLoader):
             s = dl.stats()
             line += f" prefetch_cpu_s={s.get('prefetch_cpu_s') or 0:.2f} batches={s.get('batches')}"
+            n = s.get("batches") or 1  # the stage's thread a batch: its wall, waits, CPU
+            line += " stage ms/batch: " + ", ".join(
+                f"{k[:-2]} {1e3 * (s.get(k) or 0) / n:.1f}"
+                for k in ("stage_busy_s", "stage_wait_s", "stage_held_s", "prefetch_cpu_s",
+                          "decode_threads_cpu_s")
+            )  # fmt: skip
         print(f"{line} per step ms: {each}")
         if "prof" in opts:  # the GPU's busy time against the span: idle while the host lags
             from torch.profiler import ProfilerActivity, profile

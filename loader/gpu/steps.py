@@ -2,9 +2,10 @@
 
 Where the recipe has any (``Transform.steps``: ColorJitter, RandomGrayscale;
 ``Transform.erasing``), the stage crops into uint8 instead of normalising in its kernels;
-then each step acts on the whole batch on the device (``loader.ops``), the batch is
-normalised and cast, and RandomErasing acts on the result, all on the stage's side
-stream. The draws come from the batch's seed (``loader.ops.draws``), so a resumed epoch
+then each step acts on the whole batch on the device (``loader.ops``; timm's policies
+fused, ``loader.gpu.fused_layers``), and the batch is normalised, cast, erased (the recipe's
+RandomErasing) and laid out in one launch (``loader.gpu.normalise``), all on the stage's
+side stream. The draws come from the batch's seed (``loader.ops.draws``), so a resumed epoch
 repeats them, and the CPU path makes the same.
 """
 
@@ -15,6 +16,7 @@ import torch
 
 from loader.augment import Transform
 from loader.gpu import fused_layers
+from loader.gpu.normalise import levels, normalise_erase
 from loader.ops.draws import draw
 
 
@@ -32,7 +34,9 @@ class BatchSteps:
         std = np.asarray(spec.std, dtype=np.float64)
         self._scale = (1.0 / (255.0 * std)).tolist()
         self._bias = (-np.asarray(spec.mean, dtype=np.float64) / std).tolist()
-        self._affine: tuple | None = None  # (device, scale, bias)
+        self._affine: tuple | None = None  # (device, scale, bias, levels)
+        # On the CPU (tests: Triton's interpreter) the torch ops, unless asked for the kernel.
+        self.fused = False
 
     @property
     def active(self) -> bool:
@@ -47,18 +51,23 @@ class BatchSteps:
                 x = fused_layers.apply(step, x, params)
             else:
                 x = step.apply(x, params)
+        if self.dtype.is_floating_point and (x.is_cuda or self.fused):
+            return normalise_erase(  # the rest in one launch
+                x, self._on(x.device)[2], self.dtype, self.format, self.erasing, draws.boxes,
+                draws.noise,
+            )  # fmt: skip
         if self.dtype.is_floating_point:
-            scale, bias = self._on(x.device)
+            scale, bias, _ = self._on(x.device)
             x = torch.addcmul(bias, x.float(), scale).to(self.dtype)
         if self.erasing is not None:
             x = self.erasing.apply(x, draws.boxes, seed=draws.noise)
         return x.contiguous(memory_format=self.format)
 
-    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, bias) on ``device``, made once (from lists each batch they would
-        synchronise the stream)."""
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scale, bias, the levels' values) on ``device``, made once (from lists each
+        batch they would synchronise the stream)."""
         if self._affine is None or self._affine[0] != device:
             scale = torch.tensor(self._scale, device=device).view(1, 3, 1, 1)
             bias = torch.tensor(self._bias, device=device).view(1, 3, 1, 1)
-            self._affine = (device, scale, bias)
-        return self._affine[1], self._affine[2]
+            self._affine = (device, scale, bias, levels(scale, bias))
+        return self._affine[1:]

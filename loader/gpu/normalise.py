@@ -1,0 +1,63 @@
+"""A recipe's uint8 batch normalised, cast, erased and laid out in one launch.
+
+``BatchSteps`` ends a batch with its normalisation, cast, RandomErasing and memory format:
+as torch ops, some 25 launches a batch from the stage's thread, each letting the GIL go
+and taking it back beside the training loop, and as many passes over the batch. Here they
+are one Triton kernel (``erase_kernels``) fed a small table of boxes and the 256 levels'
+normalised values (made once, by the torch op used before): the same values as those ops
+(tests/loader/gpu/test_normalise.py), the erasing noise the same pure function of its
+coordinates (``loader.ops.noise``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from loader.ops import noise
+from loader.ops.erasing import RandomErasing
+from loader.ops.upload import on_device
+
+_BLOCK = 1024  # pixels of one sample a program
+_FILLS = {None: 0, "const": 1, "channel": 2, "pixel": 3}  # erase_kernels' NONE, CONST, ...
+
+
+def levels(scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Each channel's 256 levels normalised (float32 [3, 256] on the tensors' device), by
+    the op that normalises a batch: ``addcmul(bias, x, scale)`` ([1, 3, 1, 1] each)."""
+    x = torch.arange(256, dtype=torch.float32, device=scale.device).view(1, 1, 1, 256)
+    return torch.addcmul(bias, x, scale).view(3, 256).contiguous()
+
+
+def normalise_erase(
+    x: torch.Tensor,
+    table: torch.Tensor,
+    dtype: torch.dtype,
+    memory_format: torch.memory_format,
+    erasing: RandomErasing | None = None,
+    boxes: np.ndarray | None = None,
+    seed: int = 0,
+) -> torch.Tensor:
+    """``x`` (uint8 [N, 3, H, W], any strides) through ``table`` (``levels``: on ``x``'s
+    device), cast to ``dtype``, in ``memory_format``; then each sample's box of ``boxes``
+    (``erasing.draw``'s) filled as ``erasing.apply(..., seed=seed)`` fills it. A new tensor."""
+    from loader.gpu import erase_kernels
+
+    n, c, h, w = x.shape
+    out = torch.empty((n, c, h, w), dtype=dtype, device=x.device, memory_format=memory_format)
+    if n == 0:
+        return out
+    fill, values = None, (0.0, 0.0, 0.0)
+    if erasing is not None and boxes is not None and boxes[:, 2].any():
+        fill = erasing.fill
+        # the constant as ``erasing.apply`` casts it (then exact in float32)
+        values = torch.tensor(erasing.value, dtype=dtype).float().tolist()
+    rows = np.zeros((n, 5), dtype=np.int64)
+    if fill is not None:
+        rows[:, :4] = boxes
+        rows[:, 4] = noise.keys(seed, np.arange(n))
+    erase_kernels.normalise_erase[(-(-h * w // _BLOCK), n)](
+        x, out, table, on_device(rows, x.device), h, w, *x.stride(), *out.stride(), *values,
+        FILL=_FILLS[fill], BLOCK=_BLOCK,
+    )  # fmt: skip
+    return out
