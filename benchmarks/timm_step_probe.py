@@ -14,11 +14,12 @@ small CUDA ops and spins ``pN`` ms in the interpreter a step), ``recipe`` (timm'
 folder, the crop only), each with options joined by "-": ``nvjpeg``, ``cpu`` or ``dali``
 (decoder), ``wN`` (N workers), ``cN`` (N nvJPEG decode threads), ``niceN`` (worker_nice, or
 the spinners' niceness), ``switch`` (a 0.2 ms GIL switch interval), ``nosync`` (no
-``loss.item()``), ``compile`` or ``graphs`` (the model under ``torch.compile``, its default
-mode or "reduce-overhead": fewer launches a step; WARM must cover the compile), ``prof``
-(then 6 steps under torch's profiler: the GPU's busy time against the span). Prints img/s,
-the main thread's CPU share, the cores' clock at the end, the loader's thread CPU and the
-step's parts.
+``loss.item()``), ``unfused`` (the batch normalised and erased by torch ops, not
+``loader.gpu.normalise``'s one launch), ``compile`` or ``graphs`` (the model under
+``torch.compile``, its default mode or "reduce-overhead": fewer launches a step; WARM must
+cover the compile), ``prof`` (then 6 steps under torch's profiler: the GPU's busy time
+against the span). Prints img/s, the main thread's CPU share, the cores' clock at the end,
+the loader's thread CPU and the step's parts.
 docs/design/augmentations.md cites its output.
 """
 
@@ -46,6 +47,7 @@ from timm.data import Mixup, create_transform
 import loader
 from loader.gpu import prefetch
 from loader.gpu.nvjpeg import NvjpegDecoder
+from loader.gpu.steps import BatchSteps
 
 BATCH = 256
 NVJPEG_CALLS = NvjpegDecoder.concurrent_calls  # the loader's own, before an option's
@@ -157,7 +159,7 @@ def _options(feed: str) -> dict:
     return out
 
 
-FLAGS = ("nvjpeg", "cpu", "dali", "switch", "nosync", "prof", "compile", "graphs")
+FLAGS = ("nvjpeg", "cpu", "dali", "switch", "nosync", "prof", "compile", "graphs", "unfused")
 CORES = sorted(os.sched_getaffinity(0))
 
 
@@ -180,6 +182,7 @@ def _feed(store: str, feed: str):
     opts = _options(feed)
     if "switch" in opts:
         sys.setswitchinterval(0.0002)
+    BatchSteps.fused = False if "unfused" in opts else None
     if feed.startswith("ghost"):  # synthetic data beside a thread that acts a stage's part
         return _ghost(opts.get("o", 0), opts.get("p", 0)), []
     if feed.startswith(("synthetic", "busy")):

@@ -23,6 +23,10 @@ from loader.ops.draws import draw
 class BatchSteps:
     """The steps of ``spec`` for a batch of ``dtype`` in ``memory_format``."""
 
+    # The last launch (``loader.gpu.normalise``): None, on CUDA and not on the CPU (where
+    # Triton's interpreter would run it: tests); True or False, always or never.
+    fused: bool | None = None
+
     def __init__(self, spec: Transform, dtype: torch.dtype, memory_format) -> None:
         self.spec, self.steps, self.erasing = spec, spec.steps, spec.erasing
         self.dtype, self.format = dtype, memory_format
@@ -35,8 +39,6 @@ class BatchSteps:
         self._scale = (1.0 / (255.0 * std)).tolist()
         self._bias = (-np.asarray(spec.mean, dtype=np.float64) / std).tolist()
         self._affine: tuple | None = None  # (device, scale, bias, levels)
-        # On the CPU (tests: Triton's interpreter) the torch ops, unless asked for the kernel.
-        self.fused = False
 
     @property
     def active(self) -> bool:
@@ -51,7 +53,7 @@ class BatchSteps:
                 x = fused_layers.apply(step, x, params)
             else:
                 x = step.apply(x, params)
-        if self.dtype.is_floating_point and (x.is_cuda or self.fused):
+        if self.dtype.is_floating_point and (x.is_cuda if self.fused is None else self.fused):
             return normalise_erase(  # the rest in one launch
                 x, self._on(x.device)[2], self.dtype, self.format, self.erasing, draws.boxes,
                 draws.noise,
