@@ -41,19 +41,23 @@ class RandomErasing:
 
     def draw(self, rng: np.random.Generator, n: int, size: tuple[int, int]) -> np.ndarray:
         """Boxes of ``n`` samples of ``size`` (H, W): int64 [n, 4] (top, left, height,
-        width), height 0 where a sample is left as it is."""
+        width), height 0 where a sample is left as it is. Every try of every sample is
+        drawn at once and each takes its first that fits: the distribution of one try
+        after another, without a Python loop over the batch."""
         h_img, w_img = size
         boxes = np.zeros((n, 4), dtype=np.int64)
-        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
-        for k in np.flatnonzero(rng.random(n) < self.p):
-            for _ in range(_TRIES):
-                area = h_img * w_img * rng.uniform(*self.scale)
-                aspect = math.exp(rng.uniform(*log_ratio))
-                h, w = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
-                if h < h_img and w < w_img:
-                    top, left = rng.integers(0, h_img - h + 1), rng.integers(0, w_img - w + 1)
-                    boxes[k] = (top, left, h, w)
-                    break
+        chosen = np.flatnonzero(rng.random(n) < self.p)
+        tries = (len(chosen), _TRIES)
+        area = h_img * w_img * rng.uniform(*self.scale, size=tries)
+        aspect = np.exp(rng.uniform(math.log(self.ratio[0]), math.log(self.ratio[1]), tries))
+        h = np.round(np.sqrt(area * aspect)).astype(np.int64)  # half to even, as round()
+        w = np.round(np.sqrt(area / aspect)).astype(np.int64)
+        fits = (h < h_img) & (w < w_img)
+        hit = fits.any(axis=1)
+        first = fits.argmax(axis=1)[hit]
+        h, w = h[hit, first], w[hit, first]
+        top, left = rng.integers(0, h_img - h + 1), rng.integers(0, w_img - w + 1)
+        boxes[chosen[hit]] = np.stack([top, left, h, w], axis=1)
         return boxes
 
     def apply(
