@@ -8,7 +8,8 @@
 # Prints "timm MODEL LOADER IMG/S" lines: each run's mean of its epochs after the first.
 # Knobs: MODELS, FEEDS, EPOCHS, EPOCHS_FAST, RUN_S; OURS_ARGS adds arguments to ours (e.g.
 # OURS_ARGS="persistent_workers=False, decoder='cpu'": a name the swap passes takes the new value);
-# TRAIN_ARGS adds train.py options to every run (e.g. TRAIN_ARGS="--torchcompile inductor").
+# TRAIN_ARGS adds train.py options to every run (e.g. TRAIN_ARGS="--torchcompile inductor");
+# SWITCH_S runs it with that GIL switch interval (sys.setswitchinterval; Python's is 0.005).
 set -u
 folder=$1 store=$2 train=/tmp/timm_train.py
 cp "${TIMM_TRAIN:?set TIMM_TRAIN to timm\'s train.py (pytorch-image-models at aa4b5850)}" $train && patch -s $train benchmarks/timm_swap.diff || exit 1
@@ -43,11 +44,13 @@ for model in ${MODELS:-resnet50 resnet18}; do
       synthetic) env=(IMFEED_SYNTHETIC=1) prefetch=(--no-prefetcher) ;;
     esac
     echo "== $model $feed $(date -u +%T)"
-    env "${env[@]}" timeout ${RUN_S:-200} python3 $train --data-dir /tmp/timm_data --val-split '' \
+    run=($train)  # or through a wrapper that sets the switch interval first
+    [ -n "${SWITCH_S:-}" ] && run=(-c "import runpy, sys; sys.setswitchinterval($SWITCH_S); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" $train)
+    env "${env[@]}" timeout ${RUN_S:-200} python3 "${run[@]}" --data-dir /tmp/timm_data --val-split '' \
       --model $model -b 256 --epochs $epochs --warmup-epochs 0 --workers 16 --pin-mem $recipe \
       "${prefetch[@]}" ${TRAIN_ARGS:-} --log-interval 10 --eval-metric loss --checkpoint-hist 1 \
       --output /tmp/timm_out --experiment $model-$feed 2>&1 | tee /tmp/timm_run.log
-    label="${TRAIN_ARGS:+ $TRAIN_ARGS}"; [ $feed = ours ] && label="$label${OURS_ARGS:+ $OURS_ARGS}"
+    label="${TRAIN_ARGS:+ $TRAIN_ARGS}${SWITCH_S:+ switch $SWITCH_S}"; [ $feed = ours ] && label="$label${OURS_ARGS:+ $OURS_ARGS}"
     python3 - $model $feed "$label" <<'PY'
 import re, sys
 last = {}
