@@ -159,18 +159,7 @@ def _options(feed: str) -> dict:
     return out
 
 
-FLAGS = (
-    "nvjpeg",
-    "cpu",
-    "dali",
-    "switch",
-    "nosync",
-    "prof",
-    "cprof",
-    "compile",
-    "graphs",
-    "unfused",
-)
+FLAGS = ("nvjpeg", "cpu", "dali", "switch", "nosync", "prof", "compile", "graphs", "unfused")
 CORES = sorted(os.sched_getaffinity(0))
 
 
@@ -324,19 +313,10 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
                     step()
                 torch.cuda.synchronize()
             streams(prof, f"train {feed}, 6 steps")
-        if "cprof" in opts:  # the stage thread's Python over 10 more steps, by own time
-            prefetch.GpuEpochIterator._produce_one = _profiled
-            try:
-                for _ in range(10):
-                    step()
-            finally:
-                prefetch.GpuEpochIterator._produce_one = _produce_one
-            out = io.StringIO()
-            STAGE.create_stats()
-            pstats.Stats(STAGE, stream=out).sort_stats("tottime").print_stats(25)
-            print(out.getvalue())
     finally:
         sys.setswitchinterval(0.005)
+        if hasattr(src, "close"):
+            src.close()  # a ghost's thread ends
         if isinstance(dl, loader.DataLoader):
             dl.close()  # its workers do not sit beside the next feed's run
         else:

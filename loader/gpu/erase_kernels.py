@@ -1,11 +1,12 @@
 """Triton kernel of ``loader.gpu.normalise``: a uint8 batch normalised, cast and erased.
 
-A program handles a tile of one sample's pixels, all three channels: each value is its
-channel's entry for ``x`` in a table of the 256 levels' normalised values (float32), or,
-inside the sample's erasing box, the fill: a constant, or ``loader.ops.noise``'s normal
-noise of (key, channel) or (key, channel, row, column), the same integer hash and float64
-Box-Muller. Then it is cast to the output's dtype and written with the output's strides
-(channels-last or not). Kept at a module's top level: Triton resolves helpers from globals.
+A program handles a tile of one sample's pixels, all three channels: each value is the
+pixel's level looked up in its channel's row of the 256 levels' normalised values
+(float32), or, inside the sample's erasing box, the fill: a constant, or
+``loader.ops.noise``'s normal noise of (key, channel) or (key, channel, row, column), the
+same integer hash and float64 Box-Muller. Then it is cast to the output's dtype and
+written with the output's strides (channels-last or not).
+Kept at a module's top level: Triton resolves helpers from globals.
 """
 
 import triton

@@ -1,8 +1,9 @@
 """A recipe's uint8 batch normalised, cast, erased and laid out in one launch.
 
 ``BatchSteps`` ends a batch with its normalisation, cast, RandomErasing and memory format:
-as torch ops, some 25 launches a batch from the stage's thread, each letting the GIL go
-and taking it back beside the training loop, and as many passes over the batch. Here they
+as torch ops, 23 a batch with a constant fill and some 75 with noise, launched from the
+stage's thread (each letting the GIL go and taking it back beside the training loop) and
+most of them a pass over the batch. Here they
 are one Triton kernel (``erase_kernels``) fed a small table of boxes and the 256 levels'
 normalised values (made once, by the torch op used before): the same values as those ops
 (tests/loader/gpu/test_normalise.py), the erasing noise the same pure function of its
@@ -44,6 +45,9 @@ def normalise_erase(
     from loader.gpu import erase_kernels
 
     n, c, h, w = x.shape
+    if x.dtype != torch.uint8 or c != 3 or table.shape != (3, 256):
+        raise ValueError(f"normalise_erase takes uint8 [N, 3, H, W] and a [3, 256] table, "
+                         f"not {x.dtype} {tuple(x.shape)} and {tuple(table.shape)}")  # fmt: skip
     out = torch.empty((n, c, h, w), dtype=dtype, device=x.device, memory_format=memory_format)
     if n == 0:
         return out
