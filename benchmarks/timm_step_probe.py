@@ -34,6 +34,7 @@ import os
 import pstats
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -183,15 +184,16 @@ def _feed(store: str, feed: str):
     if "switch" in opts:
         sys.setswitchinterval(0.0002)
     BatchSteps.fused = False if "unfused" in opts else None
-    if feed.startswith("ghost"):  # synthetic data beside a thread that acts a stage's part
-        return _ghost(opts.get("o", 0), opts.get("p", 0)), []
-    if feed.startswith(("synthetic", "busy")):
+    if feed.startswith(("synthetic", "busy", "ghost")):
         x = torch.randn(BATCH, 3, 224, 224, device="cuda")
         y = torch.randint(0, 10, (BATCH,), device="cuda")
+        batches = ((x.clone(), y) for _ in itertools.count())
+        if feed.startswith("ghost"):  # beside a thread that acts a stage's part
+            return _beside_ghost(batches, opts.get("o", 0), opts.get("p", 0)), []
         spin = []
         if feed.startswith("busy"):
             spin = _spinners(opts.get("w", 16), opts.get("nice", 0))
-        return ((x.clone(), y) for _ in itertools.count()), spin
+        return batches, spin
     if feed.startswith("dali"):  # DALI's own pipeline from the image folder, the crop only
         return _dali(store), []
     recipe = feed.split("-")[0]
@@ -208,13 +210,11 @@ def _feed(store: str, feed: str):
     return itertools.chain.from_iterable(itertools.repeat(dl)), dl  # epoch after epoch
 
 
-def _ghost(ops: int, python_ms: int):
-    """Synthetic batches; for each, a thread makes ``ops`` small CUDA ops on a stream of its
-    own (each lets the GIL go and takes it back) and spins ``python_ms`` in the interpreter
+def _beside_ghost(batches, ops: int, python_ms: int):
+    """``batches``; for each, a thread makes ``ops`` small CUDA ops on a stream of its own
+    (each lets the GIL go and takes it back) and spins ``python_ms`` in the interpreter
     (holding it): what a stage's launches and host Python alone cost the training thread."""
-    x = torch.randn(BATCH, 3, 224, 224, device="cuda")
-    y = torch.randint(0, 10, (BATCH,), device="cuda")
-    turn, stop = __import__("threading").Semaphore(0), __import__("threading").Event()
+    turn, stop = threading.Semaphore(0), threading.Event()
 
     def work() -> None:
         a = torch.zeros(1024, device="cuda")
@@ -226,11 +226,11 @@ def _ghost(ops: int, python_ms: int):
                 while time.perf_counter() < end:
                     pass
 
-    __import__("threading").Thread(target=work, daemon=True).start()
+    threading.Thread(target=work, daemon=True).start()
     try:
-        while True:
+        for batch in batches:
             turn.release()
-            yield x.clone(), y
+            yield batch
     finally:
         stop.set()
         turn.release()

@@ -12,6 +12,8 @@ coordinates (``loader.ops.noise``).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -21,6 +23,12 @@ from loader.ops.upload import on_device
 
 _BLOCK = 1024  # pixels of one sample a program
 _FILLS = {None: 0, "const": 1, "channel": 2, "pixel": 3}  # erase_kernels' NONE, CONST, ...
+
+
+@functools.lru_cache(maxsize=16)
+def _constant(value: tuple[float, ...], dtype: torch.dtype) -> list[float]:
+    """The erasing constant as ``erasing.apply`` casts it (then exact in float32)."""
+    return torch.tensor(value, dtype=dtype).float().tolist()
 
 
 def levels(scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -54,8 +62,7 @@ def normalise_erase(
     fill, values = None, (0.0, 0.0, 0.0)
     if erasing is not None and boxes is not None and boxes[:, 2].any():
         fill = erasing.fill
-        # the constant as ``erasing.apply`` casts it (then exact in float32)
-        values = torch.tensor(erasing.value, dtype=dtype).float().tolist()
+        values = _constant(tuple(erasing.value), dtype)
     rows = np.zeros((n, 5), dtype=np.int64)
     if fill is not None:
         rows[:, :4] = boxes

@@ -16,6 +16,7 @@ import pytest
 import torch
 from gpu_path_data import CUDA, DEVICE
 from loader_data import assert_within_rounding, photo_batch
+from triton_compile import assert_compiles_for_hopper
 
 from loader.gpu import fused_layers, steps
 from loader.ops.color import ColorJitter
@@ -132,18 +133,6 @@ def test_batch_steps_take_the_fused_layers_on_cuda(batch, monkeypatch):
     assert calls == [1] and out.shape == (N, 3, H, W) and out.is_cuda
 
 
-_COMPILE = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from loader.gpu import layer_kernels as k
-
-for name, sig, consts in json.loads(sys.argv[1]):
-    source = ASTSource(fn=getattr(k, name), signature=sig, constexprs=consts)
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
-print("compiled")
-"""
 _TYPES = {torch.uint8: "*u8", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
 
 
@@ -188,20 +177,11 @@ def test_the_kernels_compile_for_hopper(batch, monkeypatch, tmp_path):
     """The interpreter runs kernels a compiler refuses (a branch giving a value of another
     type): each launch the layers make is compiled here for sm_90, as on the H200, with
     the argument types it was given, without a GPU."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     launches = _signatures(batch, monkeypatch)
     assert {name for name, _, _ in launches} == {"layer_stats", "layer_luts", "layer_apply"}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(launches)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-2000:]
+    assert_compiles_for_hopper(
+        "loader.gpu.layer_kernels", launches, tmp_path, enable_fp_fusion=False
+    )
 
 
 @pytest.mark.parametrize("n,seed", [(5, 12), (7, 0)])  # draws that take AutoContrast

@@ -14,6 +14,7 @@ import pytest
 import torch
 from gpu_path_data import CUDA, DEVICE
 from loader_data import photo_batch
+from triton_compile import assert_compiles_for_hopper
 
 from loader.augment import Transform
 from loader.gpu import normalise, steps
@@ -118,47 +119,22 @@ def test_batch_steps_end_in_the_kernel_with_their_draws(batch):
         _same(steps.BatchSteps(spec, torch.float16, torch.channels_last)(batch, 21), want)
 
 
-_COMPILE = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from loader.gpu import erase_kernels as k
-
-for sig, consts in json.loads(sys.argv[1]):
-    source = ASTSource(fn=k.normalise_erase, signature=sig, constexprs=consts)
-    triton.compile(source, target=GPUTarget("cuda", 90, 32))
-print("compiled")
-"""
-
-
 def test_the_kernel_compiles_for_hopper(tmp_path):
     """The interpreter runs code a compiler refuses: each fill and output dtype, with
     contiguous and channels-last strides, compiled here for sm_90 as on the GPU machine."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from loader.gpu import erase_kernels as k
 
     names = k.normalise_erase.arg_names
     launches = []
     for out in ("*fp16", "*fp32", "*bf16"):
         for fill in range(4):
-            for unit in ("s_w", "s_c"), ("d_w", "d_c"):  # either layout's unit stride
+            # the strides of 1 (Triton makes a 1 a constant), input and output: contiguous
+            # to contiguous, contiguous to channels-last, channels-last to channels-last
+            for ones in ("s_w", "d_w"), ("s_w", "d_c"), ("s_c", "d_c"):
                 sig = dict.fromkeys(names, "i32")
                 sig.update(src="*u8", dst=out, levels="*fp32", boxes="*i64")
-                sig.update(fill0="fp32", fill1="fp32", fill2="fp32", FILL="constexpr")
-                sig["BLOCK"] = "constexpr"
-                consts = {"FILL": fill, "BLOCK": 1024}
-                for name in (unit[0], "s_w" if unit[0] == "d_w" else "d_c"):
-                    sig[name], consts[name] = "constexpr", 1  # Triton makes a 1 a constant
-                launches.append((sig, consts))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(launches)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-2000:]
+                sig.update(fill0="fp32", fill1="fp32", fill2="fp32")
+                consts = {"FILL": fill, "BLOCK": 1024, **dict.fromkeys(ones, 1)}
+                sig.update(dict.fromkeys(consts, "constexpr"))
+                launches.append(("normalise_erase", sig, consts))
+    assert_compiles_for_hopper("loader.gpu.erase_kernels", launches, tmp_path)
