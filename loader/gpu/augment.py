@@ -163,7 +163,10 @@ def _host(a: np.ndarray | Rows) -> np.ndarray:
     return a.array[a.rows] if isinstance(a, Rows) else a
 
 
-_TORCH_DTYPES = {np.uint8: torch.uint8, np.int32: torch.int32, np.int64: torch.int64}
+_TORCH_DTYPES = {
+    np.uint8: torch.uint8, np.int32: torch.int32, np.int64: torch.int64,
+    np.float32: torch.float32, np.float64: torch.float64,
+}  # fmt: skip
 
 
 def triton_pow2(n: int) -> int:

@@ -158,7 +158,7 @@ class DaliStage(GpuStage):
             else:
                 self._copy_out(result, n, into=out)
             if self.steps.active:
-                out = self.steps(out, int(views["seed"][0]))
+                out = self.steps(out, int(views["seed"][0]), views)
             done = recorded_event(self.device)
         self._account(report, len(gpu_rows), len(cpu_rows), decode_s, mapped, len(windows))
         self._steer(waited, time.perf_counter() - t0 + started.busy, started.way)

@@ -25,13 +25,15 @@ from loader.augment import CROP_COLUMNS, Transform
 from loader.cpu.batches import BatchReport, PixelBatches
 from loader.cpu.decode import reduction
 from loader.decode import DecodeError
+from loader.gpu.step_tables import StepTables
 from loader.gpu.tuning.routing import Routing
 from loader.store import Store
 
 # Extra columns of a planned row, after CROP_COLUMNS: where the worker puts the sample's
-# bytes in the slot's byte buffer, and how many bytes it may take there (0: decode on the
-# CPU instead).
-START, ROOM = len(CROP_COLUMNS), len(CROP_COLUMNS) + 1
+# bytes in the slot's byte buffer, how many bytes it may take there (0: decode on the CPU
+# instead), and the batch's size (the worker filling its first rows makes its recipe's
+# tables: ``loader.gpu.step_tables``).
+START, ROOM, BATCH = len(CROP_COLUMNS), len(CROP_COLUMNS) + 1, len(CROP_COLUMNS) + 2
 _SLACK = 1.5  # byte buffer per slot: batch_size records of this many times the mean size
 # A pixel record's crop window counted as this share of its pixels when sizing the buffer:
 # RandomResizedCrop's windows average about half the image; eval resizes the whole image.
@@ -73,6 +75,7 @@ class EncodedBatches(PixelBatches):
         room = min(room, jpeg_room + _MAX_WINDOW_ROOM)
         self.capacity = int(room) + (int(jpegs.max()) if len(jpegs) else 8)
         self.routing = Routing(share=float(cpu_share))  # each batch's way and share
+        self.tables = StepTables(spec)
 
     def __getstate__(self) -> dict:
         # Batches are planned in the training process: a worker needs no routing (nor
@@ -91,14 +94,16 @@ class EncodedBatches(PixelBatches):
             "pixels": ((b, h, w, 3), "uint8"),
             "indices": ((b,), "int64"),
             "seed": ((1,), "int64"),  # the batch's: a retry on the GPU side replaces alike
+            **(self.tables.buffers(b) if self.tables.active else {}),
         }
 
     def plan(self, indices: np.ndarray, seed: int) -> np.ndarray:
         """Crop rows of a batch, each followed by its byte offset and room (0: CPU): the
         pixel windows first, then the JPEGs."""
         crops = self.crops(indices, seed)  # the GPU stage runs the recipe's steps
-        rows = np.zeros((len(indices), ROOM + 1), dtype=np.int64)
+        rows = np.zeros((len(indices), BATCH + 1), dtype=np.int64)
         rows[:, : len(CROP_COLUMNS)] = crops
+        rows[:, BATCH] = len(indices)
         gpu = self._gpu_ok[indices].copy()
         gpu[self._cpu_share(crops, gpu, self.routing.plan(seed))] = False
         jpegs = np.where(gpu, self.store.index["nbytes"][indices], 0).astype(np.int64)
@@ -140,6 +145,8 @@ class EncodedBatches(PixelBatches):
         report = BatchReport(len(indices))
         started = time.perf_counter()
         slot["seed"][0] = seed
+        if lo == 0 and self.tables.active and len(rows):
+            self.tables.fill(slot, seed, int(rows[0, BATCH]))
         pixels = self._pixels[indices].tolist()
         for k, (i, row) in enumerate(zip(indices.tolist(), rows, strict=True)):
             at = lo + k

@@ -26,30 +26,53 @@ from loader.ops.upload import on_device
 _BLOCK = 1024  # pixels of one sample a program
 _STATS = {"AutoContrast": 6, "Equalize": 7, "Contrast": 8}  # layer_kernels' kinds
 _COPY, _LUT, _COLOR, _SHARP, _WARP, _TURN = range(6)
-_COLS = 12  # layer_kernels.COLS
+COLS = 12  # layer_kernels.COLS
 _KNOWN = {"", *POINTWISE, *_STATS, "Color", "Sharpness", "Desaturate"}
 
 
 def handles(step, x: torch.Tensor) -> bool:
     """Whether ``step`` on the batch ``x`` runs here: timm's policies on a uint8 RGB batch."""
-    return (
-        isinstance(step, TimmRandAugment | TimmAutoAugment)
-        and x.dtype == torch.uint8
-        and x.dim() == 4
-        and x.shape[1] == 3
-    )
+    return fusable(step) and takes(x)
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether the layers take the batch ``x``: uint8 [N, 3, H, W]."""
+    return x.dtype == torch.uint8 and x.dim() == 4 and x.shape[1] == 3
+
+
+def fusable(step) -> bool:
+    """Whether ``step`` is one of timm's policies, which run here on a uint8 RGB batch."""
+    return isinstance(step, TimmRandAugment | TimmAutoAugment)
+
+
+def layer_count(step) -> int:
+    """The layers of a ``fusable`` step (each op a sample takes is one layer)."""
+    return _step_tables(step)[0]
+
+
+def warp_fill(step) -> tuple[int, ...]:
+    """The fill of a ``fusable`` step's warps, as ``run_layer`` takes it."""
+    return _step_tables(step)[4]
+
+
+def step_tables(step, params: np.ndarray, height: int, width: int) -> list[tuple]:
+    """Each layer's (table, host LUTs) (``layer_table``) of a ``fusable`` step drawn
+    ``params`` on a batch of ``height`` x ``width`` images."""
+    layers, names, full, modes, _ = _step_tables(step)
+    tables = []
+    for j in range(layers):
+        cols = params[:, 3 * j : 3 * j + 3]
+        code = cols[:, 0].astype(np.int64)
+        tables.append(layer_table(
+            names[code], full[code], cols[:, 1], modes[cols[:, 2].astype(np.int64)], height, width
+        ))  # fmt: skip
+    return tables
 
 
 def apply(step, x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
     """``step.apply(x, params)``, each layer in three launches (a new tensor)."""
-    layers, names, full, modes, fill = _step_tables(step)
-    for j in range(layers):
-        cols = params[:, 3 * j : 3 * j + 3]
-        code = cols[:, 0].astype(np.int64)
-        table, host = layer_table(
-            names[code], full[code], cols[:, 1], modes[cols[:, 2].astype(np.int64)], *x.shape[-2:]
-        )
-        x = run_layer(x, table, host, fill)
+    for table, host in step_tables(step, params, *x.shape[-2:]):
+        x = run_layer(x, table, host, warp_fill(step))
     return x
 
 
@@ -77,7 +100,7 @@ def layer_table(names, full, arg, mode, height: int, width: int):
     if unknown:  # an op timm_ops gained and the kernels were not taught
         raise ValueError(f"the fused layers do not know the ops {sorted(unknown)}")
     n = len(names)
-    table = np.zeros((n, _COLS), np.float32)
+    table = np.zeros((n, COLS), np.float32)
     kind = np.full(n, _COPY)
     factor = np.zeros(n)
     kind[np.isin(names, POINTWISE)] = _LUT
@@ -118,13 +141,15 @@ def layer_table(names, full, arg, mode, height: int, width: int):
     return table, host
 
 
-def run_layer(x: torch.Tensor, table: np.ndarray, host: np.ndarray, fill: tuple) -> torch.Tensor:
-    """One layer of the batch ``x`` (uint8 [N, 3, H, W], any strides) by ``table``."""
+def run_layer(x: torch.Tensor, table, host, fill: tuple, kinds: np.ndarray | None = None):
+    """One layer of the batch ``x`` (uint8 [N, 3, H, W], any strides) by ``table`` and the
+    pointwise LUTs ``host`` (``layer_table``'s: numpy, or already on ``x``'s device, then
+    with ``kinds``, the table's first column on the host); a new tensor."""
     from loader.gpu import layer_kernels as k
 
     n, _, h, w = x.shape
-    kinds = table[:, 0]
-    t = on_device(table, x.device)
+    if kinds is None:
+        kinds, table, host = table[:, 0], on_device(table, x.device), on_device(host, x.device)
     out = torch.empty((n, 3, h, w), dtype=torch.uint8, device=x.device)
     options = {"enable_fp_fusion": False} if x.is_cuda else {}  # the blends: torch's roundings
     tiles = (triton_cdiv(h * w, _BLOCK), n)  # (CUDA's second grid axis stops at 65,535)
@@ -140,13 +165,12 @@ def run_layer(x: torch.Tensor, table: np.ndarray, host: np.ndarray, fill: tuple)
         gray = torch.zeros(n, dtype=torch.int64, device=x.device)
         if (kinds >= _STATS["AutoContrast"]).any():
             k.layer_stats[tiles](
-                x, t, hist, lows, highs, gray, h, w, *x.stride(), BLOCK=_BLOCK, **options
+                x, table, hist, lows, highs, gray, h, w, *x.stride(), BLOCK=_BLOCK, **options
             )
         luts = torch.empty((n * 3, 256), dtype=torch.uint8, device=x.device)
-        host_t = on_device(host, x.device)
-        k.layer_luts[(n * 3,)](t, host_t, hist, lows, highs, gray, luts, h * w, **options)
+        k.layer_luts[(n * 3,)](table, host, hist, lows, highs, gray, luts, h * w, **options)
     k.layer_apply[tiles](
-        x, out, t, luts, h, w, *x.stride(), *fill, GRID64=x.is_cuda, BLOCK=_BLOCK, **options
+        x, out, table, luts, h, w, *x.stride(), *fill, GRID64=x.is_cuda, BLOCK=_BLOCK, **options
     )
     return out
 

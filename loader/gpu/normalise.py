@@ -38,6 +38,16 @@ def levels(scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(bias, x, scale).view(3, 256).contiguous()
 
 
+def erase_rows(boxes: np.ndarray | None, seed: int, n: int) -> np.ndarray:
+    """The kernel's rows (int64 [n, 5]): each sample's box of ``boxes`` (``erasing.draw``'s;
+    None: none) and the key of its noise for the batch's noise ``seed``."""
+    rows = np.zeros((n, 5), dtype=np.int64)
+    if boxes is not None:
+        rows[:, :4] = boxes
+        rows[:, 4] = noise.keys(seed, np.arange(n))
+    return rows
+
+
 def normalise_erase(
     x: torch.Tensor,
     table: torch.Tensor,
@@ -46,10 +56,12 @@ def normalise_erase(
     erasing: RandomErasing | None = None,
     boxes: np.ndarray | None = None,
     seed: int = 0,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` (uint8 [N, 3, H, W], any strides) through ``table`` (``levels``: on ``x``'s
     device), cast to ``dtype``, in ``memory_format``; then each sample's box of ``boxes``
-    (``erasing.draw``'s) filled as ``erasing.apply(..., seed=seed)`` fills it. A new tensor."""
+    (``erasing.draw``'s) filled as ``erasing.apply(..., seed=seed)`` fills it. ``rows``:
+    ``erase_rows(boxes, seed, N)`` already on the device, where the caller has them."""
     from loader.gpu import erase_kernels
 
     n, c, h, w = x.shape
@@ -63,12 +75,10 @@ def normalise_erase(
     if erasing is not None and boxes is not None and boxes[:, 2].any():
         fill = erasing.fill
         values = _constant(tuple(erasing.value), dtype)
-    rows = np.zeros((n, 5), dtype=np.int64)
-    if fill is not None:
-        rows[:, :4] = boxes
-        rows[:, 4] = noise.keys(seed, np.arange(n))
+    if rows is None:
+        rows = on_device(erase_rows(boxes if fill is not None else None, seed, n), x.device)
     erase_kernels.normalise_erase[(-(-h * w // _BLOCK), n)](
-        x, out, table, on_device(rows, x.device), h, w, *x.stride(), *out.stride(), *values,
+        x, out, table, rows, h, w, *x.stride(), *out.stride(), *values,
         FILL=_FILLS[fill], BLOCK=_BLOCK,
     )  # fmt: skip
     return out

@@ -186,7 +186,7 @@ class GpuStage(TunedStage):
             else:
                 (labels,) = upload(self.device, labels, stats=self.stats)
             if self.steps.active:
-                out = self.steps(out, int(views["seed"][0]))
+                out = self.steps(out, int(views["seed"][0]), views)
             done = recorded_event(self.device)
         with self._in_flight_lock:  # with the pixels uploaded on the decode stream
             self._in_flight.append(((images, early), done))

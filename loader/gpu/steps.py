@@ -6,7 +6,8 @@ then each step acts on the whole batch on the device (``loader.ops``; timm's pol
 fused, ``loader.gpu.fused_layers``), and the batch is normalised, cast, erased (the recipe's
 RandomErasing) and laid out in one launch (``loader.gpu.normalise``), all on the stage's
 side stream. The draws come from the batch's seed (``loader.ops.draws``), so a resumed epoch
-repeats them, and the CPU path makes the same.
+repeats them, and the CPU path makes the same; they and the kernels' tables are made by a
+worker into the slot (``loader.gpu.step_tables``), else here, and cross in one copy.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import torch
 
 from loader.augment import Transform
 from loader.gpu import fused_layers
+from loader.gpu.augment import upload
 from loader.gpu.normalise import levels, normalise_erase
-from loader.ops.draws import draw
+from loader.gpu.step_tables import StepTables
 
 
 class BatchSteps:
@@ -29,6 +31,7 @@ class BatchSteps:
 
     def __init__(self, spec: Transform, dtype: torch.dtype, memory_format) -> None:
         self.spec, self.steps, self.erasing = spec, spec.steps, spec.erasing
+        self.tables = StepTables(spec)
         self.dtype, self.format = dtype, memory_format
         if self.erasing is not None and not dtype.is_floating_point:
             raise ValueError(
@@ -44,25 +47,41 @@ class BatchSteps:
     def active(self) -> bool:
         return bool(self.steps) or self.erasing is not None
 
-    def __call__(self, x: torch.Tensor, seed: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, seed: int, views: dict | None = None) -> torch.Tensor:
         """The batch ``x`` (uint8 [N, 3, H, W]) of batch seed ``seed``, stepped, normalised
-        and cast; a new tensor."""
-        draws = draw(self.spec, seed, len(x))
-        for step, params in zip(self.steps, draws.params, strict=True):
-            if x.is_cuda and fused_layers.handles(step, x):  # the same pixels, far fewer launches
-                x = fused_layers.apply(step, x, params)
+        and cast; a new tensor. ``views``: the slot's arrays, where a worker made the
+        batch's tables (``StepTables.fill``)."""
+        n = len(x)
+        if views is not None and "erase_rows" in views:
+            made = self.tables.read(views, n)
+        else:
+            made = self.tables.make(seed, n)
+        fused = x.is_cuda and fused_layers.takes(x) and len(made.layers) > 0
+        last = self.dtype.is_floating_point and (x.is_cuda if self.fused is None else self.fused)
+        # What the kernels read, in one copy: the layers' tables and LUTs, the erasing rows.
+        sent = [made.layers, made.luts] * fused + [made.rows] * last
+        on = upload(x.device, *sent) if sent else []
+        layers, luts = on[:2] if fused else (None, None)
+        rows = on[-1] if last else None
+        j = 0
+        for step, params, count in zip(self.steps, made.params, self.tables.layers, strict=True):
+            if fused and count:  # the same pixels, far fewer launches
+                fill = fused_layers.warp_fill(step)
+                for k in range(j, j + count):
+                    x = fused_layers.run_layer(x, layers[k], luts[k], fill, made.layers[k, :, 0])
+                j += count
             else:
                 x = step.apply(x, params)
-        if self.dtype.is_floating_point and (x.is_cuda if self.fused is None else self.fused):
-            return normalise_erase(  # the rest in one launch
-                x, self._on(x.device)[2], self.dtype, self.format, self.erasing, draws.boxes,
-                draws.noise,
-            )  # fmt: skip
+        if last:  # the rest in one launch
+            table = self._on(x.device)[2]
+            return normalise_erase(
+                x, table, self.dtype, self.format, self.erasing, made.boxes, made.noise, rows
+            )
         if self.dtype.is_floating_point:
             scale, bias, _ = self._on(x.device)
             x = torch.addcmul(bias, x.float(), scale).to(self.dtype)
         if self.erasing is not None:
-            x = self.erasing.apply(x, draws.boxes, seed=draws.noise)
+            x = self.erasing.apply(x, made.boxes, seed=made.noise)
         return x.contiguous(memory_format=self.format)
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -112,7 +112,7 @@ def test_an_op_the_kernels_do_not_know_is_refused():
 def test_the_tables_layout_is_the_kernels(batch):
     from loader.gpu import layer_kernels as k
 
-    assert k.COLS.value == fused_layers._COLS
+    assert k.COLS.value == fused_layers.COLS
     kinds = (k.COPY, k.LUT, k.COLOR, k.SHARP, k.WARP, k.TURN)
     assert [v.value for v in kinds] == [fused_layers._COPY, fused_layers._LUT,
                                         fused_layers._COLOR, fused_layers._SHARP,
@@ -127,10 +127,10 @@ def test_batch_steps_take_the_fused_layers_on_cuda(batch, monkeypatch):
     step = _step("rand", "rand-m9-mstd0.5-inc1")
     spec = Transform("train", (H, W), steps=(step,))
     calls = []
-    real = fused_layers.apply
-    monkeypatch.setattr(fused_layers, "apply", lambda *a: calls.append(1) or real(*a))
+    real = fused_layers.run_layer
+    monkeypatch.setattr(fused_layers, "run_layer", lambda *a: calls.append(1) or real(*a))
     out = steps.BatchSteps(spec, torch.float32, torch.contiguous_format)(batch, 11)
-    assert calls == [1] and out.shape == (N, 3, H, W) and out.is_cuda
+    assert calls == [1, 1] and out.shape == (N, 3, H, W) and out.is_cuda  # a launch a layer
 
 
 _TYPES = {torch.uint8: "*u8", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}

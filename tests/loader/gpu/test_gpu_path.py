@@ -390,8 +390,8 @@ def test_a_window_that_does_not_fit_is_cropped_by_the_workers(store, tmp_path, m
     assert (st.index["format"][:B] == FORMAT_CODES["raw"]).all()
     fits = np.cumsum(need) <= producer.capacity
     assert 0 < fits.sum() < B
-    assert np.array_equal(rows[:, -1], np.where(fits, need, 0))  # the room of each
-    assert np.array_equal(rows[fits, -2], np.cumsum(need[fits]) - need[fits])  # its start
+    assert np.array_equal(rows[:, loader.gpu.encoded.ROOM], np.where(fits, need, 0))  # room
+    assert np.array_equal(rows[fits, loader.gpu.encoded.START], np.cumsum(need[fits]) - need[fits])
     dl = make(raw_store, transform=TRAIN)
     batches = epoch(dl)
     stats = dl.stats()
@@ -1728,13 +1728,15 @@ def test_ragged_windows_are_the_pixels_they_point_at():
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float16])
-def test_a_recipes_colour_steps_and_erasing_act_on_the_cropped_batch(store, dtype):
+def test_a_recipes_colour_steps_and_erasing_act_on_the_cropped_batch(store, dtype, monkeypatch):
     """The same samples and crops as without them; each batch is then the crop's uint8
     pixels through the steps drawn from its seed (BatchSteps: within 1 level of
-    torchvision, tests/loader/ops), normalised and erased; the seed decides. On the CPU
+    torchvision, tests/loader/ops), normalised and erased; the seed decides, and the
+    workers draw (the stage reads every batch's draws from its slot). On the CPU
     stand-ins exactly BatchSteps of the plain batch; on CUDA within 1 level on a handful
     of pixels (measured on the H200: 1 level on 0.001% of one sample, the same in two runs;
     the pixel noise, before it was a function of its coordinates, differed in the boxes)."""
+    from loader.gpu.step_tables import StepTables
     from loader.gpu.steps import BatchSteps
     from loader.ops.color import ColorJitter, RandomGrayscale
     from loader.ops.erasing import RandomErasing
@@ -1742,7 +1744,11 @@ def test_a_recipes_colour_steps_and_erasing_act_on_the_cropped_batch(store, dtyp
     steps = (ColorJitter((0.6, 1.4), (0.6, 1.4), (0.6, 1.4), (-0.1, 0.1)), RandomGrayscale(0.3))
     erasing = RandomErasing(0.5, fill="pixel") if dtype.is_floating_point else None
     spec = Transform("train", SIZE, steps=steps, erasing=erasing)
+    reads = []
+    read = StepTables.read
+    monkeypatch.setattr(StepTables, "read", lambda *a: reads.append(1) or read(*a))
     got = epoch(make(store, transform=spec, dtype=dtype))
+    assert len(reads) == len(got) == 3  # batches of 8, 8, 7: each drawn in a worker
     again = epoch(make(store, transform=spec, dtype=dtype))
     plain = epoch(make(store, transform=TRAIN, dtype=torch.uint8))
     assert torch.equal(flat(got, 2), flat(plain, 2)) and torch.equal(flat(got, 1), flat(plain, 1))
