@@ -53,6 +53,11 @@ def make(store, **kwargs) -> loader.DataLoader:
     return loader.DataLoader(store, **{**args, **kwargs})
 
 
+def batch_seeds(n: int) -> list[int]:
+    """The seeds of ``make``'s first epoch's ``n`` batches (seed 5, rank 0)."""
+    return [int(batch_seed(5, 0, step, rank=0)) for step in range(n)]
+
+
 def epoch(dl) -> list[tuple]:
     return [tuple(t.cpu() for t in batch) for batch in dl]
 

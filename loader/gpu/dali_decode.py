@@ -34,11 +34,11 @@ from loader.gpu.nvjpeg import raise_if_not_the_data
 # built, which optional codec libraries (nvTIFF, nvJPEG2000) it did not find. It writes the
 # colour codes apart from the line, so a capture may begin or end between them: a line of
 # colour codes alone is its too. Its JPEG parser's complaints come alone on a line
-# ("Invalid marker", for a stream cut short).
+# ("Invalid marker", for a stream cut short), or after its tag ("[jpeg_parser] ").
 LIBRARY_LINES = re.compile(
     r"^\s*(\x1b\[[0-9;]*m)?\[(FATAL|ERROR|WARNING|INFO|DEBUG|TRACE)\]"
     r"|^Failed to load nv|^Note: If using nvImageCodec|^(\x1b\[[0-9;]*m)+\s*$"
-    r"|^(Invalid marker|Unexpected end-of-stream|Unexpected signature"
+    r"|^(\x1b\[[0-9;]*m)*(\[\w+\] )?(Invalid marker|Unexpected end-of-stream|Unexpected signature"
     r"|Failed to read EXIF block|Unexpected number of channels)\s*$"
 )
 

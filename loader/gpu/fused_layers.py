@@ -2,9 +2,9 @@
 
 The torch ops of ``loader.ops.timm_augment`` (the CPU path's, and the reference) cost a few
 kernels per op per layer, and the Python that launches them ran on the stage's thread,
-beside the training loop's, for every batch: about 20 ms of the interpreter a batch. Here a
-layer is one table of a row per sample (its op's kind, factor, interpolation and matrix,
-made on the host from the same draws), two copies to the device and three Triton kernels
+beside the training loop's, for every batch. Here a layer is one table of a row per sample
+(its op's kind, factor, interpolation and matrix, made on the host from the same draws, by
+a worker: ``loader.gpu.step_tables``), its LUTs, and three Triton kernels
 (``layer_kernels``): the statistics the sample's op needs (histograms, extremes, luma),
 the LUTs, then the layer itself, each sample's op from the table. The same pixels as the
 torch ops but for the rounding of a fused multiply-add (tests/loader/gpu/test_fused_layers.py).
@@ -47,18 +47,18 @@ def fusable(step) -> bool:
 
 def layer_count(step) -> int:
     """The layers of a ``fusable`` step (each op a sample takes is one layer)."""
-    return _step_tables(step)[0]
+    return _lookup(step)[0]
 
 
 def warp_fill(step) -> tuple[int, ...]:
     """The fill of a ``fusable`` step's warps, as ``run_layer`` takes it."""
-    return _step_tables(step)[4]
+    return _lookup(step)[4]
 
 
-def step_tables(step, params: np.ndarray, height: int, width: int) -> list[tuple]:
+def layer_tables(step, params: np.ndarray, height: int, width: int) -> list[tuple]:
     """Each layer's (table, host LUTs) (``layer_table``) of a ``fusable`` step drawn
     ``params`` on a batch of ``height`` x ``width`` images."""
-    layers, names, full, modes, _ = _step_tables(step)
+    layers, names, full, modes, _ = _lookup(step)
     tables = []
     for j in range(layers):
         cols = params[:, 3 * j : 3 * j + 3]
@@ -71,13 +71,13 @@ def step_tables(step, params: np.ndarray, height: int, width: int) -> list[tuple
 
 def apply(step, x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
     """``step.apply(x, params)``, each layer in three launches (a new tensor)."""
-    for table, host in step_tables(step, params, *x.shape[-2:]):
+    for table, host in layer_tables(step, params, *x.shape[-2:]):
         x = run_layer(x, table, host, warp_fill(step))
     return x
 
 
 @functools.lru_cache(maxsize=16)
-def _step_tables(step) -> tuple:
+def _lookup(step) -> tuple:
     """What ``apply`` looks up by op index, made once a step: (layers, the ops' base and
     full names, "" at index -1 for none; the interpolations' codes; the fill, rounded and
     clamped as ``geometry._fill`` makes it)."""
@@ -141,7 +141,13 @@ def layer_table(names, full, arg, mode, height: int, width: int):
     return table, host
 
 
-def run_layer(x: torch.Tensor, table, host, fill: tuple, kinds: np.ndarray | None = None):
+def run_layer(
+    x: torch.Tensor,
+    table: np.ndarray | torch.Tensor,
+    host: np.ndarray | torch.Tensor,
+    fill: tuple,
+    kinds: np.ndarray | None = None,
+) -> torch.Tensor:
     """One layer of the batch ``x`` (uint8 [N, 3, H, W], any strides) by ``table`` and the
     pointwise LUTs ``host`` (``layer_table``'s: numpy, or already on ``x``'s device, then
     with ``kinds``, the table's first column on the host); a new tensor."""

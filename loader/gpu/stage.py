@@ -84,7 +84,7 @@ class GpuStage(TunedStage):
         self.spec, self.size = spec, spec.size
         self.format = torch.channels_last if channels_last else torch.contiguous_format
         # A recipe's steps beyond the crop: then batches are cropped to uint8 first.
-        self.steps = BatchSteps(spec, dtype, self.format)
+        self.steps = BatchSteps(spec, dtype, self.format, stats)
         if self.steps.active:
             self.dtype = torch.uint8
         self.decoder = get_decoder(decoder, device=device, batch_size=producer.batch_size)

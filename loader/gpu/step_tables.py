@@ -2,12 +2,12 @@
 
 The GPU stage's thread shares the training process's interpreter with the training loop,
 and numpy there holds the GIL the loop waits for: a batch's draws (``loader.ops.draws``),
-timm's fused layers' tables (``fused_layers.layer_table``) and the erasing rows were about
-2 ms of it a batch. So the worker that fills a batch's first rows makes them, from the
-batch seed as the stage would, into the slot's buffers (``buffers``, ``fill``), and the
-stage reads them there (``read``); without them (no workers, or a slot from elsewhere) the
-stage makes them itself (``make``). Either way the same function of the seed: the same
-draws on every path and on resume.
+timm's fused layers' tables (``fused_layers.layer_table``) and the erasing rows took
+milliseconds of it a batch (docs/design/augmentations.md). So the worker that fills a
+batch's first rows makes them, from the batch seed as the stage would, into the slot's
+buffers (``buffers``, ``fill``), and the stage reads them there (``read``); without them (no
+workers, or a slot from elsewhere) the stage makes them itself (``make``). Either way the
+same function of the seed: the same draws on every path and on resume.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from loader.augment import Transform
 from loader.gpu import fused_layers
 from loader.gpu.normalise import erase_rows
 from loader.ops.draws import draw
@@ -39,9 +40,9 @@ class Tables(NamedTuple):
 
 
 class StepTables:
-    """The tables of ``spec``'s steps (a ``Transform``)."""
+    """The tables of ``spec``'s steps."""
 
-    def __init__(self, spec) -> None:
+    def __init__(self, spec: Transform) -> None:
         self.spec = spec
         self.widths = [p.shape[1] for p in draw(spec, 0, 1).params]
         self.layers = [
@@ -67,7 +68,7 @@ class StepTables:
         draws = draw(self.spec, seed, n)
         h, w = self.spec.size
         made = [
-            fused_layers.step_tables(step, params, h, w)
+            fused_layers.layer_tables(step, params, h, w)
             for step, params, layers in zip(self.spec.steps, draws.params, self.layers, strict=True)
             if layers
         ]  # fmt: skip
@@ -87,6 +88,11 @@ class StepTables:
         slot["layer_luts"][:k, :n] = made.luts
         slot["erase_rows"][:n] = made.rows
         slot["erase_seed"][0] = made.noise
+
+    @staticmethod
+    def in_slot(views: dict[str, np.ndarray]) -> bool:
+        """Whether a slot (``views``: its arrays) has buffers ``fill`` writes."""
+        return "erase_rows" in views
 
     def read(self, views: dict[str, np.ndarray], n: int) -> Tables:
         """The tables ``fill`` wrote into a slot (``views``: its arrays) for ``n`` samples."""

@@ -25,12 +25,15 @@ from loader.gpu.step_tables import StepTables
 class BatchSteps:
     """The steps of ``spec`` for a batch of ``dtype`` in ``memory_format``."""
 
-    # The last launch (``loader.gpu.normalise``): None, on CUDA and not on the CPU (where
-    # Triton's interpreter would run it: tests); True or False, always or never.
+    # The last launch (``loader.gpu.normalise``) and timm's fused layers
+    # (``loader.gpu.fused_layers``): None, on CUDA and not on the CPU (where Triton's
+    # interpreter would run them: tests); True or False, always or never.
     fused: bool | None = None
+    fuse_layers: bool | None = None
 
-    def __init__(self, spec: Transform, dtype: torch.dtype, memory_format) -> None:
+    def __init__(self, spec: Transform, dtype: torch.dtype, memory_format, stats=None) -> None:
         self.spec, self.steps, self.erasing = spec, spec.steps, spec.erasing
+        self.stats = stats  # a ``LoaderStats``: the bytes copied count as ``h2d_bytes``
         self.tables = StepTables(spec)
         self.dtype, self.format = dtype, memory_format
         if self.erasing is not None and not dtype.is_floating_point:
@@ -52,26 +55,25 @@ class BatchSteps:
         and cast; a new tensor. ``views``: the slot's arrays, where a worker made the
         batch's tables (``StepTables.fill``)."""
         n = len(x)
-        if views is not None and "erase_rows" in views:
-            made = self.tables.read(views, n)
-        else:
-            made = self.tables.make(seed, n)
-        fused = x.is_cuda and fused_layers.takes(x) and len(made.layers) > 0
+        tables = self.tables
+        made = tables.read(views, n) if views and tables.in_slot(views) else tables.make(seed, n)
+        fuse_layers = self.fuse_layers if self.fuse_layers is not None else x.is_cuda
+        fused = fuse_layers and len(made.layers) > 0
         last = self.dtype.is_floating_point and (x.is_cuda if self.fused is None else self.fused)
         # What the kernels read, in one copy: the layers' tables and LUTs, the erasing rows.
-        sent = [made.layers, made.luts] * fused + [made.rows] * last
-        on = upload(x.device, *sent) if sent else []
+        sent = ([made.layers, made.luts] if fused else []) + ([made.rows] if last else [])
+        on = upload(x.device, *sent, stats=self.stats) if sent else []
         layers, luts = on[:2] if fused else (None, None)
         rows = on[-1] if last else None
         j = 0
-        for step, params, count in zip(self.steps, made.params, self.tables.layers, strict=True):
-            if fused and count:  # the same pixels, far fewer launches
+        for step, params, count in zip(self.steps, made.params, tables.layers, strict=True):
+            if fused and count and fused_layers.takes(x):  # the same pixels, fewer launches
                 fill = fused_layers.warp_fill(step)
                 for k in range(j, j + count):
                     x = fused_layers.run_layer(x, layers[k], luts[k], fill, made.layers[k, :, 0])
-                j += count
             else:
                 x = step.apply(x, params)
+            j += count
         if last:  # the rest in one launch
             table = self._on(x.device)[2]
             return normalise_erase(

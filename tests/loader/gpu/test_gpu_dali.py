@@ -112,6 +112,8 @@ def test_without_dali_the_error_says_what_to_install(monkeypatch):
         ("\x1b[0;31m", True),  # the colour code alone, written apart from its line
         ("\x1b[0m", True),
         ("Invalid marker", True),  # nvImageCodec's JPEG parser, alone on its line
+        ("\x1b[0m[jpeg_parser] Invalid marker", True),  # or after its tag (seen on the CPU)
+        ("[jpeg_parser] training diverged", False),
         ("Invalid marker in the user's own message", False),
         ("\x1b[0;31mtraining diverged", False),
         ("Traceback (most recent call last):", False),

@@ -47,6 +47,7 @@ from gpu_checks import (
     assert_never_overwritten,
     assert_rows_read_where_they_lie,
     assert_slots_kept_until_done,
+    batch_seeds,
     cpu_rows,
     epoch,
     exits_without_closing,
@@ -1763,10 +1764,3 @@ def test_a_recipes_colour_steps_and_erasing_act_on_the_cropped_batch(store, dtyp
         diff = (flat(got, 0).float() - want.float()).abs()
         assert diff.max() <= level and (diff > 0).float().mean() < 1e-3, diff.max()
     assert not torch.equal(flat(got, 0)[:, :, :4], flat(plain, 0)[:, :, :4].to(dtype))
-
-
-def batch_seeds(n: int) -> list[int]:
-    """The seeds of ``make``'s first epoch's ``n`` batches (seed 5, rank 0)."""
-    from loader.plan.sampler import batch_seed
-
-    return [batch_seed(5, 0, step, rank=0) for step in range(n)]

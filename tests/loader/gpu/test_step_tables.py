@@ -1,14 +1,26 @@
 """StepTables: a batch's recipe draws and kernels' tables, made by a worker into its slot, are
-exactly what the stage would make from the batch seed; the loader's stage reads them there."""
+exactly what the stage would make from the batch seed; the loader's stage reads them there
+and makes none itself, with a batch split over workers."""
 
 from __future__ import annotations
 
+import gpu_path_data  # noqa: F401  (before Triton: its interpreter where there is no CUDA)
 import numpy as np
 import pytest
+import torch
+from gpu_checks import TRAIN, batch_seeds, epoch, flat, make
+from gpu_path_data import SIZE, make_small_store, use_stand_ins
 
+import loader.gpu.normalise
+import loader.gpu.slots
+import loader.gpu.step_tables
+import loader.plan.tasks
 from loader.augment import Transform
+from loader.gpu import fused_layers
 from loader.gpu.step_tables import StepTables
+from loader.gpu.steps import BatchSteps
 from loader.ops.color import ColorJitter
+from loader.ops.draws import draw
 from loader.ops.erasing import RandomErasing
 from loader.ops.timm_augment import auto_augment, rand_augment
 
@@ -59,3 +71,51 @@ def test_a_recipe_without_fused_steps_or_erasing_has_no_layers_nor_boxes():
     got = tables.read(slot, 4)
     assert np.array_equal(got.params[0], made.params[0], equal_nan=True)
     assert got.layers.shape == (0, 4, 12)
+
+
+def test_the_stage_takes_a_split_batchs_tables_from_its_first_chunks_worker(tmp_path, monkeypatch):
+    # Batches of 8 in chunks of 4 over 2 workers; the fused layers and the last launch run
+    # (under Triton's interpreter without CUDA). The stage makes no draw nor table: each
+    # batch is the plain crop through the steps of its seed's draws, one by one.
+    use_stand_ins(monkeypatch)
+    store = make_small_store(tmp_path)
+    monkeypatch.setattr(loader.gpu.slots, "_MIN_GATHER_CHUNK", 1)
+    monkeypatch.setattr(loader.plan.tasks, "MIN_CHUNK", 1)
+    monkeypatch.setattr(BatchSteps, "fused", True)
+    monkeypatch.setattr(BatchSteps, "fuse_layers", True)
+    steps = (rand_augment("rand-m9-mstd0.5-inc1", HPARAMS), ColorJitter((0.6, 1.4), None, None))
+    spec = Transform("train", (SIZE, SIZE), steps=steps, erasing=RandomErasing(0.5, fill="pixel"))
+    dl = make(store, transform=spec, dtype=torch.float16)  # (its layout drawn once, here)
+    made_here = []
+    for module, name in (
+        (loader.gpu.step_tables, "draw"),
+        (loader.gpu.step_tables, "erase_rows"),
+        (loader.gpu.normalise, "erase_rows"),
+        (fused_layers, "layer_table"),
+    ):
+        real = getattr(module, name)
+        spy = lambda *a, _real=real, _name=name: made_here.append(_name) or _real(*a)  # noqa: E731
+        monkeypatch.setattr(module, name, spy)
+    got = epoch(dl)
+    assert made_here == [] and len(got) == 3  # (the workers' calls are theirs)
+    plain = epoch(make(store, transform=TRAIN, dtype=torch.uint8))
+    seeds = batch_seeds(len(plain))
+    want = [_steps_one_by_one(spec, b[0], seed) for b, seed in zip(plain, seeds, strict=True)]
+    assert torch.equal(flat(got, 2), flat(plain, 2))
+    assert torch.equal(flat(got, 0), torch.cat(want))
+    assert not torch.equal(flat(got, 0), flat(plain, 0).to(torch.float16))
+
+
+def _steps_one_by_one(spec: Transform, x: torch.Tensor, seed: int) -> torch.Tensor:
+    """``x`` through ``spec``'s steps as drawn from ``seed``, each alone (timm's fused, the
+    others' torch ops), then normalised, cast and erased by the last launch."""
+    draws = draw(spec, seed, len(x))
+    for step, params in zip(spec.steps, draws.params, strict=True):
+        fused = fused_layers.fusable(step)
+        x = fused_layers.apply(step, x, params) if fused else step.apply(x, params)
+    scale = torch.tensor(1.0 / (255.0 * np.asarray(spec.std))).float().view(1, 3, 1, 1)
+    bias = torch.tensor(-np.asarray(spec.mean) / np.asarray(spec.std)).float().view(1, 3, 1, 1)
+    table = loader.gpu.normalise.levels(scale, bias)
+    return loader.gpu.normalise.normalise_erase(
+        x, table, torch.float16, torch.contiguous_format, spec.erasing, draws.boxes, draws.noise
+    )
