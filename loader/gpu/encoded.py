@@ -98,8 +98,8 @@ class EncodedBatches(PixelBatches):
         }
 
     def plan(self, indices: np.ndarray, seed: int) -> np.ndarray:
-        """Crop rows of a batch, each followed by its byte offset and room (0: CPU): the
-        pixel windows first, then the JPEGs."""
+        """Crop rows of a batch, each followed by its byte offset and room (0: CPU; the
+        pixel windows first, then the JPEGs) and the batch's size."""
         crops = self.crops(indices, seed)  # the GPU stage runs the recipe's steps
         rows = np.zeros((len(indices), BATCH + 1), dtype=np.int64)
         rows[:, : len(CROP_COLUMNS)] = crops
