@@ -604,14 +604,19 @@ def test_a_script_that_leaves_its_loader_open_exits_cleanly(store):
 
 
 @needs_dali
-def test_a_recipes_colour_steps_run_after_dali(store):
-    # DALI crops to uint8, the steps follow as on the other GPU decoder.
+def test_a_recipes_colour_steps_run_after_dali(store, monkeypatch):
+    # DALI crops to uint8, the steps follow as on the other GPU decoder, drawn by a worker.
+    from loader.gpu.step_tables import StepTables
     from loader.gpu.steps import BatchSteps
     from loader.ops.color import ColorJitter
     from loader.plan.sampler import batch_seed
 
     spec = Transform("train", SIZE, steps=(ColorJitter((0.5, 1.5), None, (0.5, 1.5), None),))
+    reads = []
+    read = StepTables.read
+    monkeypatch.setattr(StepTables, "read", lambda *a: reads.append(1) or read(*a))
     got = epoch(make(store, transform=spec, dtype=torch.float16))
+    assert len(reads) == len(got)  # each batch's draws read from its slot
     plain = epoch(make(store, transform=TRAIN, dtype=torch.uint8))
     assert torch.equal(flat(got, 2), flat(plain, 2))
     after = BatchSteps(spec, torch.float16, torch.contiguous_format)
