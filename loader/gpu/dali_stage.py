@@ -25,9 +25,9 @@ import torch
 
 from ingest.cores import half_the_cores
 from ingest.cstderr import filtered
-from loader.gpu.augment import cut, upload
 from loader.gpu.dali_decode import HW_DECODER_LOAD, LIBRARY_LINES, copy_into, jpeg_batch
 from loader.gpu.dali_graph import Graph, build_pipeline, dali_dtype, window_arguments
+from loader.gpu.host_arrays import cut, upload
 from loader.gpu.nvjpeg import raise_if_not_the_data
 from loader.gpu.stage import GpuStage, Started, read_slot
 from loader.gpu.streams import on_side_stream, recorded_event

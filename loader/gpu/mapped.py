@@ -2,7 +2,7 @@
 
 The rows the workers decode on the CPU (the GPU path's CPU share, and the images the GPU
 decoder rejects) lie in the ring's shared memory. Sending them through a pinned buffer
-takes a copy on the CPU first, row by row and holding the GIL (``augment.gather``), while
+takes a copy on the CPU first, row by row and holding the GIL (``host_arrays.gather``), while
 the training loop's thread waits for it. Here the ring's pixel buffer is registered with
 CUDA once (``cudaHostRegister``: page-locked, mapped into the device's address space) and
 one gather kernel reads a batch's rows straight from it; a pixel store's windows, in the

@@ -29,9 +29,10 @@ import torch
 
 from loader.augment import Transform
 from loader.decode import get_decoder
-from loader.gpu.augment import GpuAugment, cut, upload
+from loader.gpu.augment import GpuAugment
 from loader.gpu.calls import Call
 from loader.gpu.encoded import EncodedBatches
+from loader.gpu.host_arrays import cut, upload
 from loader.gpu.nvjpeg import check_decoded
 from loader.gpu.ragged import Ragged
 from loader.gpu.steps import BatchSteps

@@ -17,7 +17,7 @@ import torch
 
 from loader.augment import Transform
 from loader.gpu import fused_layers
-from loader.gpu.augment import upload
+from loader.gpu.host_arrays import upload
 from loader.gpu.normalise import levels, normalise_erase
 from loader.gpu.step_tables import StepTables
 

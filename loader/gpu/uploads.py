@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from loader.gpu.augment import Rows, upload
+from loader.gpu.host_arrays import Rows, upload
 from loader.gpu.mapped import MappedRows
 from loader.gpu.ragged import Ragged
 

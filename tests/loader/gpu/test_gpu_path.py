@@ -1636,7 +1636,7 @@ def test_the_ring_keeps_every_worker_busy(batch, workers, prefetch, on_gpu, slot
 
 
 def test_gathering_rows_into_a_buffer_matches_numpy():
-    from loader.gpu.augment import Rows, copy_holding_gil, gather
+    from loader.gpu.host_arrays import Rows, copy_holding_gil, gather
 
     pixels = np.random.default_rng(0).integers(0, 256, (6, 5, 4, 3), dtype=np.uint8)
     rows = np.array([4, 0, 5, 4])
@@ -1668,7 +1668,7 @@ def test_gathering_rows_into_a_buffer_matches_numpy():
     ],
 )
 def test_cutting_spans_out_of_a_slot_matches_slicing(starts, lengths):
-    from loader.gpu.augment import cut
+    from loader.gpu.host_arrays import cut
 
     data = torch.arange(40, dtype=torch.uint8)
     pieces = cut(data, starts, lengths)
@@ -1683,7 +1683,7 @@ def test_cutting_spans_out_of_a_slot_matches_slicing(starts, lengths):
 
 
 def test_one_copy_unpacks_into_arrays_of_their_shapes_and_dtypes():
-    from loader.gpu.augment import Rows, slot_sizes, unpack
+    from loader.gpu.host_arrays import Rows, slot_sizes, unpack
 
     pixels = np.arange(2 * 3 * 2 * 3, dtype=np.uint8).reshape(2, 3, 2, 3)
     arrays = [
