@@ -38,7 +38,8 @@ from loader.gpu.nvjpeg import raise_if_not_the_data
 LIBRARY_LINES = re.compile(
     r"^\s*(\x1b\[[0-9;]*m)?\[(FATAL|ERROR|WARNING|INFO|DEBUG|TRACE)\]"
     r"|^Failed to load nv|^Note: If using nvImageCodec|^(\x1b\[[0-9;]*m)+\s*$"
-    r"|^(\x1b\[[0-9;]*m)*(\[\w+\] )?(Invalid marker|Unexpected end-of-stream|Unexpected signature"
+    r"|^(\x1b\[[0-9;]*m)*(\[jpeg_parser\] )?(Invalid marker|Unexpected end-of-stream"
+    r"|Unexpected signature"
     r"|Failed to read EXIF block|Unexpected number of channels)\s*$"
 )
 

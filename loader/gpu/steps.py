@@ -58,7 +58,7 @@ class BatchSteps:
         tables = self.tables
         made = tables.read(views, n) if views and tables.in_slot(views) else tables.make(seed, n)
         fuse_layers = self.fuse_layers if self.fuse_layers is not None else x.is_cuda
-        fused = fuse_layers and len(made.layers) > 0
+        fused = fuse_layers and len(made.layers) > 0 and fused_layers.takes(x)
         last = self.dtype.is_floating_point and (x.is_cuda if self.fused is None else self.fused)
         # What the kernels read, in one copy: the layers' tables and LUTs, the erasing rows.
         sent = ([made.layers, made.luts] if fused else []) + ([made.rows] if last else [])

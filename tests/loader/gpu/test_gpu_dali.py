@@ -114,6 +114,7 @@ def test_without_dali_the_error_says_what_to_install(monkeypatch):
         ("Invalid marker", True),  # nvImageCodec's JPEG parser, alone on its line
         ("\x1b[0m[jpeg_parser] Invalid marker", True),  # or after its tag (seen on the CPU)
         ("[jpeg_parser] training diverged", False),
+        ("[rank0] Invalid marker", False),  # another tag: the user's
         ("Invalid marker in the user's own message", False),
         ("\x1b[0;31mtraining diverged", False),
         ("Traceback (most recent call last):", False),

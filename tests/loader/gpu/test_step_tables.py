@@ -8,12 +8,12 @@ import gpu_path_data  # noqa: F401  (before Triton: its interpreter where there 
 import numpy as np
 import pytest
 import torch
-from gpu_checks import TRAIN, batch_seeds, epoch, flat, make
 from gpu_path_data import SIZE, make_small_store, use_stand_ins
 
 import loader.gpu.normalise
 import loader.gpu.slots
 import loader.gpu.step_tables
+import loader.gpu.steps
 import loader.plan.tasks
 from loader.augment import Transform
 from loader.gpu import fused_layers
@@ -74,36 +74,48 @@ def test_a_recipe_without_fused_steps_or_erasing_has_no_layers_nor_boxes():
 
 
 def test_the_stage_takes_a_split_batchs_tables_from_its_first_chunks_worker(tmp_path, monkeypatch):
-    # Batches of 8 in chunks of 4 over 2 workers; the fused layers and the last launch run
-    # (under Triton's interpreter without CUDA). The stage makes no draw nor table: each
-    # batch is the plain crop through the steps of its seed's draws, one by one.
+    # Batches of 8 in chunks of 4 over 2 workers; the fused layers (of two timm steps, a
+    # plain step between them) and the last launch run (under Triton's interpreter without
+    # CUDA). The stage makes no draw nor table: each batch is the plain crop through the
+    # steps of its seed's draws, one by one.
+    from gpu_checks import TRAIN, batch_seeds, epoch, flat, make  # (needs Triton)
+
     use_stand_ins(monkeypatch)
     store = make_small_store(tmp_path)
     monkeypatch.setattr(loader.gpu.slots, "_MIN_GATHER_CHUNK", 1)
     monkeypatch.setattr(loader.plan.tasks, "MIN_CHUNK", 1)
     monkeypatch.setattr(BatchSteps, "fused", True)
     monkeypatch.setattr(BatchSteps, "fuse_layers", True)
-    steps = (rand_augment("rand-m9-mstd0.5-inc1", HPARAMS), ColorJitter((0.6, 1.4), None, None))
+    steps = (
+        rand_augment("rand-m9-mstd0.5-inc1", HPARAMS),
+        ColorJitter((0.6, 1.4), None, None),
+        auto_augment("original", HPARAMS),
+    )
     spec = Transform("train", (SIZE, SIZE), steps=steps, erasing=RandomErasing(0.5, fill="pixel"))
     dl = make(store, transform=spec, dtype=torch.float16)  # (its layout drawn once, here)
-    made_here = []
+    calls = []
     for module, name in (
         (loader.gpu.step_tables, "draw"),
         (loader.gpu.step_tables, "erase_rows"),
         (loader.gpu.normalise, "erase_rows"),
         (fused_layers, "layer_table"),
+        (fused_layers, "run_layer"),
+        (loader.gpu.steps, "normalise_erase"),
     ):
         real = getattr(module, name)
-        spy = lambda *a, _real=real, _name=name: made_here.append(_name) or _real(*a)  # noqa: E731
+        spy = lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a)  # noqa: E731
         monkeypatch.setattr(module, name, spy)
     got = epoch(dl)
-    assert made_here == [] and len(got) == 3  # (the workers' calls are theirs)
+    assert len(got) == 3  # (the workers' calls are theirs: only launches here)
+    assert sorted(calls) == ["normalise_erase"] * 3 + ["run_layer"] * 3 * 4  # 4 layers a batch
     plain = epoch(make(store, transform=TRAIN, dtype=torch.uint8))
     seeds = batch_seeds(len(plain))
     want = [_steps_one_by_one(spec, b[0], seed) for b, seed in zip(plain, seeds, strict=True)]
     assert torch.equal(flat(got, 2), flat(plain, 2))
     assert torch.equal(flat(got, 0), torch.cat(want))
-    assert not torch.equal(flat(got, 0), flat(plain, 0).to(torch.float16))
+    unstepped = Transform("train", (SIZE, SIZE), erasing=spec.erasing)
+    base = [_steps_one_by_one(unstepped, b[0], seed) for b, seed in zip(plain, seeds, strict=True)]
+    assert not torch.equal(flat(got, 0), torch.cat(base))  # the steps changed pixels
 
 
 def _steps_one_by_one(spec: Transform, x: torch.Tensor, seed: int) -> torch.Tensor:
