@@ -11,13 +11,11 @@ batch (``erase``).
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 
 from loader.cpu import image_steps
-from loader.ops.draws import draw
+from loader.ops.draws import draw, split, widths
 
 
 class WorkerSteps:
@@ -25,7 +23,7 @@ class WorkerSteps:
 
     def __init__(self, spec, columns: int) -> None:
         self.spec, self.columns = spec, columns
-        self.widths: list[int] | None = None  # each step's parameter columns, once drawn
+        self.widths = widths(spec)  # each step's parameter columns
 
     @property
     def active(self) -> bool:
@@ -35,7 +33,6 @@ class WorkerSteps:
         """``crops`` (int32 rows) with each sample's step parameters after them (their
         float64 bits, as int32 pairs)."""
         params = draw(self.spec, seed, len(crops)).params
-        self.widths = [p.shape[1] for p in params]
         bits = np.ascontiguousarray(np.concatenate(params, 1), np.float64).view(np.int32)
         return np.concatenate([crops.astype(np.int32), bits], 1)
 
@@ -43,13 +40,7 @@ class WorkerSteps:
         """(crop rows, each step's parameter rows) of planned ``rows``."""
         crops = rows[:, : self.columns]
         flat = np.ascontiguousarray(rows[:, self.columns :]).view(np.float64)
-        bounds = np.cumsum([0, *self._widths()])
-        return crops, [flat[:, a:b] for a, b in itertools.pairwise(bounds)]
-
-    def _widths(self) -> list[int]:
-        if self.widths is None:  # a worker: the widths of a draw of one sample
-            self.widths = [p.shape[1] for p in draw(self.spec, 0, 1).params]
-        return self.widths
+        return crops, split(flat, self.widths)
 
     def apply(self, image: np.ndarray, params: list[np.ndarray], k: int) -> None:
         """Run the steps on ``image`` (uint8 HWC, in place) with row ``k`` of ``params``."""

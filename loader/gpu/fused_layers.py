@@ -30,11 +30,6 @@ COLS = 12  # layer_kernels.COLS
 _KNOWN = {"", *POINTWISE, *_STATS, "Color", "Sharpness", "Desaturate"}
 
 
-def handles(step, x: torch.Tensor) -> bool:
-    """Whether ``step`` on the batch ``x`` runs here: timm's policies on a uint8 RGB batch."""
-    return fusable(step) and takes(x)
-
-
 def takes(x: torch.Tensor) -> bool:
     """Whether the layers take the batch ``x``: uint8 [N, 3, H, W]."""
     return x.dtype == torch.uint8 and x.dim() == 4 and x.shape[1] == 3

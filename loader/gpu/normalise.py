@@ -3,11 +3,10 @@
 ``BatchSteps`` ends a batch with its normalisation, cast, RandomErasing and memory format:
 as torch ops, 23 a batch with a constant fill and some 75 with noise, launched from the
 stage's thread (each letting the GIL go and taking it back beside the training loop) and
-most of them a pass over the batch. Here they
-are one Triton kernel (``erase_kernels``) fed a small table of boxes and the 256 levels'
-normalised values (made once, by the torch op used before): the same values as those ops
-(tests/loader/gpu/test_normalise.py), the erasing noise the same pure function of its
-coordinates (``loader.ops.noise``).
+most of them a pass over the batch. Here they are one Triton kernel (``erase_kernels``)
+fed a small table of boxes and the 256 levels' normalised values (made once, by the torch
+op used before): the same values as those ops (tests/loader/gpu/test_normalise.py), the
+erasing noise the same pure function of its coordinates (``loader.ops.noise``).
 """
 
 from __future__ import annotations

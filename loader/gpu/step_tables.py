@@ -19,7 +19,7 @@ import numpy as np
 from loader.augment import Transform
 from loader.gpu import fused_layers
 from loader.gpu.normalise import erase_rows
-from loader.ops.draws import draw
+from loader.ops.draws import draw, split, widths
 
 _COLS = fused_layers.COLS  # a layer table's columns
 
@@ -44,7 +44,7 @@ class StepTables:
 
     def __init__(self, spec: Transform) -> None:
         self.spec = spec
-        self.widths = [p.shape[1] for p in draw(spec, 0, 1).params]
+        self.widths = widths(spec)
         self.layers = [
             fused_layers.layer_count(s) if fused_layers.fusable(s) else 0 for s in spec.steps
         ]
@@ -96,10 +96,7 @@ class StepTables:
 
     def read(self, views: dict[str, np.ndarray], n: int) -> Tables:
         """The tables ``fill`` wrote into a slot (``views``: its arrays) for ``n`` samples."""
-        flat, params, at = views["step_params"][:n], [], 0
-        for width in self.widths:
-            params.append(flat[:, at : at + width])
-            at += width
+        params = split(views["step_params"][:n], self.widths)
         k = sum(self.layers)
         return Tables(
             params, views["layer_tables"][:k, :n], views["layer_luts"][:k, :n],

@@ -8,6 +8,7 @@ workers (and erases the delivered batch), and a resumed epoch draws them again a
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,17 @@ def draw(spec, seed: int, n: int) -> Draws:
         return Draws(params)
     boxes = spec.erasing.draw(rng, n, tuple(spec.size))
     return Draws(params, boxes, int(rng.integers(2**62)))
+
+
+def widths(spec) -> list[int]:
+    """Each step's parameter columns (``Draws.params[k].shape[1]``), from a draw of one."""
+    return [p.shape[1] for p in draw(spec, 0, 1).params]
+
+
+def split(flat: np.ndarray, widths: list[int]) -> list[np.ndarray]:
+    """Each step's parameter rows of ``flat``, where they lie side by side (``widths``)."""
+    bounds = np.cumsum([0, *widths])
+    return [flat[:, a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def apply_steps(steps, x, params: list[np.ndarray]):

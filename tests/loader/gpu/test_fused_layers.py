@@ -78,10 +78,10 @@ def test_exact_turns_are_transpositions(batch):
 
 def test_only_timms_policies_on_uint8_rgb_batches_are_fused(batch):
     step = _step("rand", "rand-m9-mstd0.5-inc1")
-    assert fused_layers.handles(step, batch)
-    assert not fused_layers.handles(step, batch.float())
-    assert not fused_layers.handles(step, batch[:, :1])
-    assert not fused_layers.handles(ColorJitter((0.6, 1.4), None, None, None), batch)
+    assert fused_layers.fusable(step) and fused_layers.takes(batch)
+    assert not fused_layers.takes(batch.float())
+    assert not fused_layers.takes(batch[:, :1])
+    assert not fused_layers.fusable(ColorJitter((0.6, 1.4), None, None, None))
 
 
 def test_every_interpolation_tiny_images_and_strided_inputs(batch):
