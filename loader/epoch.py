@@ -195,8 +195,8 @@ class EpochIterator:
             step, indices, seed = next(self._tasks)
             slot = self._free.pop()
             views = {k: v.numpy() for k, v in self._ring.slot(slot).items()}
-            crops = self._producer.plan(indices, seed)
-            return slot, self._producer.fill(views, 0, indices, crops, seed)
+            decided = self._producer.decide(seed)
+            return slot, self._producer.fill(views, 0, len(indices), indices, seed, *decided)
         self._dispatch()
         step = self._next_step
         if step not in self._pending and step not in self._ready:
@@ -242,13 +242,13 @@ class EpochIterator:
             if task is None:
                 return
             step, indices, seed = task
-            crops = self._producer.plan(indices, seed)
+            decided = self._producer.decide(seed)  # each worker plans the batch itself
             slot = self._free.pop()
             starts = range(0, len(indices), self._chunk)
             self._pending[step] = [slot, len(starts), BatchReport(len(indices), seed=seed)]
             for lo in starts:
-                hi = lo + self._chunk
-                self.pool.submit((slot, step, (lo, indices[lo:hi], crops[lo:hi], seed)))
+                hi = min(lo + self._chunk, len(indices))
+                self.pool.submit((slot, step, (lo, hi, indices, seed, *decided)))
 
     def _dispatching(self) -> bool:
         """Whether to place more batches with the workers: not once closed, unless parked

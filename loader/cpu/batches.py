@@ -1,10 +1,10 @@
 """PixelBatches: batch tasks (indices, crop parameters) -> decoded pixels in a buffer slot.
 
-The main process plans each batch (``plan``: crop parameters for all its samples, drawn
-from the index before anything is decoded); workers (or the main process, with
-``num_workers=0``) ``fill`` rows of a slot: they read records straight from the store's
-shards, decode each image into its row, and replace a record that fails to decode by
-another sample, reporting it. A batch producer declares its buffers by
+Workers (or the main process, with ``num_workers=0``) ``fill`` rows of a slot: each plans
+the whole batch (``plan``: crop parameters for all its samples, drawn from the batch's seed
+and the index before anything is decoded), reads its rows' records straight from the
+store's shards, decodes each image into its row, and replaces a record that fails to
+decode by another sample, reporting it. A batch producer declares its buffers by
 name, shape and dtype, so a producer that gathers encoded bytes for a GPU decoder (one
 contiguous byte buffer plus offsets) plugs into the same workers and ring.
 """
@@ -87,12 +87,19 @@ class PixelBatches:
         shape = (self.batch_size, 3, h, w) if self.planar else (self.batch_size, h, w, 3)
         return {"images": (shape, "uint8"), "indices": ((self.batch_size,), "int64")}
 
+    def decide(self, seed: int) -> tuple:
+        """What the main process decides for the batch of ``seed`` and its workers cannot
+        (nothing here; the GPU path: its share routed to the CPU), for ``plan``."""
+        return ()
+
     def plan(self, indices: np.ndarray, seed: int) -> np.ndarray:
         """Crop parameters of a batch, drawn from ``seed`` and the index's image sizes,
         each row followed by the sample's step parameters where the recipe has steps.
 
-        Runs in the main process, so that a batch can be split over several workers and
-        still come out the same whatever the number of workers.
+        A function of the batch (and what ``decide`` gave), not of the rows a worker
+        fills: each worker plans the whole batch and fills its share of it (``fill``), so
+        that a batch comes out the same whatever the number of workers, and the planning
+        takes none of the training process's interpreter.
         """
         crops = self.crops(indices, seed)
         return self.steps.plan(crops, seed) if self.steps.active else crops
@@ -104,6 +111,15 @@ class PixelBatches:
         return plan_crops(self.spec, index["height"][indices], index["width"][indices], rng)
 
     def fill(
+        self, slot: dict[str, np.ndarray], lo: int, hi: int, indices: np.ndarray, seed: int,
+        *decided,
+    ) -> BatchReport:
+        """Plan the batch ``indices`` (``decided``: what ``decide`` gave for it) and fill
+        its rows ``lo:hi`` into ``slot``: a worker's task."""
+        rows = self.plan(indices, seed, *decided)
+        return self.fill_rows(slot, lo, indices[lo:hi], rows[lo:hi], seed)
+
+    def fill_rows(
         self,
         slot: dict[str, np.ndarray],
         lo: int,

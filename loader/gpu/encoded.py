@@ -1,9 +1,9 @@
 """EncodedBatches: batch tasks -> encoded JPEG bytes for a GPU decoder, plus a CPU share.
 
-The GPU path's producer. The main process plans each batch (crop windows, as on the CPU
-path) and routes every sample: to the GPU decoder (baseline JPEGs, whose bytes the
-workers copy into one contiguous byte buffer of the slot, each at an offset planned from
-the index), to the GPU's kernels alone (a pixel record: the workers copy its crop window's
+The GPU path's producer. Each batch is planned (crop windows, as on the CPU path) and
+every sample routed, given the share the main process decided for the CPU: to the GPU
+decoder (baseline JPEGs, whose bytes the workers copy into one contiguous byte buffer of
+the slot, each at an offset planned from the index), to the GPU's kernels alone (a pixel record: the workers copy its crop window's
 pixels into the same buffer, before the JPEGs, so that one copy takes the batch's windows
 to the device) or to the CPU (PNGs, progressive JPEGs, which the hardware JPEG engines do not
 take, what would overflow the slot, and a share of the JPEGs chosen to keep both sides
@@ -78,8 +78,8 @@ class EncodedBatches(PixelBatches):
         self.tables = StepTables(spec)
 
     def __getstate__(self) -> dict:
-        # Batches are planned in the training process: a worker needs no routing (nor
-        # could a spawned one be sent its lock).
+        # Each batch's share is decided in the training process: a worker needs no routing
+        # (nor could a spawned one be sent its lock).
         return {**super().__getstate__(), "routing": None}
 
     def buffers(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -97,15 +97,21 @@ class EncodedBatches(PixelBatches):
             **(self.tables.buffers(b) if self.tables.active else {}),
         }
 
-    def plan(self, indices: np.ndarray, seed: int) -> np.ndarray:
+    def decide(self, seed: int) -> tuple[float]:
+        """The share of the batch of ``seed`` routed to the CPU (its way remembered by
+        ``routing``: decided once, in the main process)."""
+        return (self.routing.plan(seed),)
+
+    def plan(self, indices: np.ndarray, seed: int, share: float = 0.0) -> np.ndarray:
         """Crop rows of a batch, each followed by its byte offset and room (0: CPU; the
-        pixel windows first, then the JPEGs) and the batch's size."""
+        pixel windows first, then the JPEGs) and the batch's size; ``share``: of the
+        GPU-decodable samples, decoded on the CPU instead."""
         crops = self.crops(indices, seed)  # the GPU stage runs the recipe's steps
         rows = np.zeros((len(indices), BATCH + 1), dtype=np.int64)
         rows[:, : len(CROP_COLUMNS)] = crops
         rows[:, BATCH] = len(indices)
         gpu = self._gpu_ok[indices].copy()
-        gpu[self._cpu_share(crops, gpu, self.routing.plan(seed))] = False
+        gpu[self._cpu_share(crops, gpu, share)] = False
         jpegs = np.where(gpu, self.store.index["nbytes"][indices], 0).astype(np.int64)
         jpegs[np.cumsum(jpegs) > self.capacity] = 0  # the rest of a heavy batch: on the CPU
         pixels = self._pixels[indices]
@@ -132,7 +138,7 @@ class EncodedBatches(PixelBatches):
         gain = np.array([reduction("jpeg", crops[i]) for i in candidates])
         return candidates[np.argsort(-gain, kind="stable")[:k]]
 
-    def fill(
+    def fill_rows(
         self,
         slot: dict[str, np.ndarray],
         lo: int,

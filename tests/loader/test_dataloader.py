@@ -539,14 +539,14 @@ def ended(pids: list[int], timeout: float = 10.0) -> bool:
 
 
 def test_persistent_workers_stop_at_once_when_a_batch_fails(store, monkeypatch):
-    fill = PixelBatches.fill
+    fill = PixelBatches.fill_rows
 
     def fail_on_sample_20(self, slot, lo, indices, *args):
         if 20 in indices.tolist():
             raise OSError("disk gone")
         return fill(self, slot, lo, indices, *args)
 
-    monkeypatch.setattr(PixelBatches, "fill", fail_on_sample_20)  # inherited by the fork
+    monkeypatch.setattr(PixelBatches, "fill_rows", fail_on_sample_20)  # inherited by the fork
     dl = make(store, num_workers=2, persistent_workers=True)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker \d failed on batch 2:(.|\n)*disk gone"):
@@ -591,7 +591,7 @@ def test_a_worker_never_frees_what_it_inherits(store):
 
 
 def test_closing_after_a_failure_found_while_refilling_does_not_wait(store, monkeypatch):
-    fill = PixelBatches.fill
+    fill = PixelBatches.fill_rows
 
     def failing(self, slot, lo, indices, *args):
         if 8 in indices.tolist():
@@ -600,7 +600,7 @@ def test_closing_after_a_failure_found_while_refilling_does_not_wait(store, monk
             raise OSError("disk gone")  # batch 2
         return fill(self, slot, lo, indices, *args)
 
-    monkeypatch.setattr(PixelBatches, "fill", failing)
+    monkeypatch.setattr(PixelBatches, "fill_rows", failing)
     dl = make(store, num_workers=1, prefetch_factor=4, persistent_workers=True)
     it = iter(dl)
     next(it)
@@ -609,7 +609,7 @@ def test_closing_after_a_failure_found_while_refilling_does_not_wait(store, monk
     start = time.monotonic()
     it.close()
     assert time.monotonic() - start < 5  # was 30 s: a drain waiting for batch 2
-    monkeypatch.setattr(PixelBatches, "fill", fill)
+    monkeypatch.setattr(PixelBatches, "fill_rows", fill)
     assert sorted(i for *_, ix in dl for i in ix.tolist()) == list(range(NUM_SAMPLES))
     dl.close()
 

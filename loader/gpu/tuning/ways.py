@@ -4,7 +4,7 @@ The ways to make batches are the stage's decode ways, each also with the workers
 where ``cpu_share="auto"``; the ``WayPicker`` keeps the one with which the training loop
 takes batches soonest, and the batches of a way with the share steer it
 (``loader.gpu.tuning.share``). Both feed the plan's ``Routing``, which the producer reads
-as it plans each batch (the share is the workers', who decode it as they gather it).
+as each batch is sent to the workers (the share is theirs: they decode it as they gather it).
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ def test_grayscale_jpeg_becomes_rgb(store):
     batches = PixelBatches(store, Transform("eval"), batch_size=1)
     slot = {"images": np.zeros((1, 224, 224, 3), np.uint8), "indices": np.zeros(1, np.int64)}
     indices = np.array([i])
-    batches.fill(slot, 0, indices, batches.plan(indices, seed=0), seed=0)
+    batches.fill_rows(slot, 0, indices, batches.plan(indices, seed=0), seed=0)
     img = slot["images"][0]
     assert img.std() > 10  # a real picture, not a blank
     assert (img[..., 0] == img[..., 1]).all() and (img[..., 1] == img[..., 2]).all()
@@ -216,7 +216,7 @@ def test_a_run_of_bad_records_names_the_last_one_and_advises_once(store, monkeyp
     slot = {"images": np.zeros((1, 224, 224, 3), np.uint8), "indices": np.zeros(1, np.int64)}
     indices = np.array([3])
     with pytest.raises(RuntimeError) as raised:
-        batches.fill(slot, 0, indices, batches.plan(indices, seed=0), seed=0)
+        batches.fill_rows(slot, 0, indices, batches.plan(indices, seed=0), seed=0)
     assert len(tried) == 16 and tried[0] == 3
     last = tried[-1]
     assert str(raised.value) == (

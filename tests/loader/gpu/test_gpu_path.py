@@ -759,14 +759,14 @@ def test_a_decode_thread_lets_go_of_a_failed_call_at_once():
 def test_a_slow_batch_holds_up_none_of_those_before_it(store, monkeypatch):
     """The prefetch thread finishes the batches it has while the workers are still on a
     slow one (a huge PNG, a stalled read), instead of waiting for it first."""
-    fill = EncodedBatches.fill
+    fill = EncodedBatches.fill_rows
 
     def slow(self, slot, lo, indices, *args):
         if 16 in indices.tolist():
             time.sleep(4.0)  # batch 2 of 3
         return fill(self, slot, lo, indices, *args)
 
-    monkeypatch.setattr(EncodedBatches, "fill", slow)
+    monkeypatch.setattr(EncodedBatches, "fill_rows", slow)
     dl = make(store, shuffle=False, cpu_share=0.0)
     start = time.monotonic()
     it = iter(dl)
@@ -777,7 +777,7 @@ def test_a_slow_batch_holds_up_none_of_those_before_it(store, monkeypatch):
 
 
 def test_closing_after_a_worker_error_the_loop_has_not_taken_does_not_wait(store, monkeypatch):
-    fill = EncodedBatches.fill
+    fill = EncodedBatches.fill_rows
 
     def failing(self, slot, lo, indices, *args):
         if 16 in indices.tolist():  # batch 2 of 3, once the others are delivered
@@ -785,7 +785,7 @@ def test_closing_after_a_worker_error_the_loop_has_not_taken_does_not_wait(store
             raise OSError("disk gone")
         return fill(self, slot, lo, indices, *args)
 
-    monkeypatch.setattr(EncodedBatches, "fill", failing)
+    monkeypatch.setattr(EncodedBatches, "fill_rows", failing)
     dl = make(store, shuffle=False, persistent_workers=True)
     it = iter(dl)
     next(it)
@@ -793,7 +793,7 @@ def test_closing_after_a_worker_error_the_loop_has_not_taken_does_not_wait(store
     start = time.monotonic()
     it.close()
     assert time.monotonic() - start < 5  # was 30 s: a drain waiting for batch 2
-    monkeypatch.setattr(EncodedBatches, "fill", fill)
+    monkeypatch.setattr(EncodedBatches, "fill_rows", fill)
     assert flat(epoch(dl), 2).tolist() == list(range(NUM_SAMPLES))
     dl.close()
 
@@ -1126,14 +1126,14 @@ def hold_the_second_batch(monkeypatch) -> tuple[threading.Event, list]:
             dropped.wait(10)
         return out
 
-    fill = EncodedBatches.fill
+    fill = EncodedBatches.fill_rows
 
     def slow_fill(*args):
         time.sleep(0.05)
         return fill(*args)
 
     monkeypatch.setattr(GpuEpochIterator, "_produce_one", held)
-    monkeypatch.setattr(EncodedBatches, "fill", slow_fill)
+    monkeypatch.setattr(EncodedBatches, "fill_rows", slow_fill)
     return dropped, calls
 
 
