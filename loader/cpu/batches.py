@@ -111,7 +111,12 @@ class PixelBatches:
         return plan_crops(self.spec, index["height"][indices], index["width"][indices], rng)
 
     def fill(
-        self, slot: dict[str, np.ndarray], lo: int, hi: int, indices: np.ndarray, seed: int,
+        self,
+        slot: dict[str, np.ndarray],
+        lo: int,
+        hi: int,
+        indices: np.ndarray,
+        seed: int,
         *decided,
     ) -> BatchReport:
         """Plan the batch ``indices`` (``decided``: what ``decide`` gave for it) and fill

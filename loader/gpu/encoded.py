@@ -3,13 +3,13 @@
 The GPU path's producer. Each batch is planned (crop windows, as on the CPU path) and
 every sample routed, given the share the main process decided for the CPU: to the GPU
 decoder (baseline JPEGs, whose bytes the workers copy into one contiguous byte buffer of
-the slot, each at an offset planned from the index), to the GPU's kernels alone (a pixel record: the workers copy its crop window's
-pixels into the same buffer, before the JPEGs, so that one copy takes the batch's windows
-to the device) or to the CPU (PNGs, progressive JPEGs, which the hardware JPEG engines do not
-take, what would overflow the slot, and a share of the JPEGs chosen to keep both sides
-busy), which the workers decode, crop and resize into the slot's pixel rows exactly as
-the CPU path does. A batch therefore crosses processes as one buffer, never as a tensor
-per sample.
+the slot, each at an offset planned from the index), to the GPU's kernels alone (a pixel
+record: the workers copy its crop window's pixels into the same buffer, before the
+JPEGs, so that one copy takes the batch's windows to the device) or to the CPU (PNGs,
+progressive JPEGs, which the hardware JPEG engines do not take, what would overflow the
+slot, and a share of the JPEGs chosen to keep both sides busy), which the workers
+decode, crop and resize into the slot's pixel rows exactly as the CPU path does. A batch
+therefore crosses processes as one buffer, never as a tensor per sample.
 """
 
 from __future__ import annotations
