@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from loader.gpu.host_arrays import upload
+from loader.gpu.normalise import affine
 from loader.gpu.ragged import Ragged
 
 # Columns of the per-image parameter table handed to the kernels (int32).
@@ -151,9 +152,7 @@ class GpuAugment:
     ) -> None:
         self.size, self.antialias, self.backend = tuple(size), bool(antialias), backend
         self.stats = stats
-        std64 = np.asarray(std, dtype=np.float64)
-        self._scale = [float(v) for v in 1.0 / (255.0 * std64)]
-        self._bias = [float(v) for v in -np.asarray(mean, dtype=np.float64) / std64]
+        self._scale, self._bias = affine(mean, std)
         self._affine_on: tuple | None = None  # (device, (scale, bias))
 
     def __call__(

@@ -30,6 +30,13 @@ def _constant(value: tuple[float, ...], dtype: torch.dtype) -> list[float]:
     return torch.tensor(value, dtype=dtype).float().tolist()
 
 
+def affine(mean, std) -> tuple[list[float], list[float]]:
+    """``ToTensor`` + ``Normalize(mean, std)`` on 0..255 levels as ``x * scale + bias``: the
+    (scale, bias) of each channel, computed in float64."""
+    std64 = np.asarray(std, dtype=np.float64)
+    return (1.0 / (255.0 * std64)).tolist(), (-np.asarray(mean, dtype=np.float64) / std64).tolist()
+
+
 def levels(scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Each channel's 256 levels normalised (float32 [3, 256] on the tensors' device), by
     the op that normalises a batch: ``addcmul(bias, x, scale)`` ([1, 3, 1, 1] each)."""

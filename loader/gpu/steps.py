@@ -12,13 +12,12 @@ worker into the slot (``loader.gpu.step_tables``), else here, and cross in one c
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from loader.augment import Transform
 from loader.gpu import fused_layers
 from loader.gpu.host_arrays import upload
-from loader.gpu.normalise import levels, normalise_erase
+from loader.gpu.normalise import affine, levels, normalise_erase
 from loader.gpu.step_tables import StepTables
 
 
@@ -41,9 +40,7 @@ class BatchSteps:
                 f"the recipe's RandomErasing erases normalised pixels, but dtype={dtype}; "
                 "pass a float dtype (e.g. torch.float16)"
             )
-        std = np.asarray(spec.std, dtype=np.float64)
-        self._scale = (1.0 / (255.0 * std)).tolist()
-        self._bias = (-np.asarray(spec.mean, dtype=np.float64) / std).tolist()
+        self._scale, self._bias = affine(spec.mean, spec.std)
         self._affine: tuple | None = None  # (device, scale, bias, levels)
 
     @property
