@@ -29,14 +29,16 @@ from ingest.cores import half_the_cores
 from ingest.cstderr import filtered
 from loader.gpu.nvjpeg import raise_if_not_the_data
 
-# nvImageCodec (inside DALI) prints to stderr, whatever DALI's log level: "[ERROR] ..."
-# (colour codes around the level) for each stream it cannot parse, and when a pipeline is
-# built, which optional codec libraries (nvTIFF, nvJPEG2000) it did not find. It writes the
-# colour codes apart from the line, so a capture may begin or end between them: a line of
-# colour codes alone is its too. Its JPEG parser's complaints come alone on a line
-# ("Invalid marker", for a stream cut short), or after its tag ("[jpeg_parser] ").
+# nvImageCodec (inside DALI) prints to stderr, whatever DALI's log level, for each stream it
+# cannot parse and, when a pipeline is built, for the optional codec libraries (nvTIFF,
+# nvJPEG2000) it did not find: its default messenger writes a colour code, "[ERROR] " (or
+# another level), the code that resets the colour, "[codec] " and the message. It writes
+# the colour codes apart from the line, so a capture may begin or end between them: a line
+# of colour codes alone is its too. Its JPEG parser's complaints come alone on a line
+# ("Invalid marker", for a stream cut short), or after its tag ("[jpeg_parser] "). A line
+# of another form (a user's "[WARNING] ...", written while a capture is open) is let through.
 LIBRARY_LINES = re.compile(
-    r"^\s*(\x1b\[[0-9;]*m)?\[(FATAL|ERROR|WARNING|INFO|DEBUG|TRACE)\]"
+    r"^\s*(\x1b\[[0-9;]*m)?\[(FATAL ERROR|ERROR|WARNING|INFO|DEBUG|TRACE)\] \x1b\[0m\["
     r"|^Failed to load nv|^Note: If using nvImageCodec|^(\x1b\[[0-9;]*m)+\s*$"
     r"|^(\x1b\[[0-9;]*m)*(\[jpeg_parser\] )?(Invalid marker|Unexpected end-of-stream"
     r"|Unexpected signature"

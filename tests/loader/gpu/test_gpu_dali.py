@@ -108,6 +108,10 @@ def test_without_dali_the_error_says_what_to_install(monkeypatch):
     ("line", "library"),
     [
         ("\x1b[0;31m[ERROR] \x1b[0m[nvjpeg2k_ext] Failed to load nvJPEG2000 library", True),
+        ("[WARNING] \x1b[0m[nvjpeg_cuda_decoder] a capture begun after the colour", True),
+        ("\x1b[0;31m[FATAL ERROR] \x1b[0m[jpeg_parser] any message", True),
+        ("[WARNING] loss is nan", False),  # a user's line, written while a capture is open
+        ("\x1b[0;33m[INFO] epoch 3", False),
         ("Failed to load nvtiff library! Please install nvTIFF", True),
         ("\x1b[0;31m", True),  # the colour code alone, written apart from its line
         ("\x1b[0m", True),
