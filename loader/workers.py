@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import selectors
 import signal
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import wait
 
 import numpy as np
 import torch
@@ -25,6 +25,12 @@ from ingest import format as fmt
 from ingest.parallel import freeze_inherited, inherited_objects_frozen
 from loader.decode import mark_worker_process
 
+# What ``multiprocessing.connection.wait`` waits with, kept from call to call: ``wait`` builds
+# one and registers every pipe and sentinel each time, 50 us for 16 workers, paid once per
+# task sent while all are busy, on the thread that dispatches the batches (the GPU path's
+# stage thread, whose every held millisecond the training loop waits for).
+_Selector = getattr(selectors, "PollSelector", selectors.SelectSelector)
+_PIPE, _EXIT = 0, 1  # what a ready object is: a worker's pipe, or its process sentinel
 _PARENT_CHECK_S = 2.0  # how often an idle worker checks that the main process still exists
 _JOIN_TIMEOUT_S = 5.0
 
@@ -174,8 +180,8 @@ class WorkerPool:
         nice: int = 0,
     ) -> None:
         self._procs: list[mp.process.BaseProcess] = []
-        self._sentinels: dict[int, int] = {}  # a worker's process sentinel -> its number
         self._conns = []
+        self._ready = _Selector()  # the pipes and sentinels: (_PIPE or _EXIT, worker)
         self.outstanding = [0] * num_workers
         self._done: list[tuple[int, int, object]] = []  # results read, not yet handed out
         self._stopping = False  # close() began: what fails from now on is its doing
@@ -200,8 +206,9 @@ class WorkerPool:
             proc.start()
             there.close()
             self._procs.append(proc)
-            self._sentinels[proc.sentinel] = wid
             self._conns.append(here)
+            self._ready.register(here, selectors.EVENT_READ, (_PIPE, wid))
+            self._ready.register(proc.sentinel, selectors.EVENT_READ, (_EXIT, wid))
 
     @property
     def pids(self) -> list[int]:
@@ -219,7 +226,7 @@ class WorkerPool:
         with self._unless_stopped():
             if min(self.outstanding) > 0:
                 self._collect(0)
-            wid = int(np.argmin(self.outstanding))
+            wid = min(range(len(self.outstanding)), key=self.outstanding.__getitem__)
             try:
                 self._conns[wid].send(task)
             except OSError:  # BrokenPipeError: the worker is gone
@@ -246,14 +253,12 @@ class WorkerPool:
 
     def _collect(self, timeout: float) -> None:
         """Read the results that arrive within ``timeout`` s into ``_done``."""
-        sentinels = self._sentinels
-        ready = wait([*self._conns, *sentinels], timeout)
-        for wid, conn in enumerate(self._conns):
-            if conn in ready:  # before the sentinels: a failing worker reports, then exits
+        ready = sorted(key.data for key, _ in self._ready.select(timeout))
+        for kind, wid in ready:  # the pipes first: a failing worker reports, then exits
+            if kind == _PIPE:
                 self._done.append(self._message(wid))
-        for obj in ready:
-            if obj in sentinels:
-                self._raise_dead(sentinels[obj])
+            else:
+                self._raise_dead(wid)
 
     @contextlib.contextmanager
     def _unless_stopped(self):
@@ -314,9 +319,11 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        self._ready.close()  # before the pipes it polls are closed
+        self._ready = _Selector()
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns, self._done, self._sentinels = [], [], [], {}
+        self._procs, self._conns, self._done = [], [], []
 
 
 class _Died(RuntimeError):
