@@ -16,7 +16,7 @@ from loader.gpu.dali_stage import DaliStage
 from loader.gpu.encoded import EncodedBatches
 from loader.gpu.slots import batches_on_gpu, ring_slots
 from loader.gpu.stage import GpuStage
-from loader.workers import Ring
+from loader.ring import Ring
 
 
 class Executor(NamedTuple):

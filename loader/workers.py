@@ -15,80 +15,28 @@ import multiprocessing as mp
 import os
 import selectors
 import signal
+import threading
 import traceback
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from ingest import format as fmt
 from ingest.parallel import freeze_inherited, inherited_objects_frozen
 from loader.decode import mark_worker_process
+from loader.ring import SHM, Ring
 
-# What ``multiprocessing.connection.wait`` waits with, kept from call to call: ``wait`` builds
-# one and registers every pipe and sentinel each time, 50 us for 16 workers, paid once per
-# task sent while all are busy, on the thread that dispatches the batches (the GPU path's
-# stage thread, whose every held millisecond the training loop waits for).
+# What ``multiprocessing.connection.wait`` waits with, kept from call to call (one a
+# thread: a poll object takes one caller at a time, and a loop's thread may drain the pool
+# while the prefetch thread waits on it; the pipes are then read by one at a time):
+# ``wait`` builds one and registers every pipe and sentinel each time, 50 us for 16
+# workers, paid once per task sent while all are busy, on the thread that dispatches the
+# batches (the GPU path's stage thread, whose every held millisecond the training loop
+# waits for).
 _Selector = getattr(selectors, "PollSelector", selectors.SelectSelector)
 _PIPE, _EXIT = 0, 1  # what a ready object is: a worker's pipe, or its process sentinel
 _PARENT_CHECK_S = 2.0  # how often an idle worker checks that the main process still exists
 _JOIN_TIMEOUT_S = 5.0
-
-
-class Ring:
-    """Named buffers of ``slots`` batch slots each, in shared memory when ``shared``.
-
-    Args:
-        layout: name -> (shape of one slot, numpy dtype name), from a producer's ``buffers()``.
-        slots: number of slots (batches in flight).
-        shared: allocate in shared memory, for worker processes.
-    """
-
-    def __init__(self, layout: dict[str, tuple[tuple[int, ...], str]], slots: int, shared: bool):
-        self.slots = slots
-        if shared:
-            check_shared_memory(ring_bytes(layout, slots))
-        self.tensors: dict[str, torch.Tensor] = {}
-        for name, (shape, dtype) in layout.items():
-            t = torch.empty((slots, *shape), dtype=getattr(torch, dtype))
-            self.tensors[name] = t.share_memory_() if shared else t
-
-    def slot(self, i: int) -> dict[str, torch.Tensor]:
-        """Tensor views of slot ``i`` (valid until the slot is handed out again)."""
-        return {name: t[i] for name, t in self.tensors.items()}
-
-
-def ring_bytes(layout: dict[str, tuple[tuple[int, ...], str]], slots: int) -> int:
-    """Bytes of a ring of ``slots`` slots of ``layout``."""
-    return slots * sum(
-        int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values()
-    )
-
-
-_SHM = "/dev/shm"
-
-
-def shm_free() -> int | None:
-    """Free bytes where shared memory lives (/dev/shm); None where there is no such place."""
-    try:
-        st = os.statvfs(_SHM)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-def check_shared_memory(need: int) -> None:
-    """Raise unless ``need`` bytes of shared memory are free: a full /dev/shm would kill the
-    process that touches the missing pages (SIGBUS), at any hour, not now. Free space counts
-    only pages already written, so rings made at once by several processes (DDP ranks)
-    are each checked alone."""
-    free = shm_free()
-    if free is not None and need > free:
-        raise RuntimeError(
-            f"the DataLoader's batch ring needs {need / 2**20:,.0f} MiB of shared memory and "
-            f"{_SHM} has {free / 2**20:,.0f} MiB free: give it more (in Docker, "
-            "`--shm-size`), or lower batch_size, num_workers or prefetch_factor"
-        )
 
 
 def _worker_loop(
@@ -150,7 +98,7 @@ def death_cause(exitcode: int | None) -> str:
             )
         elif name == "SIGBUS":
             hint = (
-                f" (often shared memory running out: see `df {_SHM}`; in Docker, give it "
+                f" (often shared memory running out: see `df {SHM}`; in Docker, give it "
                 "more with `--shm-size`; or a store file damaged in place: check the store "
                 "with `ingest verify`)"
             )
@@ -181,7 +129,8 @@ class WorkerPool:
     ) -> None:
         self._procs: list[mp.process.BaseProcess] = []
         self._conns = []
-        self._ready = _Selector()  # the pipes and sentinels: (_PIPE or _EXIT, worker)
+        self._selectors = threading.local()  # each thread's: ``_selector``
+        self._reading = threading.Lock()  # a pipe is read by one thread at a time
         self.outstanding = [0] * num_workers
         self._done: list[tuple[int, int, object]] = []  # results read, not yet handed out
         self._stopping = False  # close() began: what fails from now on is its doing
@@ -207,8 +156,6 @@ class WorkerPool:
             there.close()
             self._procs.append(proc)
             self._conns.append(here)
-            self._ready.register(here, selectors.EVENT_READ, (_PIPE, wid))
-            self._ready.register(proc.sentinel, selectors.EVENT_READ, (_EXIT, wid))
 
     @property
     def pids(self) -> list[int]:
@@ -253,12 +200,25 @@ class WorkerPool:
 
     def _collect(self, timeout: float) -> None:
         """Read the results that arrive within ``timeout`` s into ``_done``."""
-        ready = sorted(key.data for key, _ in self._ready.select(timeout))
-        for kind, wid in ready:  # the pipes first: a failing worker reports, then exits
-            if kind == _PIPE:
-                self._done.append(self._message(wid))
-            else:
-                self._raise_dead(wid)
+        ready = sorted(key.data for key, _ in self._selector().select(timeout))
+        with self._reading:  # another thread may have waited too, and read a pipe since
+            for kind, wid in ready:  # the pipes first: a failing worker reports, then exits
+                if kind == _PIPE:
+                    if self._conns[wid].poll(0):
+                        self._done.append(self._message(wid))
+                else:
+                    self._raise_dead(wid)
+
+    def _selector(self) -> selectors.BaseSelector:
+        """This thread's selector on the workers' pipes and sentinels, data (_PIPE or
+        _EXIT, worker), made on its first wait."""
+        selector = getattr(self._selectors, "selector", None)
+        if selector is None:
+            selector = self._selectors.selector = _Selector()
+            for wid, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
+                selector.register(conn, selectors.EVENT_READ, (_PIPE, wid))
+                selector.register(proc.sentinel, selectors.EVENT_READ, (_EXIT, wid))
+        return selector
 
     @contextlib.contextmanager
     def _unless_stopped(self):
@@ -319,8 +279,6 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        self._ready.close()  # before the pipes it polls are closed
-        self._ready = _Selector()
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._done = [], [], []

@@ -1,4 +1,4 @@
-"""PixelBatches: batch tasks (indices, crop parameters) -> decoded pixels in a buffer slot.
+"""PixelBatches: batch tasks (indices, seed) -> decoded, augmented pixels in a buffer slot.
 
 Workers (or the main process, with ``num_workers=0``) ``fill`` rows of a slot: each plans
 the whole batch (``plan``: crop parameters for all its samples, drawn from the batch's seed

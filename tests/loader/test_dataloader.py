@@ -25,7 +25,7 @@ from loader_data import NUM_SAMPLES, corrupt, make_store
 
 import loader
 from ingest import format as fmt
-from loader import workers as loader_workers
+from loader import ring as loader_ring
 from loader.bench.synth import make_image_folder
 from loader.cpu.batches import PixelBatches
 from loader.store import Store
@@ -616,7 +616,7 @@ def test_closing_after_a_failure_found_while_refilling_does_not_wait(store, monk
 
 def test_too_little_shared_memory_is_said_before_anything_breaks(store, monkeypatch):
     """A full /dev/shm kills whoever touches the missing pages (SIGBUS), maybe hours in."""
-    monkeypatch.setattr(loader_workers, "shm_free", lambda: 4 << 20)
+    monkeypatch.setattr(loader_ring, "shm_free", lambda: 4 << 20)
     with pytest.raises(
         RuntimeError,
         match=r"batch ring needs [\d,]+ MiB of shared memory and "
@@ -625,7 +625,7 @@ def test_too_little_shared_memory_is_said_before_anything_breaks(store, monkeypa
         make(store, num_workers=2, batch_size=64)
     assert len(epoch(make(store, num_workers=0, batch_size=64))) == 1  # no ring to share
     dl = make(store, num_workers=2, batch_size=2)  # a ring that fits
-    need = loader_workers.ring_bytes(dl._producer.buffers(), dl._ring.slots)
+    need = loader_ring.ring_bytes(dl._producer.buffers(), dl._ring.slots)
     assert need == sum(t.nbytes for t in dl._ring.tensors.values()) <= 4 << 20
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import time
 
-from loader.workers import Ring, WorkerPool
+from loader.ring import Ring
+from loader.workers import WorkerPool
 
 
 class Sleeper:
@@ -39,5 +41,35 @@ def test_a_finished_worker_counts_as_idle_before_its_result_is_read():
             (2, 2, 0.0),
         ]
         assert pool.outstanding == [0, 0]
+    finally:
+        pool.close(graceful=False)
+
+
+def test_two_threads_wait_on_the_pool_at_once():
+    """A loop's thread may drain the pool (closing an iteration) while the prefetch thread
+    waits on it: each waits on its own selector, and every result reaches one of them."""
+    ring = Ring({"x": ((1,), "uint8")}, slots=4, shared=True)
+    pool = WorkerPool(Sleeper(), ring, 2, mp.get_context("fork"))
+    got, errors = [], []
+
+    def wait_for_results() -> None:
+        try:
+            deadline = time.monotonic() + 10
+            while len(got) < 4 and time.monotonic() < deadline:
+                got.extend(pool.receive(0.2))
+        except Exception as e:  # a shared poll object: "concurrent poll() invocation"
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=wait_for_results) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # both are in their wait
+        for step in range(4):
+            pool.submit((step, step, (0.5 * (step % 2),)))
+        for t in threads:
+            t.join(20)
+        assert errors == []
+        assert sorted(step for step, _, _ in got) == [0, 1, 2, 3]
     finally:
         pool.close(graceful=False)

@@ -1,10 +1,11 @@
-"""Routing: the way of each GPU batch and the workers' share of it, decided as it is planned.
+"""Routing: the way of each GPU batch and the workers' share of it, decided as it is sent.
 
-The plan (``EncodedBatches.plan``) asks it for each batch's share; the GPU stage's tuning
-writes it (the picker, the steered share) and reads back, as the batch starts, the way it
-was planned with. Routing holds neither the stage nor the producer, so nothing calls back
-from the planner into the stage, and a producer sent to spawned workers carries no tuning.
-A way is remembered by the batch's seed until it starts: however many batches planned are
+``EncodedBatches.decide`` asks it for each batch's share, in the training process,
+before the workers plan the batch with it; the GPU stage's tuning writes it (the picker,
+the steered share) and reads back, as the batch starts, the way it was planned with.
+Routing holds neither the stage nor the producer, so nothing calls back from the planner
+into the stage, and a producer sent to spawned workers carries no tuning. A way is
+remembered by the batch's seed until it starts: however many batches planned are
 dropped, none takes another's way.
 """
 

@@ -417,6 +417,20 @@ def test_a_cpu_share_decodes_each_sample_on_one_side(store):
     assert "none" not in same_as_one_of(batches, gpu_side, cpu_side)
 
 
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_a_batch_split_over_the_workers_is_planned_as_one(store, monkeypatch, share):
+    """Each worker plans the whole batch with the share the training process decided, and
+    fills its rows: batches split into chunks of 3 equal those made without workers."""
+    inline = make(store, transform=TRAIN, cpu_share=share, num_workers=0)
+    want = epoch(inline)
+    if share == 1.0:  # the share reaches the plan without workers too
+        assert inline.stats()["cpu_decoded"] == NUM_SAMPLES
+    monkeypatch.setattr(loader.gpu.prefetch, "gather_chunk", lambda *_: 3)
+    split = make(store, transform=TRAIN, cpu_share=share, num_workers=2)
+    same_batches(epoch(split), want)
+    assert split.stats()["cpu_decoded"] == inline.stats()["cpu_decoded"]
+
+
 def test_auto_share_is_tried_as_a_way_and_keeps_the_samples(store):
     # With cpu_share="auto" every way is tried with the workers' share and without: each
     # batch planned "+cpu" has its share decoded by the workers, the others none, and
