@@ -13,11 +13,11 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import selectors
 import signal
 import threading
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import wait
 
 import torch
 
@@ -26,15 +26,6 @@ from ingest.parallel import freeze_inherited, inherited_objects_frozen
 from loader.decode import mark_worker_process
 from loader.ring import SHM, Ring
 
-# What ``multiprocessing.connection.wait`` waits with, kept from call to call (one a
-# thread: a poll object takes one caller at a time, and a loop's thread may drain the pool
-# while the prefetch thread waits on it; the pipes are then read by one at a time):
-# ``wait`` builds one and registers every pipe and sentinel each time, 50 us for 16
-# workers, paid once per task sent while all are busy, on the thread that dispatches the
-# batches (the GPU path's stage thread, whose every held millisecond the training loop
-# waits for).
-_Selector = getattr(selectors, "PollSelector", selectors.SelectSelector)
-_PIPE, _EXIT = 0, 1  # what a ready object is: a worker's pipe, or its process sentinel
 _PARENT_CHECK_S = 2.0  # how often an idle worker checks that the main process still exists
 _JOIN_TIMEOUT_S = 5.0
 
@@ -128,9 +119,11 @@ class WorkerPool:
         nice: int = 0,
     ) -> None:
         self._procs: list[mp.process.BaseProcess] = []
+        self._sentinels: dict[int, int] = {}  # a worker's process sentinel -> its number
         self._conns = []
-        self._selectors = threading.local()  # each thread's: ``_selector``
-        self._reading = threading.Lock()  # a pipe is read by one thread at a time
+        # A loop's thread may drain the pool while the prefetch thread waits on it: a pipe
+        # is read by one thread at a time.
+        self._reading = threading.Lock()
         self.outstanding = [0] * num_workers
         self._done: list[tuple[int, int, object]] = []  # results read, not yet handed out
         self._stopping = False  # close() began: what fails from now on is its doing
@@ -155,6 +148,7 @@ class WorkerPool:
             proc.start()
             there.close()
             self._procs.append(proc)
+            self._sentinels[proc.sentinel] = wid
             self._conns.append(here)
 
     @property
@@ -200,25 +194,15 @@ class WorkerPool:
 
     def _collect(self, timeout: float) -> None:
         """Read the results that arrive within ``timeout`` s into ``_done``."""
-        ready = sorted(key.data for key, _ in self._selector().select(timeout))
+        sentinels = self._sentinels
+        ready = wait([*self._conns, *sentinels], timeout)
         with self._reading:  # another thread may have waited too, and read a pipe since
-            for kind, wid in ready:  # the pipes first: a failing worker reports, then exits
-                if kind == _PIPE:
-                    if self._conns[wid].poll(0):
-                        self._done.append(self._message(wid))
-                else:
-                    self._raise_dead(wid)
-
-    def _selector(self) -> selectors.BaseSelector:
-        """This thread's selector on the workers' pipes and sentinels, data (_PIPE or
-        _EXIT, worker), made on its first wait."""
-        selector = getattr(self._selectors, "selector", None)
-        if selector is None:
-            selector = self._selectors.selector = _Selector()
-            for wid, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
-                selector.register(conn, selectors.EVENT_READ, (_PIPE, wid))
-                selector.register(proc.sentinel, selectors.EVENT_READ, (_EXIT, wid))
-        return selector
+            for wid, conn in enumerate(self._conns):
+                if conn in ready and conn.poll(0):  # before the sentinels: a failing
+                    self._done.append(self._message(wid))  # worker reports, then exits
+            for obj in ready:
+                if obj in sentinels:
+                    self._raise_dead(sentinels[obj])
 
     @contextlib.contextmanager
     def _unless_stopped(self):
@@ -281,7 +265,7 @@ class WorkerPool:
                 proc.join()
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns, self._done = [], [], []
+        self._procs, self._conns, self._done, self._sentinels = [], [], [], {}
 
 
 class _Died(RuntimeError):
