@@ -8,7 +8,7 @@ import gpu_path_data  # noqa: F401  (before Triton: its interpreter where there 
 import numpy as np
 import pytest
 import torch
-from gpu_path_data import SIZE, make_small_store, use_stand_ins
+from gpu_path_data import DEVICE, SIZE, make_small_store, use_stand_ins
 
 import loader.gpu.normalise
 import loader.gpu.slots
@@ -122,12 +122,13 @@ def _steps_one_by_one(spec: Transform, x: torch.Tensor, seed: int) -> torch.Tens
     """``x`` through ``spec``'s steps as drawn from ``seed``, each alone (timm's fused, the
     others' torch ops), then normalised, cast and erased by the last launch."""
     draws = draw(spec, seed, len(x))
+    x = x.to(DEVICE)  # (the delivered batches come back on the CPU)
     for step, params in zip(spec.steps, draws.params, strict=True):
         fused = fused_layers.fusable(step)
         x = fused_layers.apply(step, x, params) if fused else step.apply(x, params)
     scale = torch.tensor(1.0 / (255.0 * np.asarray(spec.std))).float().view(1, 3, 1, 1)
     bias = torch.tensor(-np.asarray(spec.mean) / np.asarray(spec.std)).float().view(1, 3, 1, 1)
-    table = loader.gpu.normalise.levels(scale, bias)
+    table = loader.gpu.normalise.levels(scale.to(DEVICE), bias.to(DEVICE))
     return loader.gpu.normalise.normalise_erase(
         x, table, torch.float16, torch.contiguous_format, spec.erasing, draws.boxes, draws.noise
-    )
+    ).cpu()
