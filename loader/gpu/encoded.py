@@ -30,10 +30,9 @@ from loader.gpu.tuning.routing import Routing
 from loader.store import Store
 
 # Extra columns of a planned row, after CROP_COLUMNS: where the worker puts the sample's
-# bytes in the slot's byte buffer, how many bytes it may take there (0: decode on the CPU
-# instead), and the batch's size (the worker filling its first rows makes its recipe's
-# tables: ``loader.gpu.step_tables``).
-START, ROOM, BATCH = len(CROP_COLUMNS), len(CROP_COLUMNS) + 1, len(CROP_COLUMNS) + 2
+# bytes in the slot's byte buffer, and how many bytes it may take there (0: decode on the
+# CPU instead).
+START, ROOM = len(CROP_COLUMNS), len(CROP_COLUMNS) + 1
 _SLACK = 1.5  # byte buffer per slot: batch_size records of this many times the mean size
 # A pixel record's crop window counted as this share of its pixels when sizing the buffer:
 # RandomResizedCrop's windows average about half the image; eval resizes the whole image.
@@ -104,12 +103,11 @@ class EncodedBatches(PixelBatches):
 
     def plan(self, indices: np.ndarray, seed: int, share: float = 0.0) -> np.ndarray:
         """Crop rows of a batch, each followed by its byte offset and room (0: CPU; the
-        pixel windows first, then the JPEGs) and the batch's size; ``share``: of the
-        GPU-decodable samples, decoded on the CPU instead."""
+        pixel windows first, then the JPEGs); ``share``: of the GPU-decodable samples,
+        decoded on the CPU instead."""
         crops = self.crops(indices, seed)  # the GPU stage runs the recipe's steps
-        rows = np.zeros((len(indices), BATCH + 1), dtype=np.int64)
+        rows = np.zeros((len(indices), ROOM + 1), dtype=np.int64)
         rows[:, : len(CROP_COLUMNS)] = crops
-        rows[:, BATCH] = len(indices)
         gpu = self._gpu_ok[indices].copy()
         gpu[self._cpu_share(crops, gpu, share)] = False
         jpegs = np.where(gpu, self.store.index["nbytes"][indices], 0).astype(np.int64)
@@ -138,6 +136,21 @@ class EncodedBatches(PixelBatches):
         gain = np.array([reduction("jpeg", crops[i]) for i in candidates])
         return candidates[np.argsort(-gain, kind="stable")[:k]]
 
+    def fill(
+        self,
+        slot: dict[str, np.ndarray],
+        lo: int,
+        hi: int,
+        indices: np.ndarray,
+        seed: int,
+        *decided,
+    ) -> BatchReport:
+        """``PixelBatches.fill``; the worker filling a batch's first rows also makes its
+        recipe's draws and kernel tables into the slot (``loader.gpu.step_tables``)."""
+        if lo == 0 and self.tables.active and len(indices):
+            self.tables.fill(slot, seed, len(indices))
+        return super().fill(slot, lo, hi, indices, seed, *decided)
+
     def fill_rows(
         self,
         slot: dict[str, np.ndarray],
@@ -151,8 +164,6 @@ class EncodedBatches(PixelBatches):
         report = BatchReport(len(indices))
         started = time.perf_counter()
         slot["seed"][0] = seed
-        if lo == 0 and self.tables.active and len(rows):
-            self.tables.fill(slot, seed, int(rows[0, BATCH]))
         pixels = self._pixels[indices].tolist()
         for k, (i, row) in enumerate(zip(indices.tolist(), rows, strict=True)):
             at = lo + k
