@@ -23,7 +23,7 @@ from ingest import format as fmt
 from ingest.images.probe import without_icc
 from loader.augment import CROP_COLUMNS, Transform
 from loader.cpu.batches import BatchReport, PixelBatches
-from loader.cpu.decode import reduction
+from loader.cpu.decode import reductions
 from loader.decode import DecodeError
 from loader.gpu.step_tables import StepTables
 from loader.gpu.tuning.routing import Routing
@@ -133,7 +133,7 @@ class EncodedBatches(PixelBatches):
         if k <= 0:
             return np.zeros(0, dtype=np.int64)
         candidates = np.flatnonzero(gpu)
-        gain = np.array([reduction("jpeg", crops[i]) for i in candidates])
+        gain = reductions(crops[candidates])
         return candidates[np.argsort(-gain, kind="stable")[:k]]
 
     def fill(

@@ -16,7 +16,7 @@ from PIL import Image
 import loader
 from loader.augment import Transform
 from loader.cpu.batches import PixelBatches
-from loader.cpu.decode import reduction
+from loader.cpu.decode import reduction, reductions
 from loader.decode import DecodeError, decoders, get_decoder
 from loader.store import Store
 
@@ -67,6 +67,16 @@ def test_registry():
 def test_reduction_factor(window, out, kind, factor):
     crop = np.array([0, 0, *window, *out, 0, 0, 0, 0])
     assert reduction(kind, crop) == factor
+
+
+def test_reductions_match_reduction_row_by_row():
+    rng = np.random.default_rng(0)
+    crops = np.zeros((500, 10), dtype=np.int32)
+    crops[:, 2:4] = rng.integers(1, 2000, (500, 2))
+    crops[:, 4:6] = rng.integers(1, 300, (500, 2))
+    expected = [reduction("jpeg", row) for row in crops]
+    assert reductions(crops).tolist() == expected
+    assert set(expected) == {1, 2, 4, 8}
 
 
 def test_eval_pixels_match_torchvision(store_path, store):
