@@ -194,7 +194,7 @@ class EpochIterator:
         if self.pool is None:
             step, indices, seed = next(self._tasks)
             slot = self._free.pop()
-            views = {k: v.numpy() for k, v in self._ring.slot(slot).items()}
+            views = self._ring.slot(slot).arrays
             decided = self._producer.decide(seed)
             return slot, self._producer.fill(views, 0, len(indices), indices, seed, *decided)
         self._dispatch()

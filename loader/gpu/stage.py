@@ -40,6 +40,7 @@ from loader.gpu.streams import STREAMS, on_side_stream, recorded_event
 from loader.gpu.tuning.ways import TunedStage
 from loader.gpu.unverified import warn_unverified
 from loader.gpu.uploads import SlotUploads
+from loader.ring import Slot
 from loader.telemetry.stats import LoaderStats
 
 
@@ -311,10 +312,10 @@ class GpuStage(TunedStage):
 
 
 def read_slot(slot: dict[str, torch.Tensor], n: int) -> tuple[dict, np.ndarray, tuple]:
-    """A gathered slot's arrays as numpy views, the rows of its ``n`` samples whose JPEGs
-    go to the GPU decoder (the others: pixel windows, or decoded by the workers), and
-    their (starts, lengths) in it."""
-    views = {k: v.numpy() for k, v in slot.items()}
+    """A gathered slot's arrays as numpy views (a ring's ``Slot`` keeps them), the rows of
+    its ``n`` samples whose JPEGs go to the GPU decoder (the others: pixel windows, or
+    decoded by the workers), and their (starts, lengths) in it."""
+    views = slot.arrays if isinstance(slot, Slot) else {k: v.numpy() for k, v in slot.items()}
     lengths, starts = views["lengths"][:n], views["starts"][:n]
     gpu_rows = np.flatnonzero((lengths >= 0) & (views["channels"][:n] == 0))
     return views, gpu_rows, (starts[gpu_rows].tolist(), lengths[gpu_rows].tolist())
