@@ -286,6 +286,7 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
             step()
         parts.clear()
         torch.cuda.synchronize()
+        s0 = dl.stats() if isinstance(dl, loader.DataLoader) else {}  # after the compiles
         cpu0, t = time.thread_time(), time.perf_counter()
         for _ in range(steps):
             step()
@@ -298,9 +299,10 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
         if isinstance(dl, loader.DataLoader):
             s = dl.stats()
             line += f" prefetch_cpu_s={s.get('prefetch_cpu_s') or 0:.2f} batches={s.get('batches')}"
-            n = s.get("batches") or 1  # the stage's thread a batch: its wall, waits, CPU
+            # the stage's thread a batch over the measured steps: its wall, waits, CPU
+            n = (s.get("batches") or 0) - (s0.get("batches") or 0) or 1
             line += " stage ms/batch: " + ", ".join(
-                f"{k[:-2]} {1e3 * (s.get(k) or 0) / n:.1f}"
+                f"{k[:-2]} {1e3 * ((s.get(k) or 0) - (s0.get(k) or 0)) / n:.1f}"
                 for k in ("stage_busy_s", "stage_wait_s", "stage_held_s", "prefetch_cpu_s",
                           "decode_threads_cpu_s")
             )  # fmt: skip
