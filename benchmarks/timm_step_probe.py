@@ -298,7 +298,8 @@ def train(store: str, feed: str, model_name: str = "resnet50", steps: int = 40, 
         line += f" main-thread cpu {cpu / dt:.2f} clock now {mhz}"
         if isinstance(dl, loader.DataLoader):
             s = dl.stats()
-            line += f" prefetch_cpu_s={s.get('prefetch_cpu_s') or 0:.2f} batches={s.get('batches')}"
+            line += f" (all batches: prefetch_cpu_s={s.get('prefetch_cpu_s') or 0:.2f}"
+            line += f" batches={s.get('batches')})"
             # the stage's thread a batch over the measured steps: its wall, waits, CPU
             n = (s.get("batches") or 0) - (s0.get("batches") or 0) or 1
             line += " stage ms/batch: " + ", ".join(

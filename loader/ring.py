@@ -15,11 +15,12 @@ import torch
 
 
 class Slot(dict):
-    """One slot's tensors by name, and (``arrays``) their numpy views, made once: a batch's
-    20-odd views cost the thread that reads it a few tenths of a ms of the interpreter."""
+    """One slot's tensors by name, made once with the ring, not per batch: making views
+    costs the interpreter of the thread that reads the batch."""
 
     @functools.cached_property
     def arrays(self) -> dict[str, np.ndarray]:
+        """The tensors' numpy views (the same memory), made on first use."""
         return {name: t.numpy() for name, t in self.items()}
 
 
@@ -43,8 +44,8 @@ class Ring:
         self._slots = [Slot((name, t[i]) for name, t in self.tensors.items()) for i in range(slots)]
 
     def slot(self, i: int) -> Slot:
-        """Slot ``i``'s views (what they show is the batch's until the slot is handed out
-        again)."""
+        """Slot ``i``: the same object at each call (its entries are not to be changed);
+        what it shows is the batch's until the slot is handed out again."""
         return self._slots[i]
 
 

@@ -39,7 +39,7 @@ def reductions(crops: np.ndarray) -> np.ndarray:
     """``reduction("jpeg", row)`` for every row of ``crops`` at once (batch planning)."""
     h, w, rh, rw = (crops[:, c].astype(np.int64) for c in (2, 3, 4, 5))
     f = np.ones(len(crops), dtype=np.int64)
-    for g in (2, 4, 8):  # each fit implies the smaller ones': the last that fits wins
+    for g in (2, 4, 8):  # ascending: the largest factor that fits wins
         f[(h >= g * rh) & (w >= g * rw)] = g
     return f
 

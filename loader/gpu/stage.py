@@ -311,11 +311,11 @@ class GpuStage(TunedStage):
         STREAMS.give_back(self._lent)
 
 
-def read_slot(slot: dict[str, torch.Tensor], n: int) -> tuple[dict, np.ndarray, tuple]:
-    """A gathered slot's arrays as numpy views (a ring's ``Slot`` keeps them), the rows of
-    its ``n`` samples whose JPEGs go to the GPU decoder (the others: pixel windows, or
-    decoded by the workers), and their (starts, lengths) in it."""
-    views = slot.arrays if isinstance(slot, Slot) else {k: v.numpy() for k, v in slot.items()}
+def read_slot(slot: Slot, n: int) -> tuple[dict, np.ndarray, tuple]:
+    """A gathered slot's arrays as numpy views, the rows of its ``n`` samples whose JPEGs
+    go to the GPU decoder (the others: pixel windows, or decoded by the workers), and
+    their (starts, lengths) in it."""
+    views = slot.arrays
     lengths, starts = views["lengths"][:n], views["starts"][:n]
     gpu_rows = np.flatnonzero((lengths >= 0) & (views["channels"][:n] == 0))
     return views, gpu_rows, (starts[gpu_rows].tolist(), lengths[gpu_rows].tolist())

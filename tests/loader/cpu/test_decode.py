@@ -74,9 +74,16 @@ def test_reductions_match_reduction_row_by_row():
     crops = np.zeros((500, 10), dtype=np.int32)
     crops[:, 2:4] = rng.integers(1, 2000, (500, 2))
     crops[:, 4:6] = rng.integers(1, 300, (500, 2))
+    edges = [  # (h, w, rh, rw): exactly at a factor's bound, and past int32 at 8 x 2^28
+        (448, 448, 224, 224), (447, 448, 224, 224), (1792, 1792, 224, 224),
+        (1791, 1792, 224, 224), (2**31 - 1, 2**31 - 1, 2**28, 2**28),
+    ]  # fmt: skip
+    crops[: len(edges), 2:6] = edges
     expected = [reduction("jpeg", row) for row in crops]
+    assert expected[: len(edges)] == [2, 1, 8, 4, 4]
     assert reductions(crops).tolist() == expected
     assert set(expected) == {1, 2, 4, 8}
+    assert reductions(crops[:0]).tolist() == []
 
 
 def test_eval_pixels_match_torchvision(store_path, store):
