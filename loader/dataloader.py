@@ -270,62 +270,8 @@ class DataLoader:
         self._session.load_state_dict(state)
 
     def stats(self) -> dict:
-        """Where the time went so far, per stage (seconds, counts; also per sample).
-
-        Keys (those of stages that ran): ``batches``, ``samples``; ``wait_s``: the training
-        loop's wait for the next batch; ``worker_read_s``: worker time reading records;
-        ``cpu_decode_s``: worker time decoding on the CPU; ``gpu_decode_s``: the GPU
-        decoder's wall time (with "dali": the prefetch thread's wait for the pipeline's
-        output), ``dali_feed_s``: its time feeding the pipeline (``dali_schedule_s`` of it
-        in DALI's ``schedule_run``, which waits while DALI's queue of outputs is full),
-        ``dali_batches_redone``: batches the pipeline failed on, decoded again image by
-        image; ``augment_s``: GPU time of cropping, resizing and normalising (CUDA events);
-        ``gpu_decoded``/``cpu_decoded``: samples decoded on each side (the workers'
-        include the pixel records they crop), ``gpu_cropped``: pixel records (``ingest
-        build --encoding``) cropped on the GPU, ``gpu_share``: the share of samples whose
-        pixels the GPU made;
-        ``gpu_rejected``: JPEGs the GPU decoder refused (decoded on the CPU);
-        ``cpu_share``: the workers' current share of the GPU-decodable samples of the
-        batches of the way kept (with ``cpu_share="auto"``, 0 on a way without it),
-        ``loop_wait_share`` the share of the training loop's time spent waiting for
-        batches over its last 8 (what ``cpu_share="auto"`` steers by, with
-        ``stage_wait_s`` below; None before 8), ``held_share`` the share of the prefetch
-        thread's time holding finished batches the loop had not taken, over its last 8
-        (a loop's wait shrinks an auto share only while it is under 0.2; ``loop_waits_held``
-        counts the batches at which it did not, the loop waiting over 5% of its time);
-        ``epochs_carried``: epochs whose first batches were made while the loop finished
-        the one before (``persistent_workers=True``), ``carries_dropped``: such batches
-        dropped, the next iteration reading another epoch or place;
-        ``starved_handoffs``: batches handed to a training stream with no work left queued
-        (the model waited for data; on CUDA); ``pending_handoffs``: batches handed off
-        with their GPU work still running (the training stream waits for it; on CUDA);
-        where the loader picks among ways of making batches (``decoder="dali"`` on CUDA:
-        the engines or CUDA kernels; ``cpu_share="auto"``: each with the workers' share
-        or without, "+cpu"), ``way``: the way kept between trials (``loader.gpu.tuning.picker``),
-        ``way_trials`` the trials so far, ``way_trialing`` whether one is under way,
-        ``way_trial_causes`` what started the last trials ("first", "drift": the loop's
-        pace moved, "recheck", "close": the trial before could not tell the ways apart; up
-        to 8 decided, oldest first, then the one under way if any),
-        ``way_paces_ms`` each way's pace in the last trial (milliseconds a batch, the
-        faster is kept: ``loader.gpu.tuning.picker``), ``way_drifts_ms`` for each of those trials
-        that
-        a drift started, the kept way's pace and the pace it had moved to; with ``decoder="dali"``,
-        ``dali_cuda_batches`` the batches it decoded with CUDA kernels instead of the
-        hardware engines;
-        ``prefetch_cpu_s``: the GPU path's prefetch thread's own CPU time, and
-        ``decode_threads_cpu_s`` its decode threads' (time these threads may take from the
-        training loop's Python, though part of it runs without the GIL);
-        ``stage_wait_s``/``stage_busy_s``: that thread's time waiting for the workers and
-        working (what ``cpu_share="auto"`` balances), ``stage_held_s`` holding finished
-        batches while the queue of them was full (the loop's pace, not the loader's);
-        ``h2d_bytes``: bytes this loader copied to the device (batches decoded on the CPU,
-        labels, the GPU kernels' tables; a GPU decoder copies the JPEG bytes inside its
-        call, in ``gpu_decode_s``) and ``h2d_s``: GPU time of the CPU path's batch copies
-        (CUDA events; on the GPU path its few copies run between the augmentation's events,
-        in ``augment_s``); ``mapped_rows``: the workers' rows a kernel read where they lie
-        (the ring's pixel buffer registered with CUDA, ``loader.gpu.mapped``). Worker times add
-        up over workers (CPU seconds, not wall time).
-        """
+        """Where the time went so far, per stage: seconds and counts (also per sample), of
+        the stages that ran; each key is described in docs/loader.md ("dl.stats()")."""
         out = self._stats.snapshot()
         out["decoder"] = self.decoder
         if self._gpu_stage is not None:
